@@ -1,0 +1,87 @@
+"""Shared helpers for the benchmark scripts: timing, tables, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def median_us(fn: Callable[[], Any], *, repeat: int, number: int, warmup: int = 3) -> float:
+    """Median over ``repeat`` samples of the mean time of ``number`` calls, in microseconds.
+
+    Samples of the two sides of a comparison should be interleaved by the caller (see
+    :func:`compare`) so that drift in machine load hits both alike.
+    """
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - t0) / number * 1e6)
+    return statistics.median(samples)
+
+
+def compare(
+    fns: dict[str, Callable[[], Any]], *, repeat: int, number: int, warmup: int = 5
+) -> dict[str, float]:
+    """Median microseconds per call of each function, samples interleaved round-robin."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / number * 1e6)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def environment() -> dict[str, Any]:
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "accelerator": str(acc) if acc is not None else None,
+    }
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[str(h) for h in header]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(f"\n{title}")
+    print("| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in cells[1:]:
+        print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
+
+
+def _fmt(c: Any) -> str:
+    if isinstance(c, float):
+        return f"{c:.3f}" if abs(c) < 100 else f"{c:.1f}"
+    return str(c)
+
+
+def write_json(name: str, payload: dict[str, Any], out: str | None = None) -> Path:
+    path = Path(out) if out else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "environment": environment(), **payload}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nwrote {path}")
+    return path

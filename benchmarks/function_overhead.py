@@ -1,0 +1,96 @@
+"""leakfree.Function vs torch.autograd.Function: forward+backward time of the same op.
+
+Two ops: a 1-element multiply (where per-call overhead dominates) and a 1024x1024 matmul
+(where it should vanish). Medians of interleaved samples, in one process.
+
+    python benchmarks/function_overhead.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import compare, print_table, write_json
+
+import leakfree
+
+
+def make_ops(base: type) -> tuple[type, type]:
+    class Scale(base):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            ctx.note = "scale"  # a plain ctx attribute, released by leakfree after backward
+            return x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g * w, g * x
+
+    class MatMul(base):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            ctx.shape = x.shape
+            return x @ w
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g @ w.T, x.T @ g
+
+    return Scale, MatMul
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples (CI smoke run)")
+    parser.add_argument("--json", default=None, help="where to write the JSON result")
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(0)
+    plain_scale, plain_mm = make_ops(torch.autograd.Function)
+    lf_scale, lf_mm = make_ops(leakfree.Function)
+
+    cases = []
+    x1 = torch.randn(1, requires_grad=True)
+    w1 = torch.randn(1, requires_grad=True)
+    cases.append(("1-element mul", plain_scale, lf_scale, x1, w1, 200 if args.quick else 2000))
+    xm = torch.randn(1024, 1024, requires_grad=True)
+    wm = torch.randn(1024, 1024, requires_grad=True)
+    cases.append(("1024x1024 matmul", plain_mm, lf_mm, xm, wm, 3 if args.quick else 10))
+    repeat = 7 if args.quick else 31
+
+    rows, results = [], []
+    for name, plain, lf, x, w, number in cases:
+
+        def step(op: type = plain, x: torch.Tensor = x, w: torch.Tensor = w) -> None:
+            op.apply(x, w).sum().backward()
+
+        def step_lf(op: type = lf, x: torch.Tensor = x, w: torch.Tensor = w) -> None:
+            op.apply(x, w).sum().backward()
+
+        t = compare({"plain": step, "leakfree": step_lf}, repeat=repeat, number=number)
+        ratio = t["leakfree"] / t["plain"]
+        rows.append((name, t["plain"], t["leakfree"], t["leakfree"] - t["plain"], ratio))
+        results.append(
+            {"op": name, "plain_us": t["plain"], "leakfree_us": t["leakfree"], "ratio": ratio}
+        )
+    print_table(
+        "forward+backward, median us per step (leakfree.Function vs torch.autograd.Function)",
+        ["op", "plain us", "leakfree us", "extra us", "ratio"],
+        rows,
+    )
+    payload = {"results": results, "goal": {"1-element mul": "ratio <= 1.10"}}
+    write_json("function_overhead", payload, args.json)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""leakfree: autograd object lifetimes done right.
+
+Primitives that cannot leak accelerator memory through autograd lifetimes, patches for
+libraries that still do, and diagnostics that find the next leak. See DESIGN in the docs.
+"""
+
+from __future__ import annotations
+
+from leakfree.function import (
+    Function,
+    ReferenceCycleError,
+    ReleaseHandle,
+    release_after_backward,
+    released_attributes,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Function",
+    "ReferenceCycleError",
+    "ReleaseHandle",
+    "__version__",
+    "release_after_backward",
+    "released_attributes",
+]
