@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -47,25 +48,30 @@ __all__ = [
 ]
 
 # --- engine feature detection ---------------------------------------------------------
-# Both are private but long-standing (AOTAutograd relies on the first). Without them we
-# degrade to a conservative, still-correct behaviour rather than guessing.
+# All private but long-standing (AOTAutograd relies on the first). Without them we degrade
+# to a conservative, still-correct behaviour rather than guessing.
 
 #: Inside a backward pass: does the running graph task keep the graph (retain/create_graph)?
 #: Outside the engine it returns True.
 _keep_graph: Callable[[], bool] | None = getattr(
     torch._C._autograd, "_get_current_graph_task_keep_graph", None
 )
+#: The node the engine is executing right now (None outside backward).
+_current_node: Callable[[], Any] | None = getattr(torch._C, "_current_autograd_node", None)
 _queue_callback: Callable[[Callable[[], None]], None] | None = getattr(
     torch.autograd.Variable._execution_engine, "queue_callback", None
 )
-_graph_task_id: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
 
 _is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
 
-#: The attribute that marks a backward installed by this module, pointing at the user's.
+#: Set on the function object of every backward installed by this module: the raw class
+#: attribute it replaced (a staticmethod, classmethod or plain function).
 _ORIGINAL = "__leakfree_original__"
-#: Per-class record of what release_after_backward installed (kept in the class __dict__).
+#: Per-class record of what is installed (kept in the class __dict__).
 _HANDLE = "__leakfree_release__"
+#: Left in a released node's __dict__: the names that were released.
+RELEASED = "__leakfree_released__"
 
 _lock = threading.RLock()
 
@@ -83,28 +89,14 @@ class ReferenceCycleError(RuntimeError):
 # --- the mechanism ----------------------------------------------------------------------
 
 
-def _node_ctx(ctx: Any) -> BackwardCFunction | None:
-    """The backward node that really holds the user's attributes, or None.
-
-    ``torch.func`` hands backward a wrapper whose attribute writes go to the node it wraps
-    (``_pt_inner_ctx``); compiled autograd hands it a proxy we must not touch.
-    """
-    while not isinstance(ctx, BackwardCFunction):
-        inner = getattr(ctx, "__dict__", {}).get("_pt_inner_ctx")
-        if inner is None:
-            return None
-        ctx = inner
-    return ctx
-
-
 def _release(ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozenset[str]) -> None:
     state = ctx.__dict__
     if names is None:
-        if keep:
-            for name in [n for n in state if n not in keep]:
-                del state[name]
-        else:
-            state.clear()
+        released = tuple(n for n in state if n not in keep)
+        for name in released:
+            del state[name]
+        # Remembered so that another backward through this node fails with a clear error.
+        state[RELEASED] = released
     else:
         # Named attributes (third-party classes) are set to None, exactly as upstream fixes
         # do, so library code that tests `ctx.attr is None` keeps working.
@@ -116,66 +108,107 @@ def _release(ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozens
 def _release_if_saved_freed(
     ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozenset[str]
 ) -> None:
-    # Fallback when the engine cannot tell us whether the graph is kept: the engine has
-    # just finished the pass; if it freed this node's saved tensors, the node is done.
+    # Fallback when the engine cannot tell us whether the graph is kept: the pass has just
+    # ended; if it released this node's saved variables (marked even when none were
+    # saved), the node is done.
     try:
         ctx._raw_saved_tensors  # noqa: B018  (raises once the saved tensors were released)
     except RuntimeError:
         _release(ctx, names, keep)
 
 
-def _after_backward(ctx: Any, names: frozenset[str] | None, keep: frozenset[str]) -> None:
-    """Schedule the release of ``ctx`` state if this backward is the last one through it."""
-    node = ctx if isinstance(ctx, BackwardCFunction) else _node_ctx(ctx)
-    if node is None:
-        return
-    if _keep_graph is not None and _queue_callback is not None:
-        # The common path. Outside the engine _keep_graph() is True, so we never queue there.
-        if not _keep_graph():
-            # Runs when this backward pass ends: node post-hooks can still read ctx meanwhile.
-            _queue_callback(functools.partial(_release, node, names, keep))
-        return
-    _after_backward_fallback(node, names, keep)
+def _is_last_backward(node: BackwardCFunction) -> bool | None:
+    """True if the engine is running ``node`` in a pass that does not keep the graph.
+
+    False when the graph is kept (``retain_graph``, ``create_graph``: grad mode is on
+    inside such a backward and its new graph may still read ctx), when called outside the
+    engine, or when ``node`` is not the node being executed (its backward called by hand
+    from another node). None when this torch cannot tell.
+    """
+    if _keep_graph is None:
+        return None
+    if _keep_graph() or _grad_enabled():
+        return False
+    return _current_node is None or _current_node() is node
 
 
-def _after_backward_fallback(
-    node: BackwardCFunction, names: frozenset[str] | None, keep: frozenset[str]
+def _dispatched(node: BackwardCFunction, method: str, wrapper: Callable[..., Any]) -> bool:
+    """Is ``wrapper`` the backward autograd dispatched for ``node``?
+
+    False when another Function's backward delegates to this one (``B.backward`` calling
+    ``A.backward(ctx, g)``): then B's wrapper, with B's ``keep``, does the release.
+    """
+    fn = getattr(node._forward_cls, method, None)  # type: ignore[attr-defined]
+    return getattr(fn, "__func__", fn) is wrapper
+
+
+def _after_backward(
+    ctx: Any,
+    names: frozenset[str] | None,
+    keep: frozenset[str],
+    method: str,
+    wrapper: Callable[..., Any],
 ) -> None:
-    if _keep_graph is not None:  # no queue_callback: release now (post-hooks see it gone)
-        if not _keep_graph():
-            _release(node, names, keep)
-        return
-    # No keep-graph flag: let the end of the pass tell us whether saved tensors were freed.
-    in_engine = _graph_task_id is None or _graph_task_id() != -1
-    if _queue_callback is not None and in_engine:
-        _queue_callback(functools.partial(_release_if_saved_freed, node, names, keep))
+    if not isinstance(ctx, BackwardCFunction):
+        return  # e.g. compiled autograd's proxy ctx: not ours to touch
+    last = _is_last_backward(ctx)
+    if last is None:
+        # No keep-graph flag: let the end of the pass tell whether saved tensors were freed.
+        if _queue_callback is not None and _dispatched(ctx, method, wrapper):
+            _queue_callback(functools.partial(_release_if_saved_freed, ctx, names, keep))
+    elif last and _dispatched(ctx, method, wrapper):
+        # Right away, as upstream fixes do (`ctx.x = None` in backward): each node's state is
+        # freed as the pass moves on, so peak memory during backward drops too.
+        _release(ctx, names, keep)
+
+
+def _check_not_released(ctx: Any) -> None:
+    state = getattr(ctx, "__dict__", None)
+    if state is not None and RELEASED in state and isinstance(ctx, BackwardCFunction):
+        cls = ctx._forward_cls  # type: ignore[attr-defined]
+        names = ", ".join(state[RELEASED]) or "none"
+        raise RuntimeError(
+            f"Trying to backward through {cls.__qualname__} a second time, but leakfree "
+            f"released its ctx state ({names}) after the first backward. Pass "
+            "retain_graph=True to every backward except the last, or list the attributes "
+            f"in {cls.__qualname__}.keep."
+        )
 
 
 def _make_backward(
-    user_fn: Callable[..., Any], names: frozenset[str] | None, keep: frozenset[str]
-) -> Callable[..., Any]:
-    fast = _keep_graph is not None and _queue_callback is not None
-    keep_graph, queue, partial, release = _keep_graph, _queue_callback, functools.partial, _release
+    raw: Any, method: str, names: frozenset[str] | None, keep: frozenset[str]
+) -> Any:
+    """A descriptor like ``raw`` (staticmethod, classmethod or function) that releases."""
+    if isinstance(raw, classmethod):
+        user_cm = raw.__func__
+
+        @functools.wraps(user_cm)
+        def backward_cm(cls: type, ctx: Any, *grad_outputs: Any) -> Any:
+            if _is_compiling():
+                return user_cm(cls, ctx, *grad_outputs)
+            _check_not_released(ctx)
+            grads = user_cm(cls, ctx, *grad_outputs)
+            _after_backward(ctx, names, keep, method, backward_cm)
+            return grads
+
+        setattr(backward_cm, _ORIGINAL, raw)
+        return classmethod(backward_cm)
+
+    user_fn = raw.__func__ if isinstance(raw, staticmethod) else raw
 
     @functools.wraps(user_fn)
     def backward(ctx: Any, *grad_outputs: Any) -> Any:
         if _is_compiling():
-            # Traced by dynamo / compiled autograd: AOTAutograd owns lifetimes there, and
-            # the engine calls below are not traceable.
+            # Traced by dynamo: AOTAutograd owns lifetimes in compiled regions, and the
+            # engine queries below are not traceable.
             return user_fn(ctx, *grad_outputs)
+        _check_not_released(ctx)
         grads = user_fn(ctx, *grad_outputs)
-        if fast and isinstance(ctx, BackwardCFunction):
-            # The common path, inlined (this runs once per node per backward). Outside the
-            # engine keep_graph() is True, so nothing is queued there.
-            if not keep_graph():  # type: ignore[misc]
-                # Runs when this backward pass ends: node post-hooks can still read ctx.
-                queue(partial(release, ctx, names, keep))  # type: ignore[misc]
-        else:
-            _after_backward(ctx, names, keep)
+        _after_backward(ctx, names, keep, method, backward)
         return grads
 
-    setattr(backward, _ORIGINAL, user_fn)
-    return backward
+    setattr(backward, _ORIGINAL, raw)
+    return staticmethod(backward)
 
 
 def _backward_name(cls: type) -> str | None:
@@ -185,6 +218,19 @@ def _backward_name(cls: type) -> str | None:
     if getattr(cls, "backward", None) is not torch.autograd.Function.backward:
         return "backward"
     return None
+
+
+def _raw_attribute(cls: type, name: str) -> tuple[type, Any]:
+    """The class along the MRO that defines ``name``, and its raw ``__dict__`` entry."""
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return klass, klass.__dict__[name]
+    raise AttributeError(name)  # pragma: no cover  (_backward_name found it)
+
+
+def _unwrap(raw: Any) -> Any:
+    fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+    return getattr(fn, _ORIGINAL, raw)
 
 
 class ReleaseHandle:
@@ -197,13 +243,13 @@ class ReleaseHandle:
         self,
         cls: type[torch.autograd.Function],
         method: str,
-        raw_original: Any,
+        own_raw: Any,
         names: frozenset[str] | None,
         keep: frozenset[str],
     ) -> None:
         self.cls = cls
         self.method = method
-        self._raw_original = raw_original  # the class __dict__ entry, or None if inherited
+        self._own_raw = own_raw  # the class's own __dict__ entry, or None if it inherited
         self.names = names
         self.keep = keep
 
@@ -221,10 +267,10 @@ class ReleaseHandle:
         with _lock:
             if not self.active:
                 return
-            if self._raw_original is None:
+            if self._own_raw is None:
                 delattr(self.cls, self.method)
             else:
-                setattr(self.cls, self.method, self._raw_original)
+                setattr(self.cls, self.method, self._own_raw)
             delattr(self.cls, _HANDLE)
 
     def __enter__(self) -> ReleaseHandle:
@@ -251,11 +297,12 @@ def _install(
         method = _backward_name(cls)
         if method is None:
             return None
-        user_fn = getattr(cls, method)
+        _, raw = _raw_attribute(cls, method)
         # An inherited backward may already be one of ours: wrap what the user wrote.
-        user_fn = getattr(user_fn, _ORIGINAL, user_fn)
-        handle = ReleaseHandle(cls, method, cls.__dict__.get(method), names, keep)
-        setattr(cls, method, staticmethod(_make_backward(user_fn, names, keep)))
+        original = _unwrap(raw)
+        own_raw = cls.__dict__.get(method)
+        handle = ReleaseHandle(cls, method, own_raw, names, keep)
+        setattr(cls, method, _make_backward(original, method, names, keep))
         setattr(cls, _HANDLE, handle)
         return handle
 
@@ -270,6 +317,7 @@ def release_after_backward(
 
     Args:
         cls: a :class:`torch.autograd.Function` subclass, typically one you do not own.
+            (A :class:`leakfree.Function` subclass already releases; use its ``keep``.)
         attrs: ``None`` releases every attribute forward / ``setup_context`` / backward set
             on ``ctx`` (they are deleted). A collection of names releases only those (each is
             set to ``None``, as upstream fixes such as Transformer Engine 2.15's do).
@@ -279,13 +327,20 @@ def release_after_backward(
         again with the same ``attrs`` returns the same handle; with other ``attrs`` the new
         choice replaces the old one (the original is still what ``restore()`` puts back).
 
-    Subclasses that inherit the patched method inherit the release. ``keep`` on a
-    :class:`leakfree.Function` subclass is honoured when ``attrs`` is None.
+    The release happens when the engine runs the node in a backward pass that does not keep
+    the graph, right after the node's backward returns. Subclasses that inherit the patched
+    method inherit the release; a subclass that defines its own backward is not patched.
     """
     if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
         raise TypeError(
             "release_after_backward(cls): cls must be a torch.autograd.Function subclass, "
             f"got {cls!r}. For a Function you write yourself, subclass leakfree.Function."
+        )
+    if issubclass(cls, Function):
+        raise TypeError(
+            f"release_after_backward({cls.__qualname__}): it is a leakfree.Function, which "
+            "already releases its ctx state after backward; list what must stay in "
+            f"{cls.__qualname__}.keep instead."
         )
     names: frozenset[str] | None
     if attrs is None:
@@ -300,8 +355,7 @@ def release_after_backward(
         bad = [a for a in names if not (isinstance(a, str) and a.isidentifier())]
         if bad:
             raise TypeError(f"release_after_backward(attrs=...): not attribute names: {bad!r}")
-    keep = _keep_of(cls) if names is None else frozenset()
-    handle = _install(cls, names, keep)
+    handle = _install(cls, names, frozenset())
     if handle is None:
         raise TypeError(
             f"release_after_backward({cls.__qualname__}): the class defines neither backward "
@@ -311,19 +365,22 @@ def release_after_backward(
 
 
 def released_attributes(cls: type) -> tuple[str, ...] | None:
-    """What a class releases after backward: ``None`` for all ctx state, names, or ``()``
-    when nothing is installed."""
-    handle = cls.__dict__.get(_HANDLE) if isinstance(cls, type) else None
-    if handle is None:
-        # Inherited installation (subclass of a patched class).
-        for base in getattr(cls, "__mro__", ())[1:]:
-            handle = base.__dict__.get(_HANDLE)
-            if handle is not None:
-                break
-    if handle is None:
+    """What a class releases after backward: ``None`` for all ctx state (minus ``keep``),
+    a tuple of names, or ``()`` when nothing is installed for the backward it runs."""
+    if not isinstance(cls, type) or not issubclass(cls, torch.autograd.Function):
         return ()
-    attrs: tuple[str, ...] | None = handle.attrs
-    return attrs
+    method = _backward_name(cls)
+    if method is None:
+        return ()
+    _, raw = _raw_attribute(cls, method)
+    if _unwrap(raw) is raw:
+        return ()  # the backward autograd will run is not one of ours
+    for klass in cls.__mro__:
+        handle = klass.__dict__.get(_HANDLE)
+        if handle is not None:
+            attrs: tuple[str, ...] | None = handle.attrs
+            return attrs
+    return ()  # pragma: no cover
 
 
 # --- the base class -----------------------------------------------------------------------
@@ -345,26 +402,47 @@ def _keep_of(cls: type) -> frozenset[str]:
     return frozenset(keep)
 
 
-def _refers_to(value: Any, outputs: tuple[Any, ...], depth: int = 0) -> int | None:
-    """Index of the output that ``value`` is (or is a view of), looking into containers."""
+#: How deep and how wide the output-on-ctx check looks inside containers and objects.
+_SCAN_DEPTH = 3
+_SCAN_ITEMS = 256
+_SCALARS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+
+
+def _refers_to(value: Any, targets: dict[int, int], depth: int = 0) -> int | None:
+    """Index of the output that ``value`` is, or views, or holds within ``_SCAN_DEPTH``
+    levels of lists, tuples, sets, dicts and plain objects (their ``__dict__`` / slots)."""
     if isinstance(value, torch.Tensor):
-        base = value._base
-        for i, out in enumerate(outputs):
-            if value is out or (base is not None and base is out):
-                return i
+        hit = targets.get(id(value))
+        if hit is None and value._base is not None:
+            hit = targets.get(id(value._base))
+        return hit
+    if depth >= _SCAN_DEPTH or isinstance(value, _SCALARS):
         return None
-    if depth < 2:
-        if isinstance(value, (list, tuple)):
-            items: Iterable[Any] = value
-        elif isinstance(value, dict):
-            items = value.values()
-        else:
-            return None
-        for item in items:
-            hit = _refers_to(item, outputs, depth + 1)
-            if hit is not None:
-                return hit
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items: Iterable[Any] = value
+    elif isinstance(value, dict):
+        items = value.values()
+    elif isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType)):
+        return None
+    else:
+        items = _object_fields(value)
+    for count, item in enumerate(items):
+        if count >= _SCAN_ITEMS:
+            break
+        hit = _refers_to(item, targets, depth + 1)
+        if hit is not None:
+            return hit
     return None
+
+
+def _object_fields(obj: Any) -> list[Any]:
+    fields = list(getattr(obj, "__dict__", {}).values())
+    for klass in type(obj).__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                fields.append(getattr(obj, name))
+    return fields
 
 
 def _check_no_output_on_ctx(cls: type, result: Any) -> None:
@@ -381,10 +459,13 @@ def _check_no_output_on_ctx(cls: type, result: Any) -> None:
     state = node.__dict__
     if not state:
         return
+    targets = None
     for name, value in state.items():
-        if not isinstance(value, _MAY_HOLD_TENSORS):
+        if isinstance(value, _SCALARS):
             continue
-        index = _refers_to(value, outputs)
+        if targets is None:
+            targets = {id(o): i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)}
+        index = _refers_to(value, targets)
         if index is not None:
             state.clear()  # break the cycle before reporting it
             raise ReferenceCycleError(
@@ -396,7 +477,6 @@ def _check_no_output_on_ctx(cls: type, result: Any) -> None:
             )
 
 
-_MAY_HOLD_TENSORS = (torch.Tensor, list, tuple, dict)
 _function_apply = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
 
 
@@ -407,15 +487,20 @@ class Function(torch.autograd.Function):
     ``torch.autograd.Function``. On top of PyTorch's behaviour:
 
     * **Released after the last backward**: every attribute set on ``ctx`` (by forward,
-      setup_context, jvp or backward), once a backward pass that does not keep the graph has
-      run through the node. ``backward(retain_graph=True)`` and ``create_graph=True`` keep
-      it for the next pass. Reading a released attribute raises ``AttributeError``.
+      setup_context, jvp or backward), right after the node's backward returns in a pass
+      that does not keep the graph. ``backward(retain_graph=True)`` and ``create_graph=True``
+      keep it for the next pass. Reading a released attribute raises ``AttributeError``;
+      another backward through the node raises a ``RuntimeError`` that says what happened
+      (as PyTorch does for freed saved tensors). Node post-hooks run after the release.
     * **Kept**: autograd-managed state (``saved_tensors``, ``needs_input_grad``, ...);
       attributes listed in the class attribute ``keep`` (``keep = ("cache",)``), which then
       live as long as the node, as in plain PyTorch; and all state of a node that no
       backward reached, until the graph is dropped.
-    * **Refused**: storing an output (or a view of one) on ``ctx``: :class:`ReferenceCycleError`
-      is raised when ``apply`` returns, naming the attribute. Use ``ctx.save_for_backward``.
+    * **Refused**: storing an output (or a view of one) on ``ctx``, directly or inside
+      containers and plain objects up to three levels deep: :class:`ReferenceCycleError` is
+      raised when ``apply`` returns, naming the attribute. Use ``ctx.save_for_backward``.
+
+    ``keep`` is read when the class is created; subclasses inherit it and may override it.
 
     Gradients are bit-identical to the same class on ``torch.autograd.Function``; under
     ``torch.compile`` the class traces exactly as a plain Function would (no metaclass, no

@@ -72,7 +72,7 @@ def alive(r: dict[str, weakref.ref[Any]]) -> dict[str, bool]:
     return {k: v() is not None for k, v in r.items()}
 
 
-# --- the leak, both ways -------------------------------------------------------------------
+# --- the leak, both ways ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("base", BASES, ids=["plain", "leakfree"])
@@ -87,7 +87,7 @@ def test_ctx_state_after_backward_while_output_alive(base: type, no_gc: None) ->
         assert alive(r) == {"meta": True, "cache": True, "objects": True}  # the leak
     else:
         assert alive(r) == {"meta": False, "cache": False, "objects": False}  # fixed
-        assert y.grad_fn.__dict__ == {}
+        assert y.grad_fn.__dict__ == {lf_function.RELEASED: ("meta", "cache", "objects")}
     del y
     assert alive(r) == {"meta": False, "cache": False, "objects": False}
 
@@ -129,8 +129,8 @@ def test_autograd_managed_state_still_works_after_release() -> None:
     assert "scale" not in y.grad_fn.__dict__
     with pytest.raises(AttributeError, match="scale"):
         y.grad_fn.scale
-    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
-        y.sum().backward()  # saved tensors are freed by autograd, as in plain PyTorch
+    with pytest.raises(RuntimeError, match=r"Op a second time.*\(scale\)"):
+        y.sum().backward()  # as PyTorch refuses a second pass over freed saved tensors
 
 
 # --- "last" is exact --------------------------------------------------------------------------
@@ -227,13 +227,16 @@ def test_autograd_grad_releases(no_gc: None) -> None:
     assert torch.equal(gw, pw)
 
 
-def test_explicit_retain_false_with_create_graph_releases(no_gc: None) -> None:
+def test_explicit_retain_false_with_create_graph_keeps_state(no_gc: None) -> None:
+    """create_graph builds a new graph from backward, which may still read ctx: keep it."""
     op = make_matmul(leakfree.Function)
     x, w = inputs()
     y = op.apply(x, w)
     r = refs(y.grad_fn)
     torch.autograd.grad(y.sum(), x, create_graph=True, retain_graph=False)
-    assert not any(alive(r).values())  # autograd freed the saved tensors too: node is done
+    assert all(alive(r).values())
+    del y
+    assert not any(alive(r).values())  # and the graph's death frees it
 
 
 def test_node_not_reached_keeps_state_until_graph_dropped(no_gc: None) -> None:
@@ -251,15 +254,44 @@ def test_node_not_reached_keeps_state_until_graph_dropped(no_gc: None) -> None:
     assert not any(alive(first).values())  # graph dropped: freed by refcounting, no cycle
 
 
-def test_state_readable_by_node_post_hook_during_the_pass() -> None:
-    op = make_matmul(leakfree.Function)
+def test_node_post_hook_reads_kept_state_only() -> None:
+    """The release happens when backward returns, before node post-hooks (as upstream fixes)."""
+    op = make_matmul(leakfree.Function, keep=("cache",))
     x, w = inputs()
     y = op.apply(x, w)
     seen = []
-    y.grad_fn.register_hook(lambda gi, go: seen.append(y.grad_fn.meta.shape))
+    y.grad_fn.register_hook(
+        lambda gi, go: seen.append((hasattr(y.grad_fn, "meta"), y.grad_fn.cache.numel()))
+    )
     y.sum().backward()
-    assert seen == [torch.Size([256, 256])]
-    assert "meta" not in y.grad_fn.__dict__
+    assert seen == [(False, 8)]
+
+
+def test_state_released_node_by_node_during_the_pass(no_gc: None) -> None:
+    """Peak memory during backward drops too: each node's state goes as the pass moves on."""
+    refs: list[weakref.ref[torch.Tensor]] = []
+    alive_when_last_runs = []
+
+    class Layer(leakfree.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, i: int) -> torch.Tensor:
+            ctx.i = i
+            ctx.buf = torch.zeros(1 << 16)
+            refs.append(weakref.ref(ctx.buf))
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+            if ctx.i == 0:  # the first layer's node runs last
+                alive_when_last_runs.append(sum(r() is not None for r in refs))
+            return g, None
+
+    y = torch.randn(4, requires_grad=True)
+    for i in range(16):
+        y = Layer.apply(y, i)
+    y.sum().backward()
+    assert alive_when_last_runs == [1]  # only its own buffer: the other 15 were released
+    assert all(r() is None for r in refs)
 
 
 def test_state_set_in_backward_is_released_too(no_gc: None) -> None:
@@ -281,7 +313,19 @@ def test_state_set_in_backward_is_released_too(no_gc: None) -> None:
     assert box["r"]() is None
 
 
-# --- no uncollectable cycle --------------------------------------------------------------------
+# --- no uncollectable cycle -------------------------------------------------------------------
+
+
+class _Box:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _Slotted:
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
 
 
 def _stores_output(base: type, how: str) -> Any:
@@ -289,7 +333,14 @@ def _stores_output(base: type, how: str) -> Any:
         @staticmethod
         def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
             out = x * 2
-            if how == "output":
+            _stores_output.last = weakref.ref(out.untyped_storage())  # type: ignore[attr-defined]
+            if how == "object":  # Transformer Engine's shape: a view inside storage objects
+                ctx.out = [_Box(out[:2])]
+            elif how == "slots":
+                ctx.out = (_Slotted(out),)
+            elif how == "set":
+                ctx.out = {out}
+            elif how == "output":
                 ctx.out = out
             elif how == "view":
                 ctx.out = out[:2]
@@ -304,14 +355,18 @@ def _stores_output(base: type, how: str) -> Any:
     return StoresOutput
 
 
-@pytest.mark.parametrize("how", ["output", "view", "container"])
+_stores_output.last_output = lambda: _stores_output.last()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("how", ["output", "view", "container", "object", "slots", "set"])
 def test_output_on_ctx_raises_naming_the_attribute(how: str, no_gc: None) -> None:
     op = _stores_output(leakfree.Function, how)
     x = torch.randn(4, requires_grad=True)
     match = r"StoresOutput stored output 0.*ctx\.out"
     with pytest.raises(leakfree.ReferenceCycleError, match=match):
         op.apply(x)
-    assert len(gc.garbage) == 0
+    # the cycle was broken before raising: the output's storage is freed by refcounting
+    assert _stores_output.last_output() is None
 
 
 def test_plain_function_output_view_on_ctx_is_uncollectable(no_gc: None) -> None:
@@ -360,7 +415,7 @@ def test_output_saved_with_save_for_backward_is_fine(no_gc: None) -> None:
     assert r() is None  # no backward ran, and still no cycle
 
 
-# --- keep ----------------------------------------------------------------------------------------
+# --- keep -------------------------------------------------------------------------------------
 
 
 def test_keep_opts_out_per_attribute(no_gc: None) -> None:
@@ -396,7 +451,7 @@ def test_keep_validation(keep: Any) -> None:
         type("Bad", (leakfree.Function,), {"keep": keep, **methods})
 
 
-# --- both styles and the rest of the Function API -------------------------------------------------
+# --- both styles and the rest of the Function API ---------------------------------------------
 
 
 def _setup_context_style(base: type, *, with_jvp: bool = True) -> Any:
@@ -620,14 +675,27 @@ def test_inside_activation_checkpointing(use_reentrant: bool, no_gc: None) -> No
     for base in BASES:
         op = make_matmul(base)
         x, w = inputs()
-        y = torch.utils.checkpoint.checkpoint(op.apply, x, w, use_reentrant=use_reentrant)
-        (y * 2).sum().backward()
+        metas: list[weakref.ref[torch.Tensor]] = []
+
+        def run(x: torch.Tensor, w: torch.Tensor, op: Any = op, metas: Any = metas) -> Any:
+            out = op.apply(x, w)
+            if out.grad_fn is not None and type(out.grad_fn) is op._backward_cls:
+                metas.append(weakref.ref(out.grad_fn.meta))
+            return out
+
+        y = torch.utils.checkpoint.checkpoint(run, x, w, use_reentrant=use_reentrant)
+        loss = (y * 2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()  # recomputed forward, twice: each recomputation is a fresh node
+        assert metas  # the recomputed nodes were seen
+        if base is leakfree.Function:
+            assert all(r() is None for r in metas)
         results.append((x.grad, w.grad))
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
 
 
-# --- torch.compile -------------------------------------------------------------------------------
+# --- torch.compile ----------------------------------------------------------------------------
 
 
 def _graph_breaks(fn: Any, *args: Any) -> int:
@@ -688,7 +756,7 @@ def test_torch_compile_graph_break_count_matches_plain() -> None:
     assert counts[0] == counts[1]
 
 
-# --- threads --------------------------------------------------------------------------------------
+# --- threads ----------------------------------------------------------------------------------
 
 
 def test_two_threads_backward_separate_graphs() -> None:
@@ -726,7 +794,7 @@ def test_two_threads_backward_separate_graphs() -> None:
     assert not any(t.is_alive() for t in threads)
 
 
-# --- release_after_backward ----------------------------------------------------------------------
+# --- release_after_backward -------------------------------------------------------------------
 
 
 def _third_party() -> Any:
@@ -768,9 +836,9 @@ def test_release_after_backward_idempotent_and_exact_restore() -> None:
     h2 = leakfree.release_after_backward(op)
     assert h1 is h2
     wrapped = op.__dict__["backward"]
-    assert getattr(wrapped.__func__, lf_function._ORIGINAL) is original.__func__
+    assert getattr(wrapped.__func__, lf_function._ORIGINAL) is original
     h3 = leakfree.release_after_backward(op, attrs=("meta",))  # new spec replaces, wraps once
-    assert getattr(op.__dict__["backward"].__func__, lf_function._ORIGINAL) is original.__func__
+    assert getattr(op.__dict__["backward"].__func__, lf_function._ORIGINAL) is original
     assert not h1.active and h3.active
     assert leakfree.released_attributes(op) == ("meta",)
     h3.restore()
@@ -786,9 +854,7 @@ def test_release_after_backward_inherited_backward_restores_to_absent() -> None:
     assert "backward" not in child.__dict__
     handle = leakfree.release_after_backward(child)
     assert "backward" in child.__dict__
-    assert "backward" not in parent.__dict__ or not hasattr(
-        parent.__dict__["backward"].__func__, lf_function._ORIGINAL
-    )
+    assert not hasattr(parent.__dict__["backward"].__func__, lf_function._ORIGINAL)
     handle.restore()
     assert "backward" not in child.__dict__
 
@@ -811,6 +877,10 @@ def test_release_after_backward_bad_input() -> None:
     with pytest.raises(TypeError, match="neither backward nor vjp"):
         leakfree.release_after_backward(NoBackward)
     assert "backward" not in NoBackward.__dict__  # nothing changed
+    lf_op = make_matmul(leakfree.Function)
+    with pytest.raises(TypeError, match=r"already releases.*keep"):
+        leakfree.release_after_backward(lf_op)
+    assert leakfree.released_attributes(lf_op) is None  # untouched
 
 
 def test_release_after_backward_thread_safe_install() -> None:
@@ -829,7 +899,7 @@ def test_release_after_backward_thread_safe_install() -> None:
     assert not hasattr(op.__dict__["backward"].__func__, lf_function._ORIGINAL)
 
 
-# --- fallbacks when the engine's private API is missing ----------------------------------------
+# --- fallbacks when the engine's private API is missing ---------------------------------------
 
 
 def test_fallback_without_keep_graph_flag(monkeypatch: pytest.MonkeyPatch, no_gc: None) -> None:
@@ -844,8 +914,8 @@ def test_fallback_without_keep_graph_flag(monkeypatch: pytest.MonkeyPatch, no_gc
     assert not any(alive(r).values())  # saved tensors freed by the pass: released
 
 
-def test_fallback_without_queue_callback(monkeypatch: pytest.MonkeyPatch, no_gc: None) -> None:
-    monkeypatch.setattr(lf_function, "_queue_callback", None)
+def test_fallback_without_current_node(monkeypatch: pytest.MonkeyPatch, no_gc: None) -> None:
+    monkeypatch.setattr(lf_function, "_current_node", None)
     op = make_matmul(leakfree.Function)
     x, w = inputs()
     y = op.apply(x, w)
@@ -854,6 +924,29 @@ def test_fallback_without_queue_callback(monkeypatch: pytest.MonkeyPatch, no_gc:
     assert all(alive(r).values())
     y.sum().backward()
     assert not any(alive(r).values())
+
+
+def test_fallback_without_keep_flag_handles_nodes_that_saved_nothing(
+    monkeypatch: pytest.MonkeyPatch, no_gc: None
+) -> None:
+    monkeypatch.setattr(lf_function, "_keep_graph", None)
+
+    class NothingSaved(leakfree.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.big = torch.zeros(100)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g * 2
+
+    y = NothingSaved.apply(torch.randn(3, requires_grad=True))
+    r = weakref.ref(y.grad_fn.big)
+    y.sum().backward(retain_graph=True)
+    assert r() is not None  # the engine marks even an empty saved list as released, or not
+    y.sum().backward()
+    assert r() is None
 
 
 def test_compiled_autograd_gradients_match() -> None:
@@ -871,3 +964,165 @@ def test_compiled_autograd_gradients_match() -> None:
     torch._dynamo.reset()
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
+
+
+# --- regressions from review: dispatch, delegation, classmethods, second backward -------------
+
+
+def test_second_backward_without_retain_graph_is_a_clear_error() -> None:
+    """A node that saved nothing: PyTorch would allow a second backward; leakfree says why not."""
+
+    class GradReverse(leakfree.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, alpha: float) -> torch.Tensor:
+            ctx.alpha = alpha
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return -ctx.alpha * g, None
+
+    x = torch.randn(3, requires_grad=True)
+    y = GradReverse.apply(x, 0.5)
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match=r"GradReverse a second time.*\(alpha\).*retain_graph"):
+        y.sum().backward()
+    y = GradReverse.apply(x, 0.5)  # the documented way: retain every pass but the last
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), -1.5))
+
+
+def _classmethod_family(base: type) -> Any:
+    class Parent(base):  # type: ignore[misc, valid-type]
+        factor = 2.0
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.big = torch.zeros(100)
+            return x * 1.0
+
+        @classmethod
+        def backward(cls, ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g * cls.factor
+
+    class Child(Parent):
+        factor = 10.0
+
+    return Parent, Child
+
+
+def test_classmethod_backward_sees_the_subclass(no_gc: None) -> None:
+    for base in BASES:
+        _, child = _classmethod_family(base)
+        x = torch.ones(2, requires_grad=True)
+        y = child.apply(x)
+        r = weakref.ref(y.grad_fn.big)
+        y.sum().backward()
+        assert torch.equal(x.grad, torch.full((2,), 10.0))
+        assert (r() is None) == (base is leakfree.Function)
+    parent, child = _classmethod_family(torch.autograd.Function)
+    with leakfree.release_after_backward(parent):
+        x = torch.ones(2, requires_grad=True)
+        y = child.apply(x)
+        r = weakref.ref(y.grad_fn.big)
+        y.sum().backward()
+        assert torch.equal(x.grad, torch.full((2,), 10.0))
+        assert r() is None
+    assert isinstance(parent.__dict__["backward"], classmethod)
+    assert not hasattr(parent.__dict__["backward"].__func__, lf_function._ORIGINAL)
+
+
+def test_delegating_backward_uses_the_dispatched_class_keep(no_gc: None) -> None:
+    class A(leakfree.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.cache = torch.ones(3)
+            ctx.big = torch.zeros(100)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g * 2
+
+    class B(A):
+        keep = ("cache",)
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return A.backward(ctx, g)  # A's wrapper must not release with A's keep
+
+    y = B.apply(torch.randn(3, requires_grad=True))
+    r = weakref.ref(y.grad_fn.big)
+    y.sum().backward()
+    assert "cache" in y.grad_fn.__dict__
+    assert r() is None
+    assert y.grad_fn.__dict__[lf_function.RELEASED] == ("big",)
+
+
+def test_backward_called_by_hand_inside_another_pass_does_not_release() -> None:
+    op = make_matmul(leakfree.Function)
+    x, w = inputs()
+    y = op.apply(x, w)
+    z = torch.randn(3, requires_grad=True)
+    z.register_hook(lambda g: (y.grad_fn.apply(torch.ones(8, 4)), g)[1])  # a probe
+    (z * 1).sum().backward()
+    assert "meta" in y.grad_fn.__dict__  # the engine never ran y's node
+    y.sum().backward()
+    assert "meta" not in y.grad_fn.__dict__
+
+
+def test_create_graph_with_retain_false_keeps_state_for_the_new_graph() -> None:
+    """The graph built by a create_graph backward may read the first-order ctx."""
+
+    class CubeBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, g: torch.Tensor, x: torch.Tensor, fctx: Any) -> torch.Tensor:
+            ctx.fctx = fctx
+            ctx.save_for_backward(g, x)
+            return g * 3 * x**2
+
+        @staticmethod
+        def backward(ctx: Any, gg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+            g, x = ctx.saved_tensors
+            s = ctx.fctx.scale  # reads the first-order ctx during double backward
+            return gg * 3 * x**2, gg * 6 * x * g * s, None
+
+    class Cube(leakfree.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(x)
+            ctx.scale = 1.0
+            return x**3
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            (x,) = ctx.saved_tensors
+            return CubeBackward.apply(g, x, ctx)
+
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    (g,) = torch.autograd.grad(Cube.apply(x).sum(), x, create_graph=True, retain_graph=False)
+    (gg,) = torch.autograd.grad(g.sum(), x)
+    assert torch.equal(gg, torch.tensor([6.0, 12.0]))
+
+
+def test_third_party_keep_attribute_is_not_ours() -> None:
+    op = _third_party()
+    op.keep = 42  # an unrelated class attribute that happens to be called `keep`
+    with leakfree.release_after_backward(op):
+        x, w = inputs()
+        y = op.apply(x, w)
+        y.sum().backward()
+        assert "meta" not in y.grad_fn.__dict__
+
+
+def test_released_attributes_follows_the_backward_autograd_runs() -> None:
+    parent = _third_party()
+    child_override = type("Child", (parent,), {"backward": staticmethod(lambda ctx, g: (g, g))})
+    child_inherits = type("Child2", (parent,), {})
+    with leakfree.release_after_backward(parent, attrs=("meta",)):
+        assert leakfree.released_attributes(parent) == ("meta",)
+        assert leakfree.released_attributes(child_inherits) == ("meta",)
+        assert leakfree.released_attributes(child_override) == ()
+    assert leakfree.released_attributes(parent) == ()
+    assert leakfree.released_attributes(torch.nn.Linear) == ()
