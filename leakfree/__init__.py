@@ -13,14 +13,19 @@ from leakfree.function import (
     release_after_backward,
     released_attributes,
 )
+from leakfree.losses import LossList, LossLog, RunningLoss, detach_tree
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Function",
+    "LossList",
+    "LossLog",
     "ReferenceCycleError",
     "ReleaseHandle",
+    "RunningLoss",
     "__version__",
+    "detach_tree",
     "release_after_backward",
     "released_attributes",
 ]

@@ -33,10 +33,10 @@ class StorageWatch:
 
     def watch(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
-        self._refs.append((StorageWeakRef(storage), storage.nbytes()))
+        self._refs.append((StorageWeakRef(storage), storage.nbytes()))  # type: ignore[no-untyped-call]
 
     def live_bytes(self) -> int:
-        self._refs = [(r, n) for r, n in self._refs if not r.expired()]
+        self._refs = [(r, n) for r, n in self._refs if not r.expired()]  # type: ignore[no-untyped-call]
         return sum(n for _, n in self._refs)
 
 
@@ -94,9 +94,7 @@ def run_demo(steps: int = 20) -> int:
     print(header)
     print("-" * len(header))
     for r in results:
-        print(
-            f"{r.shape:<40} {_mib(r.naive_bytes[-1]):>16} {_mib(r.leakfree_bytes[-1]):>18}"
-        )
+        print(f"{r.shape:<40} {_mib(r.naive_bytes[-1]):>16} {_mib(r.leakfree_bytes[-1]):>18}")
     print(f"\nbytes still held after {steps} steps (each step keeps its loss for logging)")
     return 0
 

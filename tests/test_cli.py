@@ -46,3 +46,25 @@ def test_function_overhead_benchmark_runs(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert [r["op"] for r in data["results"]] == ["1-element mul", "1024x1024 matmul"]
     assert all(r["plain_us"] > 0 and r["leakfree_us"] > 0 for r in data["results"])
+
+
+def test_losslog_benchmark_runs(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "losslog.py"),
+            "--quick",
+            "--microbatches",
+            "256",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    data = json.loads(out.read_text())
+    assert data["host_syncs"] == {"per-item .item()": 1024, "LossLog.reduce": 1}
+    assert data["retained_bytes"]["plain dict"] == 256 * 4096
+    assert data["retained_bytes"]["LossLog"] == 0

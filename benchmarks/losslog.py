@@ -1,0 +1,228 @@
+"""LossLog vs the hand-written patterns, 4096 microbatches x 4 keys, in one run.
+
+Reports:
+  * bytes retained after the step by the logged losses: a plain dict of non-detached
+    losses (the bug) vs LossLog, with a loss Function that keeps a context on ctx;
+  * device-to-host syncs: LossLog.reduce() vs `.item()` per microbatch per key;
+  * append cost: LossLog vs `lst.append(t.detach())` (list level) and vs
+    `d[key].append(t.detach())` (dict level), list and running mode;
+  * on an accelerator: wall time of the whole logging step vs the per-item pattern.
+
+    python benchmarks/losslog.py [--microbatches N] [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import compare, print_table, write_json
+
+import leakfree
+from leakfree._demo import StorageWatch
+from leakfree.diagnostics import count_host_syncs
+
+KEYS = ("lm", "z_loss", "aux", "total")
+
+
+def _loss_function(watch: StorageWatch) -> Any:
+    class ContextLoss(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.context = torch.empty(1024, device=x.device)  # 4 KiB kept per microbatch
+            watch.watch(ctx.context)
+            ctx.save_for_backward(x)
+            return x.square().mean()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            (x,) = ctx.saved_tensors
+            return g * 2 * x / x.numel()
+
+    return ContextLoss
+
+
+def retained_bytes(microbatches: int, device: torch.device) -> dict[str, int]:
+    out = {}
+    for name in ("plain dict", "LossLog"):
+        watch = StorageWatch()
+        fn = _loss_function(watch)
+        log: Any = {k: [] for k in KEYS} if name == "plain dict" else leakfree.LossLog(list(KEYS))
+        w = torch.randn(8, device=device, requires_grad=True)
+        for _ in range(microbatches):
+            loss = fn.apply(w * 1.0)
+            loss.backward()
+            for k in KEYS:
+                log[k].append(loss)  # the call site forgets .detach()
+        del loss  # only the container may hold anything now
+        gc.collect()
+        out[name] = watch.live_bytes()
+        del log
+    return out
+
+
+def host_syncs(microbatches: int, device: torch.device) -> dict[str, int]:
+    values = [torch.rand((), device=device) for _ in range(microbatches)]
+    with count_host_syncs() as per_item:
+        floats: dict[str, float] = {k: 0.0 for k in KEYS}
+        for v in values:
+            for k in KEYS:
+                floats[k] += v.item()  # the common pattern
+    log = leakfree.LossLog(list(KEYS))
+    for v in values:
+        for k in KEYS:
+            log[k].append(v)
+    with count_host_syncs() as lf:
+        log.reduce()
+    return {"per-item .item()": per_item.count, "LossLog.reduce": lf.count}
+
+
+def append_cost(microbatches: int, device: torch.device, repeat: int) -> dict[str, float]:
+    values = [torch.rand((), device=device, requires_grad=True) * 1.0 for _ in range(microbatches)]
+
+    def plain_list() -> None:
+        lst: list[torch.Tensor] = []
+        for v in values:
+            lst.append(v.detach())
+
+    def lf_list() -> None:
+        lst = leakfree.LossLog(["lm"])["lm"]
+        for v in values:
+            lst.append(v)
+
+    def plain_dict() -> None:
+        d: dict[str, list[torch.Tensor]] = {"lm": []}
+        for v in values:
+            d["lm"].append(v.detach())
+
+    def lf_dict() -> None:
+        log = leakfree.LossLog(["lm"])
+        for v in values:
+            log["lm"].append(v)
+
+    def lf_running() -> None:
+        log = leakfree.LossLog(["lm"], running=True)
+        for v in values:
+            log["lm"].append(v)
+
+    t = compare(
+        {
+            "plain list": plain_list,
+            "LossLog list": lf_list,
+            "plain dict": plain_dict,
+            "LossLog dict": lf_dict,
+            "LossLog running": lf_running,
+        },
+        repeat=repeat,
+        number=1,
+    )
+    return {k: v / microbatches for k, v in t.items()}
+
+
+def wall_time(microbatches: int, device: torch.device, repeat: int) -> dict[str, float]:
+    """Logging-step wall time on an accelerator, where .item() waits for the device."""
+    sync = torch.get_device_module(device).synchronize
+    x = torch.randn(4096, 4096, device=device)
+
+    def step(use_log: bool) -> float:
+        log = leakfree.LossLog(list(KEYS))
+        floats = dict.fromkeys(KEYS, 0.0)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(microbatches // 64):  # device work between logs, as in training
+            y = (x @ x).mean()
+            for k in KEYS:
+                if use_log:
+                    log[k].append(y)
+                else:
+                    floats[k] += y.item()
+        if use_log:
+            log.reduce()
+        sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    res = {"per-item .item() ms": [], "LossLog ms": []}
+    for _ in range(repeat):
+        res["per-item .item() ms"].append(step(False))
+        res["LossLog ms"].append(step(True))
+    return {k: sorted(v)[len(v) // 2] for k, v in res.items()}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatches", type=int, default=4096)
+    parser.add_argument("--quick", action="store_true", help="fewer samples (CI smoke run)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    n = args.microbatches
+    device = (
+        torch.accelerator.current_accelerator() or torch.device("cpu")
+        if torch.accelerator.is_available()
+        else torch.device("cpu")
+    )
+    repeat = 5 if args.quick else 21
+
+    retained = retained_bytes(n, device)
+    print_table(
+        f"bytes retained after {n} microbatches x {len(KEYS)} keys "
+        "(the loss Function keeps 4 KiB on ctx)",
+        ["container", "bytes retained"],
+        list(retained.items()),
+    )
+    syncs = host_syncs(n, device)
+    print_table(
+        "device-to-host syncs for one step's logging", ["pattern", "syncs"], list(syncs.items())
+    )
+    cost = append_cost(n, device, repeat)
+    rows = [
+        (
+            "list level",
+            cost["plain list"],
+            cost["LossLog list"],
+            cost["LossLog list"] / cost["plain list"],
+        ),
+        (
+            "dict level",
+            cost["plain dict"],
+            cost["LossLog dict"],
+            cost["LossLog dict"] / cost["plain dict"],
+        ),
+        (
+            "dict level, running",
+            cost["plain dict"],
+            cost["LossLog running"],
+            cost["LossLog running"] / cost["plain dict"],
+        ),
+    ]
+    print_table(
+        "append cost, us per append (baseline: .append(t.detach()))",
+        ["call", "baseline us", "LossLog us", "ratio"],
+        rows,
+    )
+    payload: dict[str, Any] = {
+        "microbatches": n,
+        "keys": len(KEYS),
+        "retained_bytes": retained,
+        "host_syncs": syncs,
+        "append_us": cost,
+        "append_ratio": {r[0]: r[3] for r in rows},
+    }
+    if device.type != "cpu":
+        wt = wall_time(n, device, 5)
+        print_table(f"logging step wall time on {device}", ["pattern", "ms"], list(wt.items()))
+        payload["wall_time_ms"] = wt
+    else:
+        print("\n(no accelerator: wall time vs per-item .item() is measured on GPU only)")
+    write_json("losslog", payload, args.json)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

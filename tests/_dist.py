@@ -1,0 +1,61 @@
+"""Run a function in N processes with torch.distributed over gloo on 127.0.0.1, bounded in time.
+
+Each worker gets (rank, world_size, out_dir, *args); it writes what it wants to check as
+JSON to out_dir/rank{r}.json, which run_workers returns. Workers must be module-level
+functions (spawned processes import them by name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: Any) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        result = fn(rank, world, *args)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # nobody tears down while a peer still talks to it
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(
+    fn: Callable[..., Any], world_size: int, tmp: Path, *args: Any, timeout: float = 120.0
+) -> list[Any]:
+    port = free_port()
+    ctx = mp.start_processes(
+        _entry,
+        args=(fn, world_size, port, str(tmp), args),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{fn.__name__}: workers still running after {timeout}s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world_size)]

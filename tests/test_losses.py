@@ -1,0 +1,459 @@
+"""LossLog and detach_tree: nothing with a graph gets in, reductions are exact and unbiased."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import math
+import pickle
+import weakref
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import leakfree
+from leakfree.diagnostics import count_host_syncs
+from tests._dist import run_workers
+
+# --- the real leak shape: a loss from a Function whose ctx holds a big tensor -----------------
+
+
+class ContextLoss(torch.autograd.Function):
+    """Fast-LLM's shape: the loss Function keeps a large context on ctx."""
+
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor) -> torch.Tensor:
+        ctx.context = torch.zeros(64, 1024)  # 256 KiB per microbatch
+        ContextLoss.refs.append(weakref.ref(ctx.context))
+        ctx.save_for_backward(logits)
+        return logits.square().mean()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (logits,) = ctx.saved_tensors
+        return g * 2 * logits / logits.numel()
+
+
+def _microbatches(losses: Any, n: int = 8) -> None:
+    w = torch.randn(16, requires_grad=True)
+    for _ in range(n):
+        loss = ContextLoss.apply(w * torch.randn(16))
+        loss.backward()
+        losses["lm"].append(loss)  # the call site forgets .detach()
+
+
+def test_plain_dict_keeps_every_microbatch_context(no_gc: None) -> None:
+    ContextLoss.refs = []
+    losses: dict[str, list[torch.Tensor]] = {"lm": []}
+    _microbatches(losses)
+    assert sum(r() is not None for r in ContextLoss.refs) == 8  # the leak
+    assert all(t.grad_fn is not None for t in losses["lm"])
+
+
+def test_losslog_keeps_none(no_gc: None) -> None:
+    ContextLoss.refs = []
+    losses = leakfree.LossLog(["lm"])
+    _microbatches(losses)
+    assert sum(r() is not None for r in ContextLoss.refs) == 0  # fixed
+    assert len(losses["lm"]) == 8
+    assert all(t.grad_fn is None and not t.requires_grad for t in losses["lm"])
+
+
+# --- every entry path detaches ----------------------------------------------------------------
+
+
+def _graphy() -> torch.Tensor:
+    return (torch.randn(3, requires_grad=True) * 2).sum()
+
+
+ENTRY_PATHS = {
+    "append": lambda log, v: log["a"].append(v),
+    "extend": lambda log, v: log["a"].extend([v, v]),
+    "insert": lambda log, v: log["a"].insert(0, v),
+    "iadd": lambda log, v: log.__setitem__("a", log["a"].__iadd__([v])),
+    "iadd_operator": None,  # below: real `+=` syntax
+    "assign": lambda log, v: log.__setitem__("a", [v, 2.0]),
+    "index_assign": lambda log, v: (log["a"].append(1.0), log["a"].__setitem__(0, v)),
+    "slice_assign": lambda log, v: log["a"].__setitem__(slice(0, None), [v]),
+    "update": lambda log, v: log.update({"a": [v]}),
+    "update_kwargs": lambda log, v: log.update(a=[v]),
+    "setdefault": lambda log, v: log.setdefault("a", []).append(v),
+    "constructor_list": lambda log, v: log.__setitem__("a", (x for x in [v])),
+}
+
+
+POSITIONAL = ("insert", "index_assign", "slice_assign")  # no positions in running mode
+
+
+@pytest.mark.parametrize(
+    ("path", "running"),
+    [(p, False) for p in sorted(ENTRY_PATHS)]
+    + [(p, True) for p in sorted(ENTRY_PATHS) if p not in POSITIONAL],
+)
+def test_every_entry_path_detaches(path: str, running: bool) -> None:
+    log = leakfree.LossLog(["a"], running=running)
+    v = _graphy()
+    if path == "iadd_operator":
+        log["a"] += [v]
+    else:
+        ENTRY_PATHS[path](log, v)
+    if running:
+        assert log["a"].sum is not None and not log["a"].sum.requires_grad
+        assert log["a"]._pending == [] or all(
+            not (isinstance(t, torch.Tensor) and t.requires_grad) for t in log["a"]._pending
+        )
+    else:
+        assert len(log["a"]) >= 1
+        for item in log["a"]:
+            assert not isinstance(item, torch.Tensor) or (
+                item.grad_fn is None and not item.requires_grad
+            )
+
+
+def test_mul_copy_pickle_stay_detached() -> None:
+    log = leakfree.LossLog(["a"])
+    log["a"].append(_graphy())
+    log["a"] *= 2
+    assert len(log["a"]) == 2
+    assert all(t.grad_fn is None for t in log["a"])
+    assert type(copy.copy(log["a"])) is list
+    assert all(t.grad_fn is None for t in pickle.loads(pickle.dumps(log["a"])))
+
+
+def test_parameter_and_leaf_requiring_grad_are_detached() -> None:
+    log = leakfree.LossLog(["a"])
+    p = torch.nn.Parameter(torch.tensor(1.5))
+    log["a"].append(p)
+    assert type(log["a"][0]) is torch.Tensor and not log["a"][0].requires_grad
+
+
+def test_view_of_big_tensor_is_not_pinned(no_gc: None) -> None:
+    log = leakfree.LossLog(["a"])
+    per_sample = torch.randn(1 << 16)
+    r = weakref.ref(per_sample.untyped_storage())
+    log["a"].append(per_sample[3])
+    value = per_sample[3].item()
+    del per_sample
+    assert r() is None  # the log holds a 1-element copy, not the 256 KiB storage
+    assert log["a"][0].item() == value
+
+
+def test_python_numbers_accepted() -> None:
+    log = leakfree.LossLog({"a": "sum"})
+    log["a"].append(1)
+    log["a"].append(2.5)
+    log["a"].append(torch.tensor(0.5))
+    assert log.reduce() == {"a": 4.0}
+
+
+def test_dict_behaviour() -> None:
+    log = leakfree.LossLog(["lm", "z_loss"])
+    log["lm"].append(torch.tensor(1.0))
+    assert list(log) == ["lm", "z_loss"]
+    assert list(log.keys()) == ["lm", "z_loss"]
+    assert [k for k, _ in log.items()] == ["lm", "z_loss"]
+    assert len(log) == 2 and len(log["lm"]) == 1 and len(log["z_loss"]) == 0
+    assert "lm" in log and "other" not in log
+    assert isinstance(log["lm"], list)
+    assert repr(log) == "{'lm': [tensor(1.)], 'z_loss': []}"  # as the dict it replaces
+    assert isinstance(log, dict) and log.copy() == {"lm": [log["lm"][0]], "z_loss": []}
+    assert log.reductions == {"lm": "mean", "z_loss": "mean"}
+    log.clear()
+    assert len(log["lm"]) == 0 and list(log) == ["lm", "z_loss"]
+
+
+# --- bad input: clear errors, nothing stored --------------------------------------------------
+
+
+def test_unknown_key_lists_declared() -> None:
+    log = leakfree.LossLog(["lm", "z_loss"])
+    with pytest.raises(KeyError, match=r"'aux' is not a declared loss; declared: 'lm', 'z_loss'"):
+        log["aux"].append(1.0)
+    with pytest.raises(KeyError, match="declared"):
+        log["aux"] = [1.0]
+    with pytest.raises(TypeError, match="keys are fixed"):
+        del log["lm"]
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_multi_element_tensor_rejected_naming_key_and_shape(running: bool) -> None:
+    log = leakfree.LossLog(["lm"], running=running)
+    with pytest.raises(ValueError, match=r"LossLog\['lm'\].*shape \(2, 3\)"):
+        log["lm"].append(torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"shape \(4,\)"):
+        log["lm"].extend([torch.tensor(1.0), torch.ones(4)])  # the good one is not stored
+    assert len(log["lm"]) == 0
+    with pytest.raises(ValueError, match="shape"):
+        log["lm"] = [1.0, torch.ones(2)]
+    assert len(log["lm"]) == 0
+
+
+def test_mixed_devices_rejected() -> None:
+    log = leakfree.LossLog(["a", "b"])
+    log["a"].append(torch.tensor(1.0))
+    meta = torch.empty((), device="meta")
+    with pytest.raises(
+        ValueError, match=r"LossLog\['b'\]: tensor on meta, but this log's tensors are on cpu"
+    ):
+        log["b"].append(meta)
+    fresh = leakfree.LossLog(["a"])
+    with pytest.raises(ValueError, match="tensor on meta"):
+        fresh["a"].extend([torch.tensor(1.0), meta])
+    assert len(fresh["a"]) == 0 and fresh.device is None
+    pinned = leakfree.LossLog(["a"], device="meta")
+    with pytest.raises(ValueError, match="tensor on cpu, but this log's tensors are on meta"):
+        pinned["a"].append(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("bad", ["x", None, True, 1 + 2j, [1.0]])
+def test_non_numbers_rejected(bad: Any) -> None:
+    log = leakfree.LossLog(["a"])
+    with pytest.raises(TypeError, match=r"LossLog\['a'\]"):
+        log["a"].append(bad)
+    assert len(log["a"]) == 0
+
+
+def test_bad_constructor_arguments() -> None:
+    with pytest.raises(
+        ValueError, match=r"unknown reduction 'avg' for key 'lm'.*sum, mean, min, max"
+    ):
+        leakfree.LossLog({"lm": "avg"})
+    with pytest.raises(TypeError, match=r"pass a list of names"):
+        leakfree.LossLog("lm")
+    with pytest.raises(ValueError, match="duplicate"):
+        leakfree.LossLog(["a", "a"])
+    with pytest.raises(ValueError, match="at least one key"):
+        leakfree.LossLog([])
+
+
+def test_running_mode_rejects_positional_operations() -> None:
+    log = leakfree.LossLog(["a"], running=True)
+    with pytest.raises(TypeError, match="running mode"):
+        log["a"].insert(0, 1.0)
+    with pytest.raises(TypeError, match="running mode"):
+        log["a"][0]
+
+
+def test_reduce_without_distributed_but_with_groups() -> None:
+    log = leakfree.LossLog(["a"])
+    log["a"].append(1.0)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        log.reduce(groups=[None])
+    assert len(log["a"]) == 1  # nothing cleared
+
+
+# --- reductions -------------------------------------------------------------------------------
+
+
+VALUES = {
+    "s": [1.5, -2.0, 4.25, 0.125],
+    "m": [3.0, 5.0, -1.0],
+    "lo": [2.0, -7.5, 3.0],
+    "hi": [2.0, -7.5, 3.0, 11.0],
+}
+SPEC = {"s": "sum", "m": "mean", "lo": "min", "hi": "max", "empty": "mean"}
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_reduce_matches_hand_computation(running: bool) -> None:
+    log = leakfree.LossLog(SPEC, running=running)
+    for k, vs in VALUES.items():
+        for v in vs:
+            log[k].append(torch.tensor(v, requires_grad=True) * 1.0)
+    with count_host_syncs() as syncs:
+        out = log.reduce(clear=False)
+    assert syncs.count == 1
+    assert out["s"] == sum(VALUES["s"])
+    assert out["m"] == sum(VALUES["m"]) / 3
+    assert out["lo"] == min(VALUES["lo"])
+    assert out["hi"] == max(VALUES["hi"])
+    assert math.isnan(out["empty"])
+    assert list(out) == list(SPEC)
+    again = log.reduce()  # clear=False kept the values: the same result
+    assert {k: v for k, v in again.items() if k != "empty"} == {
+        k: v for k, v in out.items() if k != "empty"
+    }
+    assert all(len(log[k]) == 0 for k in log)
+
+
+def test_reduce_clears_unless_told_not_to() -> None:
+    log = leakfree.LossLog(["a"])
+    log["a"].append(2.0)
+    assert log.reduce(clear=False) == {"a": 2.0}
+    assert len(log["a"]) == 1
+    assert log.reduce() == {"a": 2.0}
+    assert len(log["a"]) == 0
+
+
+def test_running_mode_is_constant_size_and_exact() -> None:
+    log = leakfree.LossLog({"a": "mean", "b": "max"}, running=True)
+    for i in range(1000):
+        log["a"].append(torch.tensor(float(i)))
+        log["b"].append(torch.tensor(float(i % 17)))
+        assert len(log["a"]._pending) < leakfree.RunningLoss.FOLD
+    assert len(log["a"]) == 1000
+    assert log["a"].count == 1000 and log["a"].sum.item() == sum(range(1000))
+    out = log.reduce()
+    assert out == {"a": 499.5, "b": 16.0}
+
+
+def test_one_host_sync_however_many_keys_and_microbatches() -> None:
+    keys = {f"k{i}": ("sum", "mean", "min", "max")[i % 4] for i in range(12)}
+    log = leakfree.LossLog(keys)
+    for _ in range(200):
+        for k in keys:
+            log[k].append(torch.rand(()))
+    with count_host_syncs() as syncs:
+        log.reduce()
+    assert syncs.count == 1
+
+
+# --- detach_tree ------------------------------------------------------------------------------
+
+
+class Pair(NamedTuple):
+    a: torch.Tensor
+    b: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Out:
+    loss: torch.Tensor
+    extras: dict[str, Any]
+    derived: torch.Tensor | None = dataclasses.field(default=None, init=False)
+
+
+def test_detach_tree() -> None:
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    out = Out(y.sum(), {"logits": [y, (y, 3)], "pair": Pair(y, "s"), "set": {1}})
+    object.__setattr__(out, "derived", y)
+    od = collections.OrderedDict(z=y)
+    tree = {"out": out, "od": od, "n": None, "x": x}
+    d = leakfree.detach_tree(tree)
+    assert type(d["out"]) is Out and type(d["od"]) is collections.OrderedDict
+    assert type(d["out"].extras["pair"]) is Pair and d["out"].extras["pair"].b == "s"
+    tensors = [
+        d["out"].loss,
+        d["out"].derived,
+        d["out"].extras["logits"][0],
+        d["out"].extras["logits"][1][0],
+        d["out"].extras["pair"].a,
+        d["od"]["z"],
+        d["x"],
+    ]
+    assert all(t.grad_fn is None and not t.requires_grad for t in tensors)
+    assert torch.equal(d["out"].extras["logits"][0], y)
+    assert d["out"].extras["logits"][1][1] == 3 and d["out"].extras["set"] == {1}
+    # originals untouched
+    assert out.loss.grad_fn is not None and tree["x"].requires_grad
+
+
+def test_detach_tree_frees_graph(no_gc: None) -> None:
+    class Big(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.big = torch.zeros(1000)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g * 2
+
+    y = Big.apply(torch.randn(3, requires_grad=True))
+    r = weakref.ref(y.grad_fn.big)
+    logged = leakfree.detach_tree({"y": [y]})
+    del y
+    assert r() is None
+    assert logged["y"][0].shape == (3,)
+
+
+# --- two processes, gloo on 127.0.0.1 ---------------------------------------------------------
+
+DIST_SPEC = {
+    "lm": "mean",
+    "aux": "mean",
+    "total": "sum",
+    "best": "min",
+    "worst": "max",
+    "none": "max",
+}
+RANK_VALUES: dict[int, dict[str, list[float]]] = {
+    0: {"lm": [1.0, 2.0, 3.0], "aux": [10.0], "total": [1.0, 1.0], "best": [5.0], "worst": [2.0]},
+    # rank 1 has no values for "aux" and "best": it must contribute identities, not zeros
+    1: {"lm": [7.0], "total": [4.0], "worst": [-3.0]},
+}
+
+
+def _dist_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    # orthogonal groups as in (data parallel, pipeline): dp = all ranks, pp = just me
+    singles = [dist.new_group([r]) for r in range(world)]
+    dp, pp = dist.group.WORLD, singles[rank]
+    log = leakfree.LossLog(DIST_SPEC)
+    for k, vs in RANK_VALUES[rank].items():
+        log[k].extend(torch.tensor(v, requires_grad=True) * 1.0 for v in vs)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, count_host_syncs() as syncs:
+        out = log.reduce(groups=(dp, pp))
+    collectives = sum(1 for e in prof.events() if e.name == "gloo:all_reduce")
+    running = leakfree.LossLog(DIST_SPEC, running=True)
+    for k, vs in RANK_VALUES[rank].items():
+        for v in vs:
+            running[k].append(torch.tensor(v))
+    out_running = running.reduce(groups=(dp,))
+    return {
+        "out": {k: (None if math.isnan(v) else v) for k, v in out.items()},
+        "out_running": {k: (None if math.isnan(v) else v) for k, v in out_running.items()},
+        "collectives": collectives,
+        "syncs": syncs.count,
+        "cleared": all(len(log[k]) == 0 for k in log),
+    }
+
+
+def test_two_process_reduce_unbiased_one_collective_per_op(tmp_path: Path) -> None:
+    results = run_workers(_dist_worker, 2, tmp_path, timeout=120)
+    merged: dict[str, list[float]] = {k: [] for k in DIST_SPEC}
+    for per_rank in RANK_VALUES.values():
+        for k, vs in per_rank.items():
+            merged[k] += vs
+    expected = {
+        "lm": sum(merged["lm"]) / len(merged["lm"]),  # 13/4, not mean of rank means (4.0)
+        "aux": 10.0,  # rank 1 contributes (0, 0), not a zero value: not 5.0
+        "total": 6.0,
+        "best": 5.0,  # rank 1 contributes +inf: not min(5, 0)
+        "worst": 2.0,
+        "none": None,  # no values on any rank: nan
+    }
+    for r in results:
+        assert r["out"] == expected
+        assert r["out_running"] == expected
+        # ops present: sum (sum+mean+counts), min, max -> 3 collectives per group, 2 groups
+        assert r["collectives"] == 6
+        assert r["syncs"] == 1
+        assert r["cleared"]
+
+
+def test_dict_mutation_paths_are_guarded() -> None:
+    log = leakfree.LossLog(["a", "b"])
+    with pytest.raises(KeyError, match="declared"):
+        log.update({"a": [1.0], "zzz": [2.0]})
+    assert len(log["a"]) == 0  # nothing replaced: the unknown key was found first
+    with pytest.raises(ValueError, match="shape"):
+        log.update(a=[1.0], b=[torch.ones(3)])
+    assert len(log["a"]) == 0 and len(log["b"]) == 0
+    log |= {"a": [_graphy()]}
+    assert log["a"][0].grad_fn is None
+    for op in (lambda: log.pop("a"), log.popitem, lambda: log.__delitem__("a")):
+        with pytest.raises(TypeError, match="keys are fixed"):
+            op()
+    assert log.setdefault("b") is log["b"]
+    clone = pickle.loads(pickle.dumps(log))
+    assert type(clone) is leakfree.LossLog and clone.reductions == log.reductions
+    assert torch.equal(clone["a"][0], log["a"][0])
