@@ -14,6 +14,7 @@ from leakfree.function import (
     released_attributes,
 )
 from leakfree.losses import LossList, LossLog, RunningLoss, detach_tree
+from leakfree.offload import NoOffload, OffloadActivations, offload_model, remove_offload_hooks
 
 __version__ = "0.1.0"
 
@@ -21,11 +22,15 @@ __all__ = [
     "Function",
     "LossList",
     "LossLog",
+    "NoOffload",
+    "OffloadActivations",
     "ReferenceCycleError",
     "ReleaseHandle",
     "RunningLoss",
     "__version__",
     "detach_tree",
+    "offload_model",
     "release_after_backward",
     "released_attributes",
+    "remove_offload_hooks",
 ]

@@ -68,3 +68,25 @@ def test_losslog_benchmark_runs(tmp_path: Path) -> None:
     assert data["host_syncs"] == {"per-item .item()": 1024, "LossLog.reduce": 1}
     assert data["retained_bytes"]["plain dict"] == 256 * 4096
     assert data["retained_bytes"]["LossLog"] == 0
+
+
+def test_offload_benchmark_runs(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "offload.py"),
+            "--quick",
+            "--steps",
+            "3",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    data = json.loads(out.read_text())
+    modes = {r["mode"] for r in data["cpu_hook_cost"]}
+    assert {"no offloading", "leakfree", "torch save_on_cpu"} <= modes
+    assert data["cpu_live_bytes"]["leakfree"] == [0, 0, 0]

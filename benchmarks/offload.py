@@ -1,0 +1,209 @@
+"""OffloadActivations vs no offloading vs TRL's class vs torch's save_on_cpu, in one run.
+
+CPU (always): per-saved-tensor hook cost (pack + unpack) and live bytes over steps.
+leakfree runs with force_host_copy=True so its whole path executes; TRL's class is tried
+and reported as not runnable where it raises (it needs an accelerator).
+Accelerator (when present): peak memory and step time of each mode.
+
+    python benchmarks/offload.py [--quick] [--steps N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import compare, print_table, write_json
+
+import leakfree
+from leakfree._demo import StorageWatch
+
+
+def make_model(d: int, layers: int, device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.LayerNorm(d)]
+    return nn.Sequential(*blocks).to(device)
+
+
+def trl_factory(device: torch.device) -> tuple[Callable[[], Any] | None, str]:
+    try:
+        from trl.models.activation_offloading import OffloadActivations as TRLOffload
+    except Exception as e:  # not installed
+        return None, f"not installed ({type(e).__name__})"
+    try:
+        TRLOffload()
+    except Exception as e:
+        return None, f"raises {type(e).__name__} on this machine"
+    import trl
+
+    return (lambda: TRLOffload()), f"trl {trl.__version__}"
+
+
+def modes(device: torch.device) -> dict[str, Callable[[], Any] | None]:
+    cpu = device.type == "cpu"
+    out: dict[str, Callable[[], Any] | None] = {
+        "no offloading": contextlib.nullcontext,
+        "leakfree": (lambda: leakfree.OffloadActivations(force_host_copy=cpu)),
+        "torch save_on_cpu": (lambda: torch.autograd.graph.save_on_cpu(pin_memory=not cpu)),
+    }
+    trl, _ = trl_factory(device)
+    out["TRL"] = trl
+    return out
+
+
+def count_saved(model: nn.Module, x: torch.Tensor) -> int:
+    n = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal n
+        n += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum()
+    return n
+
+
+def hook_cost(device: torch.device, quick: bool) -> tuple[list[Any], int]:
+    model = make_model(64, 4, device)
+    x = torch.randn(32, 64, device=device)
+    saved = count_saved(model, x)
+    fns = {}
+    for name, factory in modes(device).items():
+        if factory is None:
+            continue
+
+        def step(factory: Callable[[], Any] = factory) -> None:
+            with factory():
+                loss = model(x).square().mean()
+            loss.backward()
+
+        fns[name] = step
+    t = compare(fns, repeat=7 if quick else 21, number=5 if quick else 20)
+    base = t["no offloading"]
+    rows = [(name, us, (us - base) / saved, us / base) for name, us in t.items()]
+    return rows, saved
+
+
+def live_bytes_over_steps(device: torch.device, steps: int) -> dict[str, list[int]]:
+    """Activation bytes (module outputs) plus host-copy bytes alive after each step.
+
+    Each step runs one forward+backward and one forward whose backward never runs (a dead
+    branch, as in MoE routing), which is dropped at the end of the step.
+    """
+    model = make_model(64, 2, device)
+    x = torch.randn(32, 64, device=device)
+    series: dict[str, list[int]] = {}
+    for name, factory in modes(device).items():
+        if factory is None:
+            continue
+        watch = StorageWatch()
+        hooks = [
+            m.register_forward_hook(lambda m, i, o, w=watch: w.watch(o)) for m in model.modules()
+        ]
+        ctx = factory()
+        values = []
+        for _ in range(steps):
+            with ctx:
+                loss = model(x).square().mean()
+                dead = model(x * 2).sum()  # never backpropagated
+            loss.backward()
+            del loss, dead
+            values.append(watch.live_bytes() + _pool_bytes(ctx))
+        for h in hooks:
+            h.remove()
+        series[name] = values
+    return series
+
+
+def _pool_bytes(ctx: Any) -> int:
+    pool = getattr(ctx, "pool", None)
+    return pool.stats.in_use_bytes if pool is not None else 0
+
+
+def accelerator_peaks(device: torch.device, quick: bool) -> list[Any]:
+    mod = torch.get_device_module(device)
+    model = make_model(2048, 8, device)
+    x = torch.randn(8, 1024, 2048, device=device)
+    rows = []
+    for name, factory in modes(device).items():
+        if factory is None:
+            rows.append((name, None, None))
+            continue
+        times = []
+        for _ in range(3 if quick else 7):
+            mod.synchronize()
+            mod.reset_peak_memory_stats()
+            base = mod.memory_allocated()
+            t0 = time.perf_counter()
+            with factory():
+                loss = model(x).float().square().mean()
+            loss.backward()
+            mod.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+            peak = (mod.max_memory_allocated() - base) / 2**20
+            model.zero_grad(set_to_none=True)
+            del loss
+        rows.append((name, peak, sorted(times)[len(times) // 2]))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    cpu = torch.device("cpu")
+    _, trl_note = trl_factory(cpu)
+
+    rows, saved = hook_cost(cpu, args.quick)
+    print_table(
+        f"CPU: forward+backward of a 4-block MLP ({saved} saved tensors); TRL: {trl_note}",
+        ["mode", "us per step", "extra us per saved tensor", "ratio"],
+        rows,
+    )
+    live = live_bytes_over_steps(cpu, args.steps)
+    print_table(
+        "CPU: bytes of activations + host copies alive after each step (first / last / max)",
+        ["mode", "step 1", f"step {args.steps}", "max"],
+        [(k, v[0], v[-1], max(v)) for k, v in live.items()],
+    )
+    payload: dict[str, Any] = {
+        "cpu_hook_cost": [
+            {"mode": r[0], "us_per_step": r[1], "extra_us_per_saved_tensor": r[2], "ratio": r[3]}
+            for r in rows
+        ],
+        "saved_tensors_per_step": saved,
+        "cpu_live_bytes": live,
+        "trl": trl_note,
+    }
+    if torch.accelerator.is_available():
+        device = torch.accelerator.current_accelerator()
+        assert device is not None
+        peaks = accelerator_peaks(device, args.quick)
+        print_table(
+            f"{device}: peak memory and step time, 8 blocks of d=2048, batch 8x1024",
+            ["mode", "peak MiB", "step ms"],
+            peaks,
+        )
+        payload["accelerator"] = [{"mode": r[0], "peak_mib": r[1], "step_ms": r[2]} for r in peaks]
+    else:
+        print("\n(no accelerator: peak memory and step time are measured on GPU only)")
+    write_json("offload", payload, args.json)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,528 @@
+"""OffloadActivations: the graph owns every payload.
+
+On CPU, ``force_host_copy=True`` makes offloading really happen (host copies in separate
+buffers, activations freed after pack), so lifetimes are proven here; stream tests run on
+an accelerator only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import leakfree
+from leakfree.offload import (
+    HostBlockPool,
+    OffloadWarning,
+    _Offloaded,
+    _prefetch_plan,
+    _retire,
+    _size_class,
+    offload_model,
+    remove_offload_hooks,
+)
+from tests.conftest import requires_accelerator
+
+
+class Block(nn.Module):
+    """Linear + GELU + attention-ish views/transposes + a broadcast, saved for backward."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+        self.norm = nn.LayerNorm(d)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.gelu(self.up(x))
+        q = h.view(*h.shape[:-1], 4, -1).transpose(-2, -3)  # views of one storage
+        att = torch.softmax(q @ q.transpose(-1, -2), dim=-1) @ q
+        h = att.transpose(-2, -3).reshape(h.shape)
+        y = self.down(h) * self.scale.expand_as(x)  # a broadcast (stride-0) operand
+        return self.norm(x + y)
+
+
+class Model(nn.Module):
+    def __init__(self, d: int = 32, layers: int = 2, vocab: int = 50) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.lm_head = nn.Linear(d, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(x)
+
+
+def make(seed: int = 0) -> tuple[Model, torch.Tensor]:
+    torch.manual_seed(seed)
+    return Model(), torch.randn(4, 8, 32)
+
+
+def grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def reference_grads(seed: int = 0, passes: int = 1) -> list[torch.Tensor]:
+    model, x = make(seed)
+    for _ in range(passes):
+        model(x).square().mean().backward()
+    return grads(model)
+
+
+def assert_equal_grads(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def offload(**kw: Any) -> leakfree.OffloadActivations:
+    kw.setdefault("force_host_copy", True)
+    kw.setdefault("min_offload_size", 256)
+    return leakfree.OffloadActivations(**kw)
+
+
+# --- offloading really happens, and gradients are bit-identical -------------------------------
+
+
+def test_gradients_bit_identical() -> None:
+    model, x = make()
+    ctx = offload()
+    with ctx:
+        loss = model(x).square().mean()
+    assert ctx.pool.stats.in_use_bytes > 0  # something was offloaded
+    loss.backward()
+    assert_equal_grads(grads(model), reference_grads())
+    assert ctx.pool.stats.in_use_bytes == 0  # every host copy returned after backward
+
+
+def test_activations_leave_the_device(no_gc: None) -> None:
+    """After pack, the graph holds only the handle: the activation's storage is freed."""
+    lin = nn.Linear(64, 64)
+    x = torch.randn(16, 64)
+    with offload():
+        h = lin(x)
+        r = weakref.ref(h.untyped_storage())
+        y = nn.functional.gelu(h).sum()  # GeluBackward saves its input h
+        del h
+    assert r() is None  # only the host copy is left: the activation left the "device"
+    with leakfree.NoOffload():
+        h = lin(x)
+        r = weakref.ref(h.untyped_storage())
+        y2 = nn.functional.gelu(h).sum()
+        del h
+    assert r() is not None  # the control: saved by the graph as usual
+    del y, y2
+
+
+def test_views_of_one_storage_are_copied_once() -> None:
+    ctx = offload(min_offload_size=1)
+    base = torch.randn(64, 64, requires_grad=True)
+    with ctx:
+        a = base * 1.0  # a fresh activation; its views below are saved by the muls
+        v1, v2, v3 = a[:32], a.t(), a.view(-1)
+        out = (v1 * v1).sum() + (v2 * v2).sum() + (v3 * v3).sum()
+    assert ctx.pool.stats.allocations == 1  # one host copy for the three views
+    out.backward()
+    expect = (2 * a.detach()).clone()
+    expect[:32] += 2 * a.detach()[:32]
+    expect += 2 * a.detach()
+    assert torch.equal(base.grad, expect)
+
+
+def test_small_views_of_big_storage_copy_only_their_span() -> None:
+    ctx = offload(min_offload_size=1)
+    big = torch.randn(1024, 64)
+    w = torch.randn(64, requires_grad=True)
+    with ctx:
+        out = (big[3:5] * w).sum()  # saves a 2x64 view of a 256 KiB storage
+    assert ctx.pool.stats.in_use_bytes == _size_class(2 * 64 * 4)
+    out.backward()
+    assert torch.equal(w.grad, big[3:5].sum(0))
+
+
+def test_in_place_after_save_is_not_deduplicated() -> None:
+    ctx = offload(min_offload_size=1)
+    x = torch.randn(128, requires_grad=True)
+    with ctx:
+        a = x * 1.0
+        graphs = [(a * a).sum()]  # saves a at version 0 (once, for both operands)
+        with torch.no_grad():
+            a.add_(1.0)
+        graphs.append((a * a).sum())  # saves a again at version 1: a new copy
+    assert ctx.pool.stats.allocations == 2
+    first, second = (h().copy for h in ctx._session.tape[::2])
+    assert torch.equal(first.host_bytes().view(torch.float32), x.detach())
+    assert torch.equal(second.host_bytes().view(torch.float32), x.detach() + 1.0)
+    del graphs
+
+
+# --- lifetimes: the graph owns everything -----------------------------------------------------
+
+
+def test_forward_without_backward_frees_everything_with_the_graph(no_gc: None) -> None:
+    model, x = make()
+    ctx = offload()
+    with ctx:
+        loss = model(x).square().mean()
+    handles = list(ctx._session.tape)  # weak references, in pack order
+    assert handles and all(h() is not None for h in handles)
+    in_use = ctx.pool.stats.in_use_bytes
+    assert in_use > 0
+    del loss  # the graph dies without backward: TRL kept these until the next __enter__
+    assert all(h() is None for h in handles)
+    assert ctx.pool.stats.in_use_bytes == 0
+    assert ctx.pool.stats.cached_bytes == in_use  # blocks back in the pool, reusable
+
+
+def test_two_forwards_in_separate_blocks_then_one_backward() -> None:
+    model, x = make()
+    ctx = offload()
+    with ctx:
+        loss1 = model(x).square().mean()
+    with ctx:  # TRL's __enter__ wiped the first graph's entries here: "Untracked tensor"
+        loss2 = model(x * 2).square().mean()
+    (loss1 + loss2).backward()
+    ref, xr = make()
+    (ref(xr).square().mean() + ref(xr * 2).square().mean()).backward()
+    assert_equal_grads(grads(model), grads(ref))
+    assert ctx.pool.stats.in_use_bytes == 0
+
+
+def test_backward_retain_graph_twice_same_gradients() -> None:
+    model, x = make()
+    ctx = offload()
+    with ctx:
+        loss = model(x).square().mean()
+    loss.backward(retain_graph=True)
+    first = grads(model)
+    assert ctx.pool.stats.in_use_bytes > 0  # retained graph: payloads stay
+    model.zero_grad()
+    loss.backward()  # TRL: "Untracked tensor" (unpack deleted the entry)
+    assert_equal_grads(first, grads(model))
+    assert_equal_grads(first, reference_grads())
+    assert ctx.pool.stats.in_use_bytes == 0
+
+
+def test_exception_in_body_pops_hooks_and_retains_nothing(no_gc: None) -> None:
+    model, x = make()
+    ctx = offload()
+    with pytest.raises(RuntimeError, match="boom"), ctx:
+        loss = model(x).square().mean()
+        raise RuntimeError("boom")
+    del loss
+    assert ctx.pool.stats.in_use_bytes == 0
+    allocations = ctx.pool.stats.allocations
+    model(x).square().mean().backward()  # outside: hooks must be gone
+    assert ctx.pool.stats.allocations == allocations
+    assert ctx.pool.stats.reuses == 0
+
+
+def test_nested_no_offload() -> None:
+    model, x = make()
+    one = offload()
+    one.update_model_params(model)  # the buffer's expand_as view: never offloaded
+    with one:
+        kept = model(x.clone()).square().mean()
+    per_forward = one.pool.stats.in_use_bytes  # bytes one forward offloads
+    assert per_forward > 0
+    del kept
+    xa, xb, xc, xd = (x.clone() for _ in range(4))  # distinct storages: no dedup across
+    ctx = offload()
+    ctx.update_model_params(model)
+    with ctx:
+        with leakfree.NoOffload():
+            loss_a = model(xa).square().mean()
+            with ctx:  # offloading again, inside NoOffload
+                loss_b = model(xb).square().mean()
+            with leakfree.NoOffload():
+                loss_c = model(xc).square().mean()
+        assert ctx.pool.stats.in_use_bytes == per_forward  # only loss_b so far
+        loss_d = model(xd).square().mean()
+    assert ctx.pool.stats.in_use_bytes == 2 * per_forward  # loss_b and loss_d
+    (loss_a + loss_b + loss_c + loss_d).backward()
+    assert_equal_grads(grads(model), reference_grads(passes=4))
+
+
+def test_two_hundred_steps_flat_live_bytes() -> None:
+    model, x = make()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ctx = offload()
+    series = []
+    for _ in range(200):
+        with ctx:
+            loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        series.append((ctx.pool.stats.in_use_bytes, ctx.pool.stats.pooled_bytes))
+    assert all(s[0] == 0 for s in series)  # nothing held between steps
+    assert len({s[1] for s in series[1:]}) == 1  # the pool stopped growing after step 1
+    assert ctx.pool.stats.reuses > 0
+
+
+def test_parameters_buffers_and_small_tensors_stay() -> None:
+    lin = nn.Linear(64, 64)
+    ctx = offload(min_offload_size=10**9)
+    x = torch.randn(8, 64, requires_grad=True)
+    with ctx:
+        lin(x).sum()
+    assert ctx.pool.stats.allocations == 0  # everything below min_offload_size
+    ctx = offload(min_offload_size=1)
+    ctx.update_model_params(lin)
+    w_view = lin.weight.detach()  # a plain tensor sharing the parameter's storage
+    with ctx:
+        out = (x * x).sum() + (x.detach() @ w_view).sum() + lin(x).sum()
+    # x is saved (by x * x) and offloaded; the weight's storage, saved as w_view and as
+    # weight.t() by linear, is skipped (matched by storage, not by type)
+    assert ctx.pool.stats.allocations == 1
+    out.backward()
+    bare = offload(min_offload_size=1)  # no update_model_params: parameter views still stay
+    with bare:
+        lin(x).sum()  # saves x (offloaded) and weight.t() (a view of a Parameter: kept)
+    assert bare.pool.stats.allocations == 1
+
+
+def test_no_accelerator_no_option_is_a_noop() -> None:
+    if torch.accelerator.is_available():
+        pytest.skip("this machine has an accelerator")
+    ctx = leakfree.OffloadActivations()  # TRL raises AttributeError here
+    assert ctx.enabled is False and ctx.device is None
+    model, x = make()
+    with ctx:
+        loss = model(x).square().mean()
+    loss.backward()
+    assert ctx.pool.stats.allocations == 0
+    assert_equal_grads(grads(model), reference_grads())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_fwd_stash_size": 0}, "max_fwd_stash_size=0"),
+        ({"max_fwd_stash_size": 1.5}, "max_fwd_stash_size=1.5"),
+        ({"min_offload_size": -1}, "min_offload_size=-1"),
+        ({"device": "cpu"}, "force_host_copy=True"),
+        ({"pin_memory_budget": -5, "force_host_copy": True}, "budget=-5"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        leakfree.OffloadActivations(**kwargs)
+
+
+# --- the decisions behind the streams, checked without a GPU ----------------------------------
+
+
+def _handles(n: int) -> tuple[leakfree.OffloadActivations, list[_Offloaded]]:
+    """n real handles from a CPU forward (one per saved activation)."""
+    ctx = offload(min_offload_size=1)
+    xs = [torch.randn(16, requires_grad=True) for _ in range(n)]
+    out: list[_Offloaded] = []
+    for x in xs:
+        out.append(ctx._pack(x * 1.0))
+    return ctx, out
+
+
+def test_in_flight_window_retires_oldest_beyond_limit() -> None:
+    _, hs = _handles(5)
+    for h in hs:
+        h.in_flight = torch.empty(1)  # as if their copies were in flight
+    window: deque[Any] = deque()
+    retired = []
+    for h in hs:
+        retired += list(_retire(window, weakref.ref(h), limit=2))
+    assert retired == hs[:3]
+    assert [r() for r in window] == hs[3:]
+
+
+def test_in_flight_window_skips_dead_handles() -> None:
+    _, hs = _handles(3)
+    for h in hs:
+        h.in_flight = torch.empty(1)
+    window: deque[Any] = deque()
+    list(_retire(window, weakref.ref(hs[0]), limit=1))
+    del hs[0]  # its graph died: nothing to wait for
+    assert list(_retire(window, weakref.ref(hs[0]), limit=1)) == []
+    assert list(_retire(window, weakref.ref(hs[1]), limit=1)) == [hs[0]]
+
+
+def test_prefetch_plan_reverse_pack_order_bounded() -> None:
+    ctx, hs = _handles(6)
+    tape = hs[0].session.tape
+    plan = _prefetch_plan(tape, hs[5], budget=3)
+    assert plan == [hs[4].copy, hs[3].copy, hs[2].copy]
+    assert _prefetch_plan(tape, hs[5], budget=0) == []
+    hs[4].in_flight = torch.empty(1)  # still on device: nothing to bring back
+    hs[3].copy.restored = weakref.ref(torch.empty(1).untyped_storage())  # dead ref: fetch
+    keep = torch.empty(1)
+    hs[2].copy.restored = weakref.ref(keep.untyped_storage())  # alive: skip
+    assert _prefetch_plan(tape, hs[5], budget=2) == [hs[3].copy, hs[1].copy]
+    h0, h3, h5 = hs[0], hs[3], hs[5]
+    del hs[1]  # its graph died: skipped
+    assert _prefetch_plan(tape, h5, budget=5) == [h3.copy, h0.copy]
+
+
+def test_pool_budget_accounting_and_reuse() -> None:
+    pool = HostBlockPool(budget=3 * 4096, pin=False)
+    a, b, c = pool.acquire(100), pool.acquire(4096), pool.acquire(10)
+    assert pool.stats.pooled_bytes == 3 * 4096 and pool.stats.allocations == 3
+    d = pool.acquire(1)  # beyond the budget: an overflow block
+    assert pool.stats.overflows == 1 and not d.pooled
+    pool.release(d)
+    assert pool.stats.cached_bytes == 0  # overflow blocks are freed, not cached
+    pool.release(a)
+    pool.release(b)
+    e = pool.acquire(4000)
+    assert e is a or e is b
+    assert pool.stats.reuses == 1 and pool.stats.in_use_bytes == 2 * 4096
+    assert pool.trim() == 4096 and pool.stats.pooled_bytes == 2 * 4096
+    pool.release(c)
+    pool.release(e)
+    assert pool.stats.in_use_bytes == 0
+
+
+def test_pool_does_not_hand_out_a_block_still_being_copied() -> None:
+    class Pending:
+        """A device event stand-in: this test is about the pool's decision, not torch."""
+
+        def __init__(self) -> None:
+            self.done = False
+            self.waited = False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.waited = True
+            self.done = True
+
+    pool = HostBlockPool(budget=1 << 20, pin=False)
+    busy, idle = pool.acquire(10), pool.acquire(10)
+    busy.event = Pending()
+    pool.release(busy)
+    pool.release(idle)
+    assert pool.acquire(10) is idle  # the busy one is skipped
+    assert pool.acquire(10) is busy and busy.event.waited  # only one left: wait for it
+
+
+def test_size_classes() -> None:
+    assert [_size_class(n) for n in (1, 4096, 4097, 1 << 20, (1 << 20) + 1)] == [
+        4096,
+        4096,
+        8192,
+        1 << 20,
+        2 << 20,
+    ]
+
+
+# --- model helpers ----------------------------------------------------------------------------
+
+
+def _head_hooks(model: Model) -> int:
+    head = model.lm_head
+    return len(head._forward_pre_hooks) + len(head._forward_hooks)
+
+
+def test_offload_model_keeps_head_on_device_and_never_stacks_hooks() -> None:
+    model, x = make()
+    ctx = offload_model(model, force_host_copy=True, min_offload_size=256)
+    assert _head_hooks(model) == 2
+    ctx = offload_model(model, force_host_copy=True, min_offload_size=256)
+    ctx = offload_model(model, force_host_copy=True, min_offload_size=256)
+    assert _head_hooks(model) == 2  # TRL's helper: 6 here, and no way to remove them
+    with ctx:
+        loss = model(x).square().mean()
+    with_head_guard = ctx.pool.stats.in_use_bytes
+    loss.backward()
+    assert_equal_grads(grads(model), reference_grads())
+    assert remove_offload_hooks(model) == 2
+    assert _head_hooks(model) == 0
+    plain = offload()
+    model.zero_grad()
+    with plain:
+        model(x).square().mean().backward()
+    # the head's input (4x8x32 floats) was kept on device with the guard, offloaded without
+    assert plain.pool.stats.pooled_bytes > with_head_guard
+
+
+def test_offload_model_explicit_head_and_errors() -> None:
+    model, _ = make()
+    offload_model(model, head="blocks.1.norm", force_host_copy=True)
+    norm = model.blocks[1].norm
+    assert len(norm._forward_pre_hooks) == 1
+    with pytest.raises(ValueError, match=r"head='nope'"):
+        offload_model(model, head="nope", force_host_copy=True)
+    remove_offload_hooks(model)
+    with pytest.warns(OffloadWarning, match="no output head"):
+        offload_model(nn.Sequential(nn.Linear(2, 2)), force_host_copy=True)
+
+
+def test_head_exception_still_exits_no_offload() -> None:
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("head failed")
+
+    model, x = make()
+    model.lm_head = Boom()  # type: ignore[assignment]
+    ctx = offload_model(model, force_host_copy=True, min_offload_size=256)
+    with pytest.raises(RuntimeError, match="head failed"), ctx:
+        model(x)
+    # had the NoOffload guard stayed pushed, this would not offload:
+    with ctx:
+        model.blocks[0](x).sum()
+    assert ctx.pool.stats.allocations > 0
+
+
+# --- on an accelerator: streams ---------------------------------------------------------------
+
+
+@requires_accelerator
+@pytest.mark.parametrize("use_streams", [True, False])
+def test_accelerator_gradients_and_lifetimes(use_streams: bool) -> None:
+    device = torch.accelerator.current_accelerator()
+    model, x = make()
+    model, x = model.to(device), x.to(device)
+    ref = [p.detach().clone() for p in model.parameters()]
+    del ref
+    ctx = leakfree.OffloadActivations(use_streams=use_streams, min_offload_size=256)
+    with ctx:
+        loss = model(x).square().mean()
+    assert len(ctx._in_flight) == 0  # __exit__ retired every in-flight copy
+    loss.backward()
+    got = grads(model)
+    ref_model, xr = make()
+    ref_model, xr = ref_model.to(device), xr.to(device)
+    ref_model(xr).square().mean().backward()
+    assert_equal_grads(got, grads(ref_model))
+    assert ctx.pool.stats.in_use_bytes == 0
+    if use_streams:
+        assert ctx._side_stream is not None
+
+
+@requires_accelerator
+def test_accelerator_in_flight_bounded_and_memory_drops() -> None:
+    device = torch.accelerator.current_accelerator()
+    mod = torch.get_device_module(device)
+    layers = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]).to(device)
+    x = torch.randn(512, 1024, device=device)
+    mod.synchronize()
+    mod.reset_peak_memory_stats()
+    base = mod.memory_allocated()
+    with leakfree.NoOffload():
+        y = layers(x).sum()
+    plain = mod.memory_allocated() - base
+    del y
+    ctx = leakfree.OffloadActivations(max_fwd_stash_size=2, min_offload_size=1024)
+    with ctx:
+        y = layers(x).sum()
+        assert len(ctx._in_flight) <= 2
+    offloaded = mod.memory_allocated() - base
+    y.backward()
+    assert offloaded < plain / 4
