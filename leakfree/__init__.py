@@ -6,6 +6,7 @@ libraries that still do, and diagnostics that find the next leak. See DESIGN in 
 
 from __future__ import annotations
 
+from leakfree import pipeline
 from leakfree.function import (
     Function,
     ReferenceCycleError,
@@ -30,6 +31,7 @@ __all__ = [
     "__version__",
     "detach_tree",
     "offload_model",
+    "pipeline",
     "release_after_backward",
     "released_attributes",
     "remove_offload_hooks",

@@ -132,14 +132,23 @@ def _is_last_backward(node: BackwardCFunction) -> bool | None:
     return _current_node is None or _current_node() is node
 
 
+#: node class -> the backward function autograd dispatches for it (cleared on (un)install).
+_dispatch_cache: dict[type, Any] = {}
+
+
 def _dispatched(node: BackwardCFunction, method: str, wrapper: Callable[..., Any]) -> bool:
     """Is ``wrapper`` the backward autograd dispatched for ``node``?
 
     False when another Function's backward delegates to this one (``B.backward`` calling
     ``A.backward(ctx, g)``): then B's wrapper, with B's ``keep``, does the release.
     """
-    fn = getattr(node._forward_cls, method, None)  # type: ignore[attr-defined]
-    return getattr(fn, "__func__", fn) is wrapper
+    node_cls = type(node)
+    fn = _dispatch_cache.get(node_cls)
+    if fn is None:
+        fn = getattr(node._forward_cls, method, None)  # type: ignore[attr-defined]
+        fn = getattr(fn, "__func__", fn)
+        _dispatch_cache[node_cls] = fn
+    return fn is wrapper
 
 
 def _after_backward(
@@ -163,8 +172,8 @@ def _after_backward(
 
 
 def _check_not_released(ctx: Any) -> None:
-    state = getattr(ctx, "__dict__", None)
-    if state is not None and RELEASED in state and isinstance(ctx, BackwardCFunction):
+    state = getattr(ctx, "__dict__", _NO_STATE)
+    if RELEASED in state and isinstance(ctx, BackwardCFunction):
         cls = ctx._forward_cls  # type: ignore[attr-defined]
         names = ", ".join(state[RELEASED]) or "none"
         raise RuntimeError(
@@ -173,6 +182,9 @@ def _check_not_released(ctx: Any) -> None:
             "retain_graph=True to every backward except the last, or list the attributes "
             f"in {cls.__qualname__}.keep."
         )
+
+
+_NO_STATE: dict[str, Any] = {}
 
 
 def _make_backward(
@@ -196,15 +208,29 @@ def _make_backward(
 
     user_fn = raw.__func__ if isinstance(raw, staticmethod) else raw
 
+    fast = _keep_graph is not None and _current_node is not None
+    keep_graph, grad_enabled, current_node = _keep_graph, _grad_enabled, _current_node
+
     @functools.wraps(user_fn)
     def backward(ctx: Any, *grad_outputs: Any) -> Any:
         if _is_compiling():
             # Traced by dynamo: AOTAutograd owns lifetimes in compiled regions, and the
             # engine queries below are not traceable.
             return user_fn(ctx, *grad_outputs)
-        _check_not_released(ctx)
+        if RELEASED in getattr(ctx, "__dict__", _NO_STATE):
+            _check_not_released(ctx)
         grads = user_fn(ctx, *grad_outputs)
-        _after_backward(ctx, names, keep, method, backward)
+        if fast:
+            # _after_backward, inlined: this runs once per node per backward.
+            if (
+                not keep_graph()  # type: ignore[misc]
+                and not grad_enabled()
+                and current_node() is ctx  # type: ignore[misc]
+                and _dispatched(ctx, method, backward)
+            ):
+                _release(ctx, names, keep)
+        else:
+            _after_backward(ctx, names, keep, method, backward)
         return grads
 
     setattr(backward, _ORIGINAL, raw)
@@ -272,6 +298,7 @@ class ReleaseHandle:
             else:
                 setattr(self.cls, self.method, self._own_raw)
             delattr(self.cls, _HANDLE)
+            _dispatch_cache.clear()
 
     def __enter__(self) -> ReleaseHandle:
         return self
@@ -304,6 +331,7 @@ def _install(
         handle = ReleaseHandle(cls, method, own_raw, names, keep)
         setattr(cls, method, _make_backward(original, method, names, keep))
         setattr(cls, _HANDLE, handle)
+        _dispatch_cache.clear()
         return handle
 
 
@@ -411,6 +439,9 @@ _SCALARS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torc
 def _refers_to(value: Any, targets: dict[int, int], depth: int = 0) -> int | None:
     """Index of the output that ``value`` is, or views, or holds within ``_SCAN_DEPTH``
     levels of lists, tuples, sets, dicts and plain objects (their ``__dict__`` / slots)."""
+    kind = type(value)
+    if kind in _SKIP_TYPES:
+        return None
     if isinstance(value, torch.Tensor):
         hit = targets.get(id(value))
         if hit is None and value._base is not None:
@@ -418,7 +449,7 @@ def _refers_to(value: Any, targets: dict[int, int], depth: int = 0) -> int | Non
         return hit
     if depth >= _SCAN_DEPTH or isinstance(value, _SCALARS):
         return None
-    if isinstance(value, (list, tuple, set, frozenset)):
+    if kind in (list, tuple, set, frozenset) or isinstance(value, (list, tuple, set, frozenset)):
         items: Iterable[Any] = value
     elif isinstance(value, dict):
         items = value.values()
@@ -429,20 +460,53 @@ def _refers_to(value: Any, targets: dict[int, int], depth: int = 0) -> int | Non
     for count, item in enumerate(items):
         if count >= _SCAN_ITEMS:
             break
+        if type(item) in _SKIP_TYPES:
+            continue
         hit = _refers_to(item, targets, depth + 1)
         if hit is not None:
             return hit
     return None
 
 
+#: Exact types never scanned: scalars, and objects known not to hold outputs.
+_SKIP_TYPES: set[type] = {str, bytes, int, float, complex, bool, type(None), torch.dtype}
+
+
+def _never_holds_outputs(cls: type) -> type:
+    """Mark a class whose instances, stored on ctx, never hold a Function's outputs.
+
+    The output-on-ctx check skips them (it is on the hot path of every ``apply``).
+    """
+    _SKIP_TYPES.add(cls)
+    return cls
+
+
 def _object_fields(obj: Any) -> list[Any]:
     fields = list(getattr(obj, "__dict__", {}).values())
-    for klass in type(obj).__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
-                fields.append(getattr(obj, name))
+    for name in _slot_names(type(obj)):
+        value = getattr(obj, name, _MISSING)
+        if value is not _MISSING:
+            fields.append(value)
     return fields
+
+
+_MISSING = object()
+
+
+_slot_cache: dict[type, tuple[str, ...]] = {}
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    names = _slot_cache.get(cls)
+    if names is None:
+        found: list[str] = []
+        for klass in cls.__mro__:
+            slots = klass.__dict__.get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if name not in ("__dict__", "__weakref__"):
+                    found.append(name)
+        names = _slot_cache[cls] = tuple(found)
+    return names
 
 
 def _check_no_output_on_ctx(cls: type, result: Any) -> None:

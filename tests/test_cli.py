@@ -90,3 +90,35 @@ def test_offload_benchmark_runs(tmp_path: Path) -> None:
     modes = {r["mode"] for r in data["cpu_hook_cost"]}
     assert {"no offloading", "leakfree", "torch save_on_cpu"} <= modes
     assert data["cpu_live_bytes"]["leakfree"] == [0, 0, 0]
+
+
+def test_pipeline_benchmark_runs(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "pipeline.py"),
+            "--quick",
+            "--microbatches",
+            "10",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    data = json.loads(out.read_text())
+    assert data["live_bytes"]["RecvBufferPool"] == [8192] * 10
+    assert data["live_bytes"]["leaf receive"][-1] == 10 * 16384
+
+
+def test_pipeline_example_runs() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "pipeline_two_stages.py"), "--microbatches", "4"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "gradients bit-identical to one process: True" in done.stdout

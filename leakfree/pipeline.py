@@ -1,0 +1,693 @@
+"""Pipeline-parallel receive buffers that autograd never ties to accumulation.
+
+A pipeline stage receives an activation into a buffer, runs forward on it, and later sends
+the buffer's gradient back. The usual way makes the buffer an autograd *leaf*
+(``buf.requires_grad_()``): its gradient then accumulates in ``buf.grad`` (kept until
+someone clears it), reused buffers collect tensor hooks across steps, every microbatch
+gets its own buffer for the whole run, and in one C++ framework the leaf and its
+accumulation node formed a reference cycle that kept every step's graph alive.
+
+Here the received activation is a *non-leaf* view of the buffer, made by
+:func:`as_nonleaf`: its backward hands the gradient to a :class:`GradSlot` and returns
+nothing, so there is no accumulation node for the buffer and no ``.grad`` anywhere.
+
+Lifetime contract
+-----------------
+*The buffer* is referenced by the non-leaf activation (an alias) and by whatever saved
+it for backward; :class:`RecvBufferPool` takes it back only after its slot has delivered
+(the stage's backward through it is complete) or its graph was dropped, so a buffer still
+needed by backward is never overwritten.
+*The gradient* is held by the slot until ``take()`` (or passed straight to its callback);
+autograd keeps nothing.
+*A sent output* can be freed right after the send with :func:`release_output`; the
+returned handle keeps only the graph edge needed by :func:`backward_from`.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from leakfree.function import Function, _never_holds_outputs
+
+__all__ = [
+    "GradSlot",
+    "PipelineWarning",
+    "RecvBuffer",
+    "RecvBufferPool",
+    "ReleasedOutput",
+    "ScheduleResult",
+    "as_nonleaf",
+    "backward_from",
+    "recv_backward",
+    "recv_forward",
+    "release_output",
+    "run_schedule",
+    "send_backward",
+    "send_forward",
+]
+
+
+class PipelineWarning(UserWarning):
+    """A pipeline primitive could not do what it promised (and did nothing instead)."""
+
+
+# --- gradient slots and non-leaf receive ------------------------------------------------------
+
+
+@_never_holds_outputs  # it holds gradients, never the activation it was made for
+class GradSlot:
+    """Where the gradient of a received activation goes.
+
+    ``deliver(g)`` (called by autograd through :func:`as_nonleaf`) stores ``g``, or passes it
+    to ``callback`` when one is given. ``take()`` returns the stored gradient and forgets
+    it. A second gradient before ``take()`` raises ``RuntimeError`` unless
+    ``accumulate=True`` (then they are summed, as ``.grad`` would be).
+
+    ``on_delivered`` callbacks (used by :class:`RecvBufferPool`) run after each delivery.
+    """
+
+    __slots__ = ("__weakref__", "_grad", "accumulate", "callback", "deliveries", "on_delivered")
+
+    def __init__(
+        self,
+        callback: Callable[[torch.Tensor], None] | None = None,
+        *,
+        accumulate: bool = False,
+    ) -> None:
+        self.callback = callback
+        self.accumulate = accumulate
+        self._grad: torch.Tensor | None = None
+        self.deliveries = 0
+        self.on_delivered: list[Callable[[GradSlot], None]] = []
+
+    @property
+    def ready(self) -> bool:
+        """A gradient is waiting to be taken."""
+        return self._grad is not None
+
+    def deliver(self, grad: torch.Tensor) -> None:
+        if self.callback is not None:
+            self.callback(grad)
+        elif self._grad is None:
+            self._grad = grad
+        elif self.accumulate:
+            self._grad = self._grad + grad
+        else:
+            raise RuntimeError(
+                "GradSlot received a second gradient before take(): the activation was "
+                "backpropagated twice (retain_graph=True?). take() the first one, or make "
+                "the slot with GradSlot(accumulate=True) to sum them."
+            )
+        self.deliveries += 1
+        for fn in self.on_delivered:
+            fn(self)
+
+    def take(self) -> torch.Tensor:
+        """Return the delivered gradient and forget it."""
+        grad = self._grad
+        if grad is None:
+            raise RuntimeError(
+                "GradSlot.take(): no gradient was delivered yet (run the stage's backward "
+                "first, or the slot forwards to a callback)"
+            )
+        self._grad = None
+        return grad
+
+    def __repr__(self) -> str:
+        state = "callback" if self.callback else ("ready" if self.ready else "empty")
+        return f"GradSlot({state}, deliveries={self.deliveries})"
+
+
+class _ToSlot(Function):
+    """Identity on the buffer; its backward hands the gradient to the slot.
+
+    The anchor is a zero-element leaf that requires grad: a custom Function's output
+    requires grad only if an input does, and the buffer must not. Backward returns
+    nothing for either input, so the anchor never gets a ``.grad`` and no accumulation
+    node ever runs. ``ctx.slot`` is released after backward (leakfree.Function).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, buf: torch.Tensor, slot: GradSlot) -> torch.Tensor:
+        ctx.slot = slot
+        # An alias, not a view: it shares storage and version counter with the buffer (so
+        # autograd still catches an overwrite before backward), and in-place ops on the
+        # activation stay allowed.
+        return buf.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.slot.deliver(grad)
+        return None, None, None
+
+
+_anchors: dict[torch.device, torch.Tensor] = {}
+_anchors_lock = threading.Lock()
+
+
+def _anchor(device: torch.device) -> torch.Tensor:
+    anchor = _anchors.get(device)
+    if anchor is None:
+        with _anchors_lock:
+            anchor = _anchors.setdefault(device, torch.empty(0, device=device, requires_grad=True))
+    return anchor
+
+
+def as_nonleaf(buf: torch.Tensor, slot: GradSlot) -> torch.Tensor:
+    """A non-leaf tensor with ``buf``'s data whose gradient goes to ``slot``.
+
+    The result has a ``grad_fn`` and ``is_leaf`` False; it aliases ``buf`` (no copy).
+    Its backward calls ``slot.deliver(grad)`` and nothing else: no accumulation node for
+    the buffer, no ``.grad``, nothing retained by autograd afterwards.
+
+    Raises ``ValueError`` if ``buf`` requires grad (it would be an autograd leaf itself).
+    """
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"as_nonleaf(buf=...): expected a tensor, got {type(buf).__name__}")
+    if buf.requires_grad:
+        raise ValueError(
+            "as_nonleaf(buf=...): the buffer requires grad, so it is (or belongs to) an "
+            "autograd graph of its own; receive into a plain buffer (buf.detach() or a "
+            "RecvBufferPool buffer)"
+        )
+    if not isinstance(slot, GradSlot):
+        raise TypeError(f"as_nonleaf(slot=...): expected a GradSlot, got {type(slot).__name__}")
+    if not (buf.is_floating_point() or buf.is_complex()):
+        raise ValueError(
+            f"as_nonleaf(buf=...): dtype {buf.dtype} cannot carry a gradient; only "
+            "floating point (or complex) activations can be backpropagated"
+        )
+    out: torch.Tensor = _ToSlot.apply(_anchor(buf.device), buf, slot)
+    return out
+
+
+# --- receive buffer pool ----------------------------------------------------------------------
+
+
+@dataclass
+class RecvBuffer:
+    """A pool buffer, its slot, and the non-leaf activation made from them."""
+
+    tensor: torch.Tensor
+    slot: GradSlot
+    activation: torch.Tensor | None = None
+    key: tuple[Any, ...] = field(default=(), repr=False)
+
+
+@dataclass
+class PoolCounters:
+    allocated: int = 0  #: buffers created
+    allocated_bytes: int = 0  #: bytes of all buffers created (in use or free)
+    reused: int = 0  #: acquires served from the free list
+    in_use: int = 0  #: buffers whose slot has not delivered yet
+
+
+class RecvBufferPool:
+    """Receive buffers per (shape, dtype, device), reused only once backward is done.
+
+    ``acquire(shape, dtype, device)`` returns a :class:`RecvBuffer` whose ``activation``
+    is ``as_nonleaf(buffer, slot)``. The buffer goes back to the free list when its slot
+    has delivered (the stage's backward through it has finished), or when the activation's
+    graph is dropped without backward. So the number of buffers is the number of
+    microbatches in flight (the pipeline depth), not the number of microbatches.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.counters = PoolCounters()
+
+    def acquire(
+        self,
+        shape: Sequence[int] | torch.Size,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        callback: Callable[[torch.Tensor], None] | None = None,
+    ) -> RecvBuffer:
+        key = (tuple(int(s) for s in shape), dtype, torch.device(device))
+        with self._lock:
+            free = self._free.get(key)
+            buf = free.pop() if free else None
+            if buf is None:
+                self.counters.allocated += 1
+            else:
+                self.counters.reused += 1
+            self.counters.in_use += 1
+        if buf is None:
+            buf = torch.empty(key[0], dtype=dtype, device=key[2])
+            with self._lock:
+                self.counters.allocated_bytes += buf.untyped_storage().nbytes()
+        slot = GradSlot(callback)
+        entry = RecvBuffer(buf, slot, key=key)
+        give_back = _GiveBack(self, buf, key)
+        slot.on_delivered.append(give_back)
+        entry.activation = as_nonleaf(buf, slot)
+        # If the graph dies without backward, the buffer comes back too.
+        grad_fn = entry.activation.grad_fn
+        assert grad_fn is not None
+        weakref.finalize(grad_fn, give_back, None)
+        return entry
+
+    def _release(self, buf: torch.Tensor, key: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._free.setdefault(key, []).append(buf)
+            self.counters.in_use -= 1
+
+    @property
+    def free_buffers(self) -> int:
+        return sum(len(v) for v in self._free.values())
+
+
+class _GiveBack:
+    """Returns one buffer to its pool exactly once (first of: delivery, graph death)."""
+
+    __slots__ = ("buf", "key", "pool")
+
+    def __init__(self, pool: RecvBufferPool, buf: torch.Tensor, key: tuple[Any, ...]) -> None:
+        self.pool: RecvBufferPool | None = pool
+        self.buf: torch.Tensor | None = buf
+        self.key = key
+
+    def __call__(self, slot: GradSlot | None) -> None:
+        pool, buf = self.pool, self.buf
+        if pool is None or buf is None:
+            return
+        self.pool = self.buf = None
+        pool._release(buf, self.key)
+
+
+# --- sending side: free sent outputs, backpropagate later -------------------------------------
+
+_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+@dataclass(frozen=True)
+class ReleasedOutput:
+    """What :func:`backward_from` needs once an output's storage was released."""
+
+    edge: GradientEdge
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    freed: bool
+
+
+def _others_hold(t: torch.Tensor) -> bool | None:
+    """Does anything besides ``t`` hold its storage? None if this torch cannot tell."""
+    if _use_count is None:
+        return None
+    # One reference from the tensor, one from the temporary storage object made here.
+    return int(_use_count(t.untyped_storage()._cdata)) > 2
+
+
+def release_output(y: torch.Tensor) -> ReleasedOutput:
+    """Free the storage of an output that was sent to the next stage; keep its graph.
+
+    Returns a :class:`ReleasedOutput` holding the output's gradient edge (public API,
+    ``torch.autograd.graph.get_gradient_edge``), which keeps the graph alive for
+    :func:`backward_from`. The storage is freed in place (``y`` keeps its shape but must
+    not be read again). If anything else still references the storage (a node saved
+    ``y`` for backward, a view of it is alive), nothing is freed and a
+    :class:`PipelineWarning` says so: freeing it would corrupt that backward.
+
+    Only call it once the send has completed (for ``isend``, after ``work.wait()`` or
+    ``is_completed()``).
+    """
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"release_output(y=...): expected a tensor, got {type(y).__name__}")
+    if not y.requires_grad:
+        raise ValueError(
+            "release_output(y=...): the output does not require grad, so there is no "
+            "backward to run later; just drop it"
+        )
+    edge = get_gradient_edge(y)
+    held = _others_hold(y)
+    freed = held is False and y._base is None
+    if freed:
+        y.untyped_storage().resize_(0)
+    else:
+        why = (
+            "this torch cannot count storage references"
+            if held is None
+            else "it is a view"
+            if y._base is not None
+            else "its storage is still referenced elsewhere (saved for backward, or a view)"
+        )
+        warnings.warn(
+            f"release_output: not freeing the output's storage ({tuple(y.shape)}, "
+            f"{y.dtype}): {why}. Its memory stays until the graph is done with it.",
+            PipelineWarning,
+            stacklevel=2,
+        )
+    return ReleasedOutput(edge, y.shape, y.dtype, y.device, freed)
+
+
+def backward_from(handle: ReleasedOutput, grad: torch.Tensor) -> None:
+    """Run the backward of a released output with the gradient the next stage sent."""
+    if not isinstance(handle, ReleasedOutput):
+        raise TypeError(
+            f"backward_from(handle=...): expected what release_output returned, got "
+            f"{type(handle).__name__}"
+        )
+    if grad.shape != handle.shape or grad.dtype != handle.dtype:
+        raise ValueError(
+            f"backward_from: gradient {tuple(grad.shape)} {grad.dtype} does not match the "
+            f"released output {tuple(handle.shape)} {handle.dtype}"
+        )
+    torch.autograd.backward(handle.edge, grad_tensors=grad)  # type: ignore[arg-type]
+
+
+# --- point-to-point over torch.distributed ----------------------------------------------------
+
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+_MAX_DIMS = 8
+_HEADER = 2 + _MAX_DIMS  # dtype code, ndim, dims
+
+
+@dataclass
+class _Pending:
+    """Sends in flight (isend) and what to do once each completes."""
+
+    works: list[tuple[Any, torch.Tensor, Callable[[], None] | None]] = field(default_factory=list)
+
+    def add(self, work: Any, keep: torch.Tensor, then: Callable[[], None] | None = None) -> None:
+        self.works.append((work, keep, then))
+
+    def poll(self) -> None:
+        still = []
+        for work, keep, then in self.works:
+            if work.is_completed():
+                work.wait()
+                if then is not None:
+                    then()
+            else:
+                still.append((work, keep, then))
+        self.works = still
+
+    def wait_all(self) -> None:
+        for work, _keep, then in self.works:
+            work.wait()
+            if then is not None:
+                then()
+        self.works = []
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"pipeline p2p: dtype {t.dtype} is not supported; use one of {_DTYPES}")
+    if t.dim() > _MAX_DIMS:
+        raise ValueError(
+            f"pipeline p2p: at most {_MAX_DIMS} dimensions, got shape {tuple(t.shape)}"
+        )
+    values = [_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_MAX_DIMS - t.dim())
+    return torch.tensor(values, dtype=torch.int64, device=t.device)
+
+
+def _send(
+    t: torch.Tensor,
+    dst: int,
+    group: Any,
+    pending: _Pending | None,
+    then: Callable[[], None] | None = None,
+) -> None:
+    import torch.distributed as dist
+
+    payload = t.detach().contiguous()
+    header = _header(payload)
+    if pending is None:
+        dist.send(header, dst, group=group)
+        dist.send(payload, dst, group=group)
+        if then is not None:
+            then()
+    else:
+        pending.add(dist.isend(header, dst, group=group), header)
+        pending.add(dist.isend(payload, dst, group=group), payload, then)
+
+
+def _recv_header(src: int, device: torch.device, group: Any) -> tuple[tuple[int, ...], torch.dtype]:
+    import torch.distributed as dist
+
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    values = header.tolist()
+    ndim = int(values[1])
+    return tuple(int(v) for v in values[2 : 2 + ndim]), _DTYPES[int(values[0])]
+
+
+def _recv_into(
+    src: int,
+    group: Any,
+    device: torch.device,
+    shape: Sequence[int] | None,
+    dtype: torch.dtype | None,
+    what: str,
+    make: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
+) -> torch.Tensor:
+    import torch.distributed as dist
+
+    sent_shape, sent_dtype = _recv_header(src, device, group)
+    if (shape is not None and tuple(shape) != sent_shape) or (
+        dtype is not None and dtype != sent_dtype
+    ):
+        scratch = torch.empty(sent_shape, dtype=sent_dtype, device=device)
+        dist.recv(scratch, src, group=group)  # drain it, so the sender is not left hanging
+        raise ValueError(
+            f"{what}: rank {src} sent {sent_shape} {sent_dtype}, but the receiving buffer is "
+            f"{tuple(shape) if shape is not None else sent_shape} "
+            f"{dtype if dtype is not None else sent_dtype}"
+        )
+    buf = make(sent_shape, sent_dtype)
+    dist.recv(buf, src, group=group)
+    return buf
+
+
+def send_forward(
+    activation: torch.Tensor,
+    dst: int,
+    *,
+    group: Any = None,
+    pending: _Pending | None = None,
+    then: Callable[[], None] | None = None,
+) -> None:
+    """Send a stage's output to stage ``dst`` (a header with shape and dtype, then data).
+
+    Blocking by default; with ``pending`` (used by :func:`run_schedule`) the sends are
+    ``isend`` and ``then`` runs once the data has left (e.g. to release the output).
+    """
+    _send(activation, dst, group, pending, then)
+
+
+def recv_forward(
+    src: int,
+    *,
+    pool: RecvBufferPool | None = None,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    group: Any = None,
+    callback: Callable[[torch.Tensor], None] | None = None,
+) -> RecvBuffer:
+    """Receive an activation from ``src`` into a pool buffer; return it as a non-leaf.
+
+    ``shape`` / ``dtype``, when given, are checked against what was sent (a mismatch is a
+    ``ValueError`` naming both). The returned :class:`RecvBuffer` has ``activation`` (the
+    non-leaf to run forward on) and ``slot`` (where its gradient will be).
+    """
+    dev = torch.device(device)
+    pool = pool if pool is not None else RecvBufferPool()
+    holder: dict[str, RecvBuffer] = {}
+
+    def make(s: tuple[int, ...], d: torch.dtype) -> torch.Tensor:
+        entry = pool.acquire(s, d, dev, callback=callback)
+        holder["entry"] = entry
+        return entry.tensor
+
+    _recv_into(src, group, dev, shape, dtype, "recv_forward", make)
+    return holder["entry"]
+
+
+def send_backward(
+    grad: torch.Tensor, dst: int, *, group: Any = None, pending: _Pending | None = None
+) -> None:
+    """Send the gradient of a received activation back to stage ``dst``."""
+    _send(grad, dst, group, pending)
+
+
+def recv_backward(
+    src: int,
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    group: Any = None,
+) -> torch.Tensor:
+    """Receive the gradient of this stage's output from ``src`` (checked like recv_forward)."""
+    dev = torch.device(device)
+    return _recv_into(
+        src,
+        group,
+        dev,
+        shape,
+        dtype,
+        "recv_backward",
+        lambda s, d: torch.empty(s, dtype=d, device=dev),
+    )
+
+
+# --- a small schedule runner ------------------------------------------------------------------
+
+
+@dataclass
+class ScheduleResult:
+    """What :func:`run_schedule` returns on each stage."""
+
+    losses: list[float]  #: last stage: each microbatch's loss (empty elsewhere)
+    live_bytes: list[int]  #: after each microbatch's backward: buffers + unreleased outputs
+    pool: RecvBufferPool
+
+
+def run_schedule(
+    stage: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    stage_id: int,
+    num_stages: int,
+    num_microbatches: int,
+    inputs: Callable[[int], torch.Tensor] | None = None,
+    loss_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+    schedule: str = "1f1b",
+    ranks: Sequence[int] | None = None,
+    group: Any = None,
+    device: torch.device | str = "cpu",
+) -> ScheduleResult:
+    """Run forward and backward of ``num_microbatches`` through a pipeline of stages.
+
+    The reference wiring of the primitives above, not a training framework: stage
+    ``stage_id`` runs ``stage`` on activations received (as non-leaves, from a
+    :class:`RecvBufferPool`) from the previous stage, sends its outputs to the next one and
+    releases them once sent; gradients come back through :class:`GradSlot` and
+    :func:`backward_from`. The first stage reads ``inputs(i)``; the last computes
+    ``loss_fn(output, i)`` and backpropagates it. ``schedule`` is ``"gpipe"`` (all forwards,
+    then all backwards) or ``"1f1b"`` (warm-up forwards, then one forward / one backward,
+    then cool-down backwards). Backward runs in microbatch order on every stage, so
+    gradients accumulate in the same order as a single-process loop.
+
+    Sends are ``isend`` (no deadlock between a send and the peer's send), completed
+    before their output is released; receives block.
+    """
+    if schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"run_schedule(schedule={schedule!r}): use 'gpipe' or '1f1b'")
+    if not 0 <= stage_id < num_stages:
+        raise ValueError(f"run_schedule(stage_id={stage_id}): not in [0, {num_stages})")
+    if num_microbatches < 1:
+        raise ValueError(f"run_schedule(num_microbatches={num_microbatches}): must be >= 1")
+    first, last = stage_id == 0, stage_id == num_stages - 1
+    if first and inputs is None:
+        raise ValueError("run_schedule: the first stage needs inputs=")
+    if last and loss_fn is None:
+        raise ValueError("run_schedule: the last stage needs loss_fn=")
+    ranks = list(ranks) if ranks is not None else list(range(num_stages))
+    prev_rank = None if first else ranks[stage_id - 1]
+    next_rank = None if last else ranks[stage_id + 1]
+    dev = torch.device(device)
+    pool = RecvBufferPool()
+    pending = _Pending()
+    received: dict[int, RecvBuffer] = {}
+    sent: dict[int, ReleasedOutput | torch.Tensor] = {}
+    losses: list[float] = []
+    live: list[int] = []
+
+    def forward(i: int) -> None:
+        if first:
+            assert inputs is not None
+            x = inputs(i)
+        else:
+            assert prev_rank is not None
+            entry = recv_forward(prev_rank, pool=pool, device=dev, group=group)
+            assert entry.activation is not None
+            x, entry.activation = entry.activation, None  # the graph holds it from here on
+            received[i] = entry
+        y = stage(x)
+        if last:
+            assert loss_fn is not None
+            sent[i] = loss_fn(y, i)
+        else:
+            assert next_rank is not None
+            sent[i] = y
+            # Free the output's memory as soon as its data has left (Megatron's trick).
+            send_forward(y, next_rank, group=group, pending=pending, then=_releaser(sent, i))
+        del x, y
+        pending.poll()
+
+    def backward(i: int) -> None:
+        if last:
+            loss = sent.pop(i)
+            assert isinstance(loss, torch.Tensor)
+            losses.append(float(loss.detach()))
+            loss.backward()  # type: ignore[no-untyped-call]
+            del loss
+        else:
+            assert next_rank is not None
+            if isinstance(sent[i], torch.Tensor):
+                pending.wait_all()  # its send is still in flight: finish it (and release)
+            out = sent.pop(i)
+            assert isinstance(out, ReleasedOutput)
+            backward_from(out, recv_backward(next_rank, device=dev, group=group))
+        if not first:
+            assert prev_rank is not None
+            entry = received.pop(i)
+            send_backward(entry.slot.take(), prev_rank, group=group, pending=pending)
+        pending.poll()
+        live.append(pool.counters.allocated_bytes + _unreleased_bytes(sent))
+
+    if schedule == "gpipe":
+        for i in range(num_microbatches):
+            forward(i)
+        for i in range(num_microbatches):
+            backward(i)
+    else:
+        warmup = min(num_stages - stage_id - 1, num_microbatches)
+        for i in range(warmup):
+            forward(i)
+        for i in range(warmup, num_microbatches):
+            forward(i)
+            backward(i - warmup)
+        for i in range(num_microbatches - warmup, num_microbatches):
+            backward(i)
+    pending.wait_all()
+    return ScheduleResult(losses, live, pool)
+
+
+def _releaser(sent: dict[int, ReleasedOutput | torch.Tensor], i: int) -> Callable[[], None]:
+    def release() -> None:
+        out = sent.get(i)
+        if isinstance(out, torch.Tensor):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", PipelineWarning)  # a kept output is fine here
+                sent[i] = release_output(out)
+
+    return release
+
+
+def _unreleased_bytes(sent: dict[int, Any]) -> int:
+    return sum(
+        out.untyped_storage().nbytes() for out in sent.values() if isinstance(out, torch.Tensor)
+    )
