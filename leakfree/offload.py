@@ -29,12 +29,13 @@ views of one storage restored while a sibling copy is alive share it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
 import warnings
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
+
+from leakfree._warnings import LeakfreeWarning
 
 __all__ = [
     "HostBlockPool",
@@ -54,7 +57,7 @@ __all__ = [
 ]
 
 
-class OffloadWarning(UserWarning):
+class OffloadWarning(LeakfreeWarning):
     """Something about offloading that costs speed or memory (never correctness)."""
 
 
@@ -115,10 +118,14 @@ class HostBlockPool:
 
     ``acquire(n)`` returns a block of at least ``n`` bytes: a cached block of the same size
     class whose last copy has completed (waiting for the oldest one if all are busy), else
-    a new one. New blocks join the pool while ``pooled_bytes`` stays within ``budget``;
+    a new one. New blocks join the pool while ``pooled_bytes`` stays within ``budget``,
+    evicting cached blocks of other size classes (least recently used first) to make room;
     beyond it they are pageable "overflow" blocks, freed again on release (with ``pin``,
-    copies to them are synchronous: an :class:`OffloadWarning` is issued once). ``release``
-    caches pooled blocks. Thread-safe.
+    copies to them are synchronous: an :class:`OffloadWarning` is issued once).
+
+    ``release`` never blocks and never allocates (it runs from the finalizers of host
+    copies, possibly inside a garbage collection triggered while the pool is busy): it
+    queues the block, and the next ``acquire``, ``trim`` or ``stats`` read takes it back.
     """
 
     def __init__(self, budget: int | None = None, *, pin: bool = True) -> None:
@@ -126,35 +133,59 @@ class HostBlockPool:
             raise ValueError(f"HostBlockPool(budget={budget!r}): must be an int >= 0 (bytes)")
         self.budget = _default_budget() if budget is None else budget
         self.pin = pin
-        self.stats = PoolStats()
-        self._free: dict[int, list[HostBlock]] = {}
-        self._lock = threading.Lock()
+        self._stats = PoolStats()
+        self._free: OrderedDict[int, HostBlock] = OrderedDict()  # id -> block, LRU first
+        self._returned: deque[HostBlock] = deque()
+        self._lock = threading.RLock()
         self._warned = False
+
+    @property
+    def stats(self) -> PoolStats:
+        with self._lock:
+            self._drain()
+            return dataclasses.replace(self._stats)
+
+    def _drain(self) -> None:
+        # Called with the lock held. popleft/append on a deque are atomic: no lock needed
+        # on the release side.
+        while self._returned:
+            block = self._returned.popleft()
+            self._stats.in_use_bytes -= block.size
+            if block.pooled:
+                self._free[id(block)] = block
+                self._stats.cached_bytes += block.size
 
     def acquire(self, nbytes: int) -> HostBlock:
         size = _size_class(nbytes)
+        wait: HostBlock | None = None
         with self._lock:
-            free = self._free.get(size)
-            if free:
-                block = next((b for b in free if b.ready()), None)
-                if block is None:
-                    block = free[0]  # all busy: wait for the oldest copy to finish
-                    block.event.synchronize()
-                free.remove(block)
-                self.stats.cached_bytes -= size
-                self.stats.in_use_bytes += size
-                self.stats.reuses += 1
-                return block
-            pooled = self.stats.pooled_bytes + size <= self.budget
-            self.stats.in_use_bytes += size
-            if pooled:
-                self.stats.pooled_bytes += size
-                self.stats.allocations += 1
+            self._drain()
+            same = [b for b in self._free.values() if b.size == size]
+            block = next((b for b in same if b.ready()), None)
+            if block is None and same and self._stats.pooled_bytes + size > self.budget:
+                block = wait = same[0]  # all busy and no room for another: wait for one
+            if block is not None:
+                del self._free[id(block)]
+                self._stats.cached_bytes -= size
+                self._stats.in_use_bytes += size
+                self._stats.reuses += 1
             else:
-                self.stats.overflows += 1
-                warn = self.pin and not self._warned
+                self._evict_for(size)
+                pooled = self._stats.pooled_bytes + size <= self.budget
+                self._stats.in_use_bytes += size
+                if pooled:
+                    self._stats.pooled_bytes += size
+                    self._stats.allocations += 1
+                else:
+                    self._stats.overflows += 1
+                warn = not pooled and self.pin and not self._warned
                 self._warned = self._warned or warn
-        if not pooled and warn:
+        if wait is not None:
+            wait.event.synchronize()  # outside the lock
+            return wait
+        if block is not None:
+            return block
+        if warn:
             warnings.warn(
                 f"OffloadActivations: the pinned host memory budget ({self.budget} bytes) is "
                 "used up; further host copies use pageable memory and are synchronous. "
@@ -162,24 +193,39 @@ class HostBlockPool:
                 OffloadWarning,
                 stacklevel=5,
             )
-        block = HostBlock(size, pinned=pooled and self.pin)
-        block.pooled = pooled
-        return block
+        new = HostBlock(size, pinned=pooled and self.pin)
+        new.pooled = pooled
+        return new
+
+    def _evict_for(self, size: int) -> None:
+        """Free ready cached blocks (least recently used first) until ``size`` fits."""
+        for key in list(self._free):
+            if self._stats.pooled_bytes + size <= self.budget:
+                return
+            block = self._free[key]
+            if block.ready():
+                del self._free[key]
+                self._stats.cached_bytes -= block.size
+                self._stats.pooled_bytes -= block.size
 
     def release(self, block: HostBlock) -> None:
-        with self._lock:
-            self.stats.in_use_bytes -= block.size
-            if block.pooled:
-                self._free.setdefault(block.size, []).append(block)
-                self.stats.cached_bytes += block.size
+        self._returned.append(block)
 
     def trim(self) -> int:
-        """Free every cached block; returns the bytes freed."""
+        """Free every cached block; returns the bytes freed.
+
+        Pinned memory goes back to PyTorch's host allocator, which keeps its own cache;
+        ``torch._C._host_emptyCache()`` (where it exists) is called to return it to the OS.
+        """
         with self._lock:
-            freed = self.stats.cached_bytes
-            self.stats.pooled_bytes -= freed
-            self.stats.cached_bytes = 0
+            self._drain()
+            freed = self._stats.cached_bytes
+            self._stats.pooled_bytes -= freed
+            self._stats.cached_bytes = 0
             self._free.clear()
+        empty = getattr(torch._C, "_host_emptyCache", None)
+        if freed and self.pin and empty is not None:
+            empty()
         return freed
 
 
@@ -195,6 +241,40 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return offset, last + 1
 
 
+def _version_error(t_version: int, saved_version: int, shape: Any) -> RuntimeError:
+    # The check PyTorch makes for saved tensors, which it skips whenever saved-tensor
+    # hooks are installed: made here so hooks do not hide in-place bugs.
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: a saved tensor of shape {list(shape)} is at version "
+        f"{t_version}; expected version {saved_version} instead (checked by leakfree, "
+        "because PyTorch does not check tensors that pass through saved-tensor hooks)"
+    )
+
+
+class _Kept:
+    """A saved tensor that stays where it is: detached, with its version at save time.
+
+    Detached because a saved *output* reaches the pack hook with ``grad_fn`` set to the very
+    node that saves it: storing it as is closes a cycle through C++ (node -> saved tensor
+    -> grad_fn -> node) that no garbage collector can free, so a graph dropped without
+    backward would leak with everything upstream of it. Autograd restores the autograd
+    metadata on unpack itself.
+    """
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t.detach()  # shares storage and version counter, holds no grad_fn
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise _version_error(t._version, self.version, t.shape)
+        return t
+
+
 class _HostCopy:
     """Host bytes of (a span of) one device storage, shared by the handles that use them.
 
@@ -206,6 +286,7 @@ class _HostCopy:
         "block",
         "byte_start",
         "device",
+        "index",
         "nbytes",
         "pool",
         "prefetched",
@@ -221,8 +302,10 @@ class _HostCopy:
         self.nbytes = nbytes
         self.byte_start = byte_start  # where the copied bytes start in the source storage
         self.device = device
+        self.index = 0  # tape position of the newest handle using it
         self.source: Any = None  # weak reference to the source storage (dedup validity)
-        self.restored: Any = None  # weak reference to a live restored storage
+        #: (weak reference to a live restored storage, the event its copy-in recorded)
+        self.restored: tuple[Any, Any] | None = None
         self.prefetched: tuple[torch.Tensor, Any] | None = None  # (device bytes, event)
 
     def host_bytes(self) -> torch.Tensor:
@@ -231,7 +314,7 @@ class _HostCopy:
     def __del__(self) -> None:
         block = getattr(self, "block", None)
         if block is not None:
-            self.pool.release(block)
+            self.pool.release(block)  # never blocks: safe inside a garbage collection
 
 
 class _Offloaded:
@@ -249,6 +332,7 @@ class _Offloaded:
         "session",
         "shape",
         "stride",
+        "version",
     )
 
     def __init__(
@@ -261,21 +345,30 @@ class _Offloaded:
     ) -> None:
         self.manager = manager
         self.session = session
-        self.index = len(session.tape)  # position in pack order
+        self.index = session.next_index()  # position in pack order
         self.copy = copy
+        copy.index = self.index
         self.dtype = t.dtype
         self.shape = t.shape
         self.stride = t.stride()
+        self.version = t._version
         self.element_offset = element_offset  # storage offset within the copied bytes
-        self.in_flight: torch.Tensor | None = None  # device tensor while its copy runs
+        #: the device tensor (detached) while its device-to-host copy is in flight
+        self.in_flight: torch.Tensor | None = None
         self.event: Any = None
 
     def unpack(self) -> torch.Tensor:
-        if self.in_flight is not None:
-            return self.in_flight  # never left the device: its copy has not even retired
-        storage = self.manager._restore(self.copy, self.session)
+        t = self.in_flight
+        if t is not None:  # never left the device: its copy has not even retired
+            if t._version != self.version:
+                raise _version_error(t._version, self.version, t.shape)
+            return t
+        manager = self.manager
+        storage = manager._restore(self.copy, self.session)
         out = torch.empty(0, dtype=self.dtype, device=self.copy.device)
         out.set_(storage, self.element_offset, self.shape, self.stride)
+        if manager.use_streams:
+            manager._unpack_prefetch(self)
         return out
 
 
@@ -285,23 +378,55 @@ class _Offloaded:
 class _Session:
     """One ``with`` block's pack order (for prefetch) and storage dedup map.
 
-    Holds handles and host copies weakly: it owns no payload.
+    Holds handles and host copies weakly: it owns no payload. The tape drops its dead
+    prefix as it grows, so one ``with`` around a whole training loop stays cheap.
     """
 
-    __slots__ = ("__weakref__", "prefetched", "shared", "tape")
+    __slots__ = ("__weakref__", "base", "prefetching", "shared", "tape")
 
     def __init__(self) -> None:
-        self.tape: list[weakref.ref[_Offloaded]] = []
+        self.tape: deque[weakref.ref[_Offloaded]] = deque()
+        self.base = 0  # pack index of tape[0]
         self.shared: weakref.WeakValueDictionary[tuple[int, int], _HostCopy] = (
             weakref.WeakValueDictionary()
         )
-        self.prefetched = 0
+        #: copies with a prefetched device copy not yet consumed, weakly, in plan order
+        self.prefetching: deque[weakref.ref[_HostCopy]] = deque()
+
+    def next_index(self) -> int:
+        return self.base + len(self.tape)
+
+    def append(self, handle: _Offloaded) -> None:
+        self.tape.append(weakref.ref(handle))
+        if len(self.tape) >= 2048 and self.tape[0]() is None:
+            while self.tape and self.tape[0]() is None:  # a dead prefix: earlier steps
+                self.tape.popleft()
+                self.base += 1
+
+    def handle_at(self, index: int) -> _Offloaded | None:
+        i = index - self.base
+        return self.tape[i]() if 0 <= i < len(self.tape) else None
 
 
 def _accelerator() -> torch.device | None:
     if not torch.accelerator.is_available():
         return None
     return torch.accelerator.current_accelerator()
+
+
+def _pack_hook(manager_ref: weakref.ref[OffloadActivations]) -> Callable[[torch.Tensor], Any]:
+    # Module-level closures over a weak reference: hooks bound to the instance would make
+    # every OffloadActivations a reference cycle (and its pinned pool gc-only).
+    def pack(t: torch.Tensor) -> Any:
+        manager = manager_ref()
+        return _Kept(t) if manager is None else manager._pack(t)
+
+    return pack
+
+
+def _unpack_hook(packed: Any) -> torch.Tensor:
+    out: torch.Tensor = packed.unpack()
+    return out
 
 
 class OffloadActivations(saved_tensors_hooks):
@@ -317,7 +442,7 @@ class OffloadActivations(saved_tensors_hooks):
             device tensors are kept alive until then), and how many host-to-device copies
             backward prefetches ahead. At least 1.
         device: the device to offload from; by default the current accelerator. Tensors on
-            other devices stay put.
+            other device types stay put.
         force_host_copy: on a machine without an accelerator, offload CPU tensors to
             separate host buffers and back, so the whole path (handles, pool, dedup,
             lifetimes) runs and is tested on CPU. Without it, on such a machine, nothing is
@@ -325,12 +450,15 @@ class OffloadActivations(saved_tensors_hooks):
         pin_memory_budget: bytes of pinned host memory the pool may hold (in use plus
             cached); beyond it copies use pageable memory. Default: a quarter of RAM.
 
-    Parameters, buffers (``update_model_params``), tensor subclasses, non-strided layouts
-    and tensors with lazy conj/neg bits are never offloaded. Several views of one storage
-    are copied once and restored as views of one storage again. The restored tensor has the
-    original shape, strides and storage offset, so gradients are bit-identical.
+    Parameters, views of parameters, what ``update_model_params`` registered (matched by
+    storage address: call it again after moving the model), tensor subclasses, non-strided
+    layouts and tensors with lazy conj/neg bits are never offloaded. Several views of one
+    storage are copied once and restored as views of one storage again. Restored tensors
+    have the original shape and strides (and storage offset, for whole-storage copies), so
+    gradients are bit-identical. In-place changes to a saved tensor are reported as PyTorch
+    reports them while the tensor is still on the device (kept, or its copy in flight).
 
-    ``__exit__`` makes the compute stream wait for the side stream and drops every device
+    ``__exit__`` makes each compute stream wait for its side stream and drops every device
     tensor kept for an in-flight copy, in ``finally``, so the hooks are always popped.
     """
 
@@ -373,18 +501,23 @@ class OffloadActivations(saved_tensors_hooks):
         self._device_module: Any = (
             torch.get_device_module(target.type) if accelerated and target is not None else None
         )
-        self._side_stream: Any = None  # created on first use, on the target device
+        self._side_streams: dict[int, Any] = {}  # device index -> side stream
         self._param_storages: frozenset[int] = frozenset()
         self._session = _Session()
+        self._depth = 0
         self._in_flight: deque[weakref.ref[_Offloaded]] = deque()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # backward may unpack on several device threads
         self.enabled = target is not None
-        super().__init__(self._pack, self._unpack)
+        super().__init__(_pack_hook(weakref.ref(self)), _unpack_hook)
 
     # -- configuration ------------------------------------------------------------------
 
     def update_model_params(self, model: nn.Module) -> None:
-        """Never offload ``model``'s parameters and buffers (matched by storage)."""
+        """Never offload ``model``'s parameters and buffers (matched by storage address).
+
+        Addresses change when the model moves (``.to()``) or its storage is re-created:
+        call it again then.
+        """
         storages = set()
         for t in [*model.parameters(), *model.buffers()]:
             local = getattr(t, "_local_tensor", t)  # DTensor shards
@@ -414,39 +547,34 @@ class OffloadActivations(saved_tensors_hooks):
 
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._eligible(t):
-            return t  # kept as plain PyTorch would keep it
+            return _Kept(t)  # stays where it is, as plain PyTorch would keep it
         storage = t.untyped_storage()
         elem = t.element_size()
         first, end = _span(t)
         span_bytes = (end - first) * elem
         whole = storage.nbytes() <= 2 * span_bytes
-        session = self._session
-        copy = self._shared_copy(session, storage, t._version) if whole else None
-        if copy is None:
-            start = 0 if whole else first * elem
-            nbytes = storage.nbytes() if whole else span_bytes
-            copy = _HostCopy(self.pool, nbytes, start, t.device)
-            self._copy_out(t, storage, copy)
-            if whole:
-                copy.source = weakref.ref(storage)
-                session.shared[(storage.data_ptr(), t._version)] = copy
-        offset = int(t.storage_offset()) - copy.byte_start // elem
-        handle = _Offloaded(self, session, copy, t, offset)
-        session.tape.append(weakref.ref(handle))
-        if self.use_streams:
-            # The device tensor stays alive (owned by the handle) until its copy retires.
-            handle.in_flight = t
-            handle.event = copy.block.event
-            self._push_in_flight(handle)
+        with self._lock:
+            session = self._session
+            copy = self._shared_copy(session, storage, t._version) if whole else None
+            if copy is None:
+                start = 0 if whole else first * elem
+                nbytes = storage.nbytes() if whole else span_bytes
+                copy = _HostCopy(self.pool, nbytes, start, t.device)
+                self._copy_out(t, storage, copy)
+                if whole:
+                    copy.source = weakref.ref(storage)
+                    session.shared[(storage.data_ptr(), t._version)] = copy
+            offset = int(t.storage_offset()) - copy.byte_start // elem
+            handle = _Offloaded(self, session, copy, t, offset)
+            session.append(handle)
+            if self.use_streams and copy.block.pinned:
+                # The device tensor stays alive (owned by the handle, detached: no grad_fn
+                # cycle) until its copy retires. Pageable copies are synchronous already.
+                handle.in_flight = t.detach()
+                handle.event = copy.block.event
+                for old in _retire(self._in_flight, weakref.ref(handle), self.max_fwd_stash_size):
+                    old.in_flight = None  # record_stream(side) keeps its memory safe
         return handle
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        out: torch.Tensor = packed.unpack()
-        if self.use_streams:
-            self._prefetch_before(packed)
-        return out
 
     # -- copies -----------------------------------------------------------------------------
 
@@ -457,7 +585,9 @@ class OffloadActivations(saved_tensors_hooks):
 
         Keyed by address and version counter (an in-place write makes a new copy), and
         valid only while the storage it was copied from is alive (an address is reused
-        only after its storage died): no stale keys, nothing to clean up.
+        only after its storage died): no stale keys, nothing to clean up. Writes that
+        bypass the version counter (through ``.data``, ``set_`` or numpy aliases) between
+        two saves are not seen: PyTorch does not track them either.
         """
         copy = session.shared.get((storage.data_ptr(), version))
         if copy is not None and copy.source is not None and copy.source() is not None:
@@ -473,105 +603,119 @@ class OffloadActivations(saved_tensors_hooks):
             side = self._side(t.device)
             side.wait_stream(compute)  # the activation is complete before we read it
             with self._device_module.stream(side):
-                dst.copy_(src, non_blocking=self.use_pin_memory)
+                dst.copy_(src, non_blocking=copy.block.pinned)
                 event = side.record_event()
             # The allocator must not hand this block to anyone before the copy ran, even if
             # every reference to it is dropped early (e.g. the graph dies in forward).
             t.record_stream(side)
         elif self._device_module is not None:
-            dst.copy_(src, non_blocking=self.use_pin_memory)
+            dst.copy_(src, non_blocking=copy.block.pinned)
             event = self._device_module.current_stream(t.device).record_event()
         else:
             dst.copy_(src)
             event = None
-        copy.block.event = event
+        copy.block.event = event  # the pool reuses the block only after this completes
 
     def _restore(self, copy: _HostCopy, session: _Session) -> torch.UntypedStorage:
         """A device storage holding ``copy``'s bytes (shared with a live restored sibling)."""
-        if copy.restored is not None:
-            alive = copy.restored()
-            if alive is not None:
-                return alive  # type: ignore[no-any-return]
-        if copy.prefetched is not None:
-            dev, event = copy.prefetched
-            copy.prefetched = None
-            session.prefetched = max(0, session.prefetched - 1)
-            compute = self._device_module.current_stream(copy.device)
-            compute.wait_event(event)
-            dev.record_stream(compute)  # allocated on the side stream, used on compute
-        else:
-            dev = self._copy_in(copy)
-        storage = dev.untyped_storage()
-        copy.restored = weakref.ref(storage)
-        return storage
+        with self._lock:
+            if copy.restored is not None:
+                alive, event = copy.restored[0](), copy.restored[1]
+                if alive is not None:
+                    if event is not None:
+                        # The sibling's backward may run on another stream: order and
+                        # protect this use too.
+                        current = self._device_module.current_stream(copy.device)
+                        current.wait_event(event)
+                        _bytes_of(alive, copy.device).record_stream(current)
+                    return alive  # type: ignore[no-any-return]
+            if copy.prefetched is not None:
+                dev, event = copy.prefetched
+                copy.prefetched = None
+                compute = self._device_module.current_stream(copy.device)
+                compute.wait_event(event)
+                dev.record_stream(compute)  # allocated on the side stream, used on compute
+            else:
+                dev, event = self._copy_in(copy)
+            storage = dev.untyped_storage()
+            copy.restored = (weakref.ref(storage), event)
+            return storage
 
-    def _copy_in(self, copy: _HostCopy, *, prefetch: bool = False) -> torch.Tensor:
+    def _copy_in(self, copy: _HostCopy, *, prefetch: bool = False) -> tuple[torch.Tensor, Any]:
         src = copy.host_bytes()
         if self.use_streams:
-            compute = self._device_module.current_stream(copy.device)
             side = self._side(copy.device)
-            side.wait_stream(compute)  # `dev` was allocated on compute: ordered before use
+            # No wait for compute: the host bytes were written on this same side stream.
             with self._device_module.stream(side):
                 dev = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
-                dev.copy_(src, non_blocking=self.use_pin_memory)
+                dev.copy_(src, non_blocking=copy.block.pinned)
                 event = side.record_event()
             copy.block.event = event  # the host block is read until this completes
             if prefetch:
                 copy.prefetched = (dev, event)
             else:
+                compute = self._device_module.current_stream(copy.device)
                 compute.wait_event(event)
                 dev.record_stream(compute)
-        else:
-            dev = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
-            dev.copy_(src, non_blocking=self.use_pin_memory)
-            if self._device_module is not None:
-                copy.block.event = self._device_module.current_stream(copy.device).record_event()
-        return dev
+            return dev, event
+        dev = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
+        dev.copy_(src, non_blocking=copy.block.pinned)
+        event = None
+        if self._device_module is not None:
+            event = self._device_module.current_stream(copy.device).record_event()
+            copy.block.event = event
+        return dev, event
 
     def _side(self, device: torch.device) -> Any:
-        if self._side_stream is None:
-            self._side_stream = self._device_module.Stream(device=device)
-        return self._side_stream
+        index = (
+            device.index if device.index is not None else torch.accelerator.current_device_index()
+        )
+        side = self._side_streams.get(index)
+        if side is None:
+            side = self._side_streams[index] = self._device_module.Stream(device=device)
+        return side
 
-    # -- in-flight window and prefetch (their decisions are plain Python, tested on CPU) ----
+    # -- backward prefetch (its decisions are plain Python, tested on CPU) -----------------
 
-    def _push_in_flight(self, handle: _Offloaded) -> None:
-        for old in _retire(self._in_flight, weakref.ref(handle), self.max_fwd_stash_size):
-            self._retire_one(old)
-
-    def _retire_one(self, handle: _Offloaded) -> None:
-        # Compute waits for the copy; after that, dropping the device tensor is safe: the
-        # allocator reuses its block only for work ordered after this point.
-        if handle.event is not None and self._device_module is not None:
-            self._device_module.current_stream(handle.copy.device).wait_event(handle.event)
-        handle.in_flight = None
-
-    def _prefetch_before(self, handle: _Offloaded) -> None:
-        session = handle.session
-        budget = self.max_fwd_stash_size - session.prefetched
-        for copy in _prefetch_plan(session.tape, handle, budget):
-            self._copy_in(copy, prefetch=True)
-            session.prefetched += 1
+    def _unpack_prefetch(self, handle: _Offloaded) -> None:
+        with self._lock:
+            session = handle.session
+            live = _prune_prefetching(session.prefetching, handle.index)
+            for copy in _prefetch_plan(session, handle, self.max_fwd_stash_size - live):
+                self._copy_in(copy, prefetch=True)
+                session.prefetching.append(weakref.ref(copy))
 
     # -- context ------------------------------------------------------------------------------
 
     def __enter__(self) -> OffloadActivations:  # type: ignore[override]
-        # A fresh tape for prefetch; the previous forward's handles keep their own session.
-        self._session = _Session()
+        with self._lock:
+            if self._depth == 0:
+                # A fresh tape and dedup map for this forward; earlier forwards' handles
+                # keep their own session. Nested entries of the same instance share it.
+                self._session = _Session()
+            self._depth += 1
         super().__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
-            if self.use_streams and self._side_stream is not None and self.device is not None:
-                compute = self._device_module.current_stream(self.device)
-                compute.wait_stream(self._side_stream)
-            while self._in_flight:
-                handle = self._in_flight.popleft()()
-                if handle is not None:
-                    handle.in_flight = None
+            with self._lock:
+                self._depth -= 1
+                if self._device_module is not None:
+                    assert self.device is not None
+                    for index, side in self._side_streams.items():
+                        device = torch.device(self.device.type, index)
+                        self._device_module.current_stream(device).wait_stream(side)
+                while self._in_flight:
+                    handle = self._in_flight.popleft()()
+                    if handle is not None:
+                        handle.in_flight = None
         finally:
             super().__exit__(*exc)
+
+
+def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
 def _retire(
@@ -589,27 +733,51 @@ def _retire(
             yield old
 
 
-def _prefetch_plan(
-    tape: list[weakref.ref[_Offloaded]], current: _Offloaded, budget: int
-) -> list[_HostCopy]:
+def _prune_prefetching(window: deque[weakref.ref[_HostCopy]], current: int) -> int:
+    """Drop prefetches that were consumed, died, or that backward has moved past.
+
+    Backward runs towards lower pack indexes: a prefetched copy whose handles are all at or
+    above ``current`` and was not consumed is not going to be (an unused branch, a partial
+    ``autograd.grad``); its device copy is dropped. Returns how many are still pending.
+    """
+    kept: deque[weakref.ref[_HostCopy]] = deque()
+    while window:
+        ref = window.popleft()
+        copy = ref()
+        if copy is None or copy.prefetched is None:
+            continue
+        if copy.index >= current:
+            copy.prefetched = None  # stale: free its device memory now
+            continue
+        kept.append(ref)
+    window.extend(kept)
+    return len(window)
+
+
+#: How far back (in pack order) one prefetch plan looks past dead entries.
+_PLAN_SCAN = 256
+
+
+def _prefetch_plan(session: _Session, current: _Offloaded, budget: int) -> list[_HostCopy]:
     """Host copies to bring back ahead of time: those packed just before ``current``.
 
     Backward runs roughly in reverse pack order, so the tensors saved right before the one
     being unpacked are needed next. Skips what is still on device, already restored or
-    prefetched, and handles whose graph is gone. At most ``budget`` copies.
+    prefetched, and handles whose graph is gone; looks at most ``_PLAN_SCAN`` entries back.
+    At most ``budget`` copies.
     """
-    if budget <= 0:
-        return []
     plan: list[_HostCopy] = []
+    if budget <= 0:
+        return plan
     seen: set[int] = {id(current.copy)}
-    for index in range(current.index - 1, -1, -1):
-        ref = tape[index]
-        handle = ref()
+    stop = max(session.base, current.index - _PLAN_SCAN)
+    for index in range(current.index - 1, stop - 1, -1):
+        handle = session.handle_at(index)
         if handle is None or handle.in_flight is not None or id(handle.copy) in seen:
             continue
         copy = handle.copy
         seen.add(id(copy))
-        if copy.prefetched is not None or (copy.restored is not None and copy.restored()):
+        if copy.prefetched is not None or (copy.restored is not None and copy.restored[0]()):
             continue
         plan.append(copy)
         if len(plan) >= budget:
@@ -618,19 +786,17 @@ def _prefetch_plan(
 
 
 class NoOffload(saved_tensors_hooks):
-    """Inside this context, saved tensors are kept as plain PyTorch keeps them.
+    """Inside this context, saved tensors stay where they are.
 
     Use it around parts of the forward whose activations are needed again right away
     (the output head), or that must not move. Nests with :class:`OffloadActivations` and
-    with itself: the innermost context decides.
+    with itself: the innermost context decides. Unlike identity hooks it keeps saved tensors
+    detached (a saved output with its ``grad_fn`` would be an uncollectable cycle) and
+    reports in-place changes to them, as PyTorch does without hooks.
     """
 
     def __init__(self) -> None:
-        super().__init__(_identity, _identity)
-
-
-def _identity(t: Any) -> Any:
-    return t
+        super().__init__(_Kept, _unpack_hook)
 
 
 # --- model helpers ---------------------------------------------------------------------------

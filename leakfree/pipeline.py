@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from leakfree._warnings import LeakfreeWarning
 from leakfree.function import Function, _never_holds_outputs
 
 __all__ = [
@@ -55,7 +56,7 @@ __all__ = [
 ]
 
 
-class PipelineWarning(UserWarning):
+class PipelineWarning(LeakfreeWarning):
     """A pipeline primitive could not do what it promised (and did nothing instead)."""
 
 

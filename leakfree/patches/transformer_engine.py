@@ -1,0 +1,146 @@
+"""Transformer Engine: release ``ctx.tensor_objects`` after backward.
+
+In forward, TE strips the buffers out of its quantized storage objects (Float8 / MXFP8 /
+NVFP4 / Blockwise ``*TensorStorage``, ``*TensorBase`` up to 2.8) with
+``prepare_for_saving``, saves the buffers with ``save_for_backward`` and parks the emptied
+objects in ``ctx.tensor_objects``. Backward's ``restore_from_saved`` puts the buffers back
+into those same objects, which stay pinned by ``ctx`` until the graph dies: +20 GB with
+full activation checkpointing, an OOM on Llama3 405B. Only FP8-type recipes leak.
+
+The repair is :func:`leakfree.release_after_backward` with ``attrs=("tensor_objects",)``:
+the attribute is set to ``None`` after the last backward, exactly as TE 2.15's own fix
+does. The table below is REFERENCE's; versions are read from package metadata, never by
+importing TE (which loads CUDA libraries).
+"""
+
+from __future__ import annotations
+
+import dis
+import types
+from typing import Any
+
+import torch
+
+from leakfree.function import release_after_backward
+from leakfree.patches._registry import Patch, Skip
+
+__all__ = ["PATCHES"]
+
+DISTRIBUTIONS = ("transformer_engine", "transformer-engine", "transformer_engine_torch")
+ATTR = "tensor_objects"
+#: Optional hardening (``patch_all(transformer_engine="harden")``): the fuser's backward
+#: stops early when no more gradients are needed, leaving the per-op contexts of the ops
+#: that did not run (and their saved tensors) on ``func_ctx.basic_op_ctxs``.
+FUSER_EXTRA = "basic_op_ctxs"
+
+_OLD_ATTENTION = "transformer_engine.pytorch.attention"
+_NEW_BACKENDS = "transformer_engine.pytorch.attention.dot_product_attention.backends"
+_NEW_CP = "transformer_engine.pytorch.attention.dot_product_attention.context_parallel"
+
+
+def _code_facts(fn: Any) -> tuple[set[str], set[str]]:
+    """Names a function's code loads or calls, and attribute names it stores (nested too)."""
+    code = getattr(fn, "__code__", None)
+    names: set[str] = set()
+    stored: set[str] = set()
+    stack = [code] if code is not None else []
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        for ins in dis.get_instructions(c):
+            if ins.opname == "STORE_ATTR":
+                stored.add(str(ins.argval))
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return names, stored
+
+
+def _check(target: Any, module: types.ModuleType) -> Skip | None:
+    if not (isinstance(target, type) and issubclass(target, torch.autograd.Function)):
+        return Skip("target not found", f"{target!r} is not an autograd Function")
+    backward = target.__dict__.get("backward")
+    fn = getattr(backward, "__func__", backward)
+    if fn is None:
+        return Skip("target not found", f"{target.__qualname__} defines no backward")
+    names, stored = _code_facts(fn)
+    if "restore_from_func_ctx" in names or ATTR in stored:
+        return Skip("already fixed upstream", f"{target.__qualname__}.backward releases {ATTR}")
+    if "restore_from_saved" not in names or ATTR not in names:
+        return Skip(
+            "target not found",
+            f"{target.__qualname__}.backward does not use restore_from_saved / ctx.{ATTR}",
+        )
+    return None
+
+
+def _apply(target: Any, module: types.ModuleType, option: Any) -> Any:
+    attrs = (ATTR, FUSER_EXTRA) if option == "harden" and "Fuser" in target.__name__ else (ATTR,)
+    return release_after_backward(target, attrs=attrs).restore
+
+
+def _patch(
+    name: str,
+    target: str,
+    modules: tuple[tuple[str, str], ...],
+    affected: str,
+    fixed_in: str,
+    **kw: Any,
+) -> Patch:
+    return Patch(
+        name=f"transformer_engine.{name}",
+        integration="transformer_engine",
+        distributions=DISTRIBUTIONS,
+        modules=modules,
+        target=target,
+        affected=affected,
+        fixed_in=fixed_in,
+        check=_check,
+        apply=_apply,
+        description=f"ctx.{ATTR} released after the last backward",
+        **kw,
+    )
+
+
+_ATTENTION_LAYOUTS = ((">=2.3", _NEW_BACKENDS), (">=2.0,<2.3", _OLD_ATTENTION))
+_CP_LAYOUTS = ((">=2.3", _NEW_CP), (">=2.0,<2.3", _OLD_ATTENTION))
+
+PATCHES: tuple[Patch, ...] = (
+    _patch(
+        "fuser",
+        "_OperationFuserAutogradFunction",
+        ((">=2.6", "transformer_engine.pytorch.ops.fuser"),),
+        ">=2.6,<2.14",
+        "2.14",
+        widen=(("harden", ">=2.6"),),
+    ),
+    _patch("fused_attention", "FusedAttnFunc", _ATTENTION_LAYOUTS, ">=2.0,<2.15", "2.15"),
+    _patch("cp_attention_p2p", "AttnFuncWithCPAndKVP2P", _CP_LAYOUTS, ">=2.0,<2.15", "2.15"),
+    _patch("cp_attention_a2a", "AttnFuncWithCPAndQKVOA2A", _CP_LAYOUTS, ">=2.0,<2.15", "2.15"),
+    _patch(
+        "grouped_linear",
+        "_GroupedLinear",
+        ((">=2.0", "transformer_engine.pytorch.module.grouped_linear"),),
+        ">=2.0,<2.15",
+        "2.15",
+    ),
+    _patch(
+        "linear",
+        "_Linear",
+        ((">=2.0", "transformer_engine.pytorch.module.linear"),),
+        ">=2.0,<2.1",
+        "2.1",
+    ),
+    _patch(
+        "layernorm_linear",
+        "_LayerNormLinear",
+        ((">=2.0", "transformer_engine.pytorch.module.layernorm_linear"),),
+        ">=2.0,<2.1",
+        "2.1",
+    ),
+    _patch(
+        "layernorm_mlp",
+        "_LayerNormMLP",
+        ((">=2.0", "transformer_engine.pytorch.module.layernorm_mlp"),),
+        ">=2.0,<2.1",
+        "2.1",
+    ),
+)

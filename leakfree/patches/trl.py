@@ -1,0 +1,134 @@
+"""TRL: replace ``trl.models.activation_offloading.OffloadActivations`` with leakfree's.
+
+TRL's offloader keeps payloads in dictionaries owned by the context manager. Before 1.4
+its ``__exit__`` never cleared the stashes (5+ GB, ~0.2 GiB per step); before 1.5 entries
+of forwards whose backward never ran survived until the next step (~0.6 GiB per step with
+QLoRA, ~60 tensors per micro-step with MoE). :class:`leakfree.OffloadActivations` has the
+same constructor and ``update_model_params``, and the graph owns its payloads.
+
+Two names are replaced, in the module that defines them and in every module that
+imported them (``trl.models``, the trainers), and put back by ``unpatch_all()``:
+
+* ``OffloadActivations`` -> :class:`leakfree.OffloadActivations`;
+* ``get_act_offloading_ctx_manager`` -> a function with TRL's signature built on
+  :func:`leakfree.offload_model`, whose head hooks are replaced on every call instead of
+  piling up (TRL adds a new, unremovable pair per call, in every version to date).
+
+Applied to versions before 1.5 by default; ``patch_all(trl="always")`` applies them to
+any version.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from leakfree.patches._registry import Patch, Skip
+
+__all__ = ["PATCHES", "get_act_offloading_ctx_manager"]
+
+MODULE = "trl.models.activation_offloading"
+
+
+def get_act_offloading_ctx_manager(
+    model: nn.Module,
+    use_pin_memory: bool = True,
+    use_streams: bool = True,
+    min_offload_size: int = 1024,
+    max_fwd_stash_size: int = 5,
+    warn_if_no_head: bool = True,
+) -> Any:
+    """TRL's ``get_act_offloading_ctx_manager``, on :func:`leakfree.offload_model`.
+
+    Same signature and behaviour (output head and Liger modules kept on device), except
+    that the hooks are registered once per model and can be removed with
+    :func:`leakfree.remove_offload_hooks`.
+    """
+    from leakfree.offload import offload_model
+
+    root = getattr(model, "module", model)
+    liger = [m for name, m in root.named_modules() if "liger" in name.lower()]
+    return offload_model(
+        model,
+        no_offload=liger,
+        warn_if_no_head=warn_if_no_head,
+        use_pin_memory=use_pin_memory,
+        use_streams=use_streams,
+        min_offload_size=min_offload_size,
+        max_fwd_stash_size=max_fwd_stash_size,
+    )
+
+
+def _replace_everywhere(original: Any, replacement: Any, name: str) -> Callable[[], None]:
+    """Rebind ``name`` wherever it is bound to ``original``; return the undo."""
+    rebound: list[types.ModuleType] = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if namespace is not None and namespace.get(name) is original:
+            namespace[name] = replacement
+            rebound.append(module)
+
+    def undo() -> None:
+        for module in rebound:
+            if module.__dict__.get(name) is replacement:
+                module.__dict__[name] = original
+
+    return undo
+
+
+def _check_class(target: Any, module: types.ModuleType) -> Skip | None:
+    if not isinstance(target, type) or not hasattr(target, "update_model_params"):
+        return Skip("target not found", f"{target!r} is not TRL's OffloadActivations class")
+    return None
+
+
+def _check_function(target: Any, module: types.ModuleType) -> Skip | None:
+    if not callable(target) or getattr(target, "__code__", None) is None:
+        return Skip("target not found", f"{target!r} is not a function")
+    if "model" not in target.__code__.co_varnames[: target.__code__.co_argcount]:
+        return Skip("target not found", "get_act_offloading_ctx_manager(model, ...) expected")
+    return None
+
+
+def _apply_class(target: Any, module: types.ModuleType, option: Any) -> Callable[[], None]:
+    from leakfree.offload import OffloadActivations
+
+    return _replace_everywhere(target, OffloadActivations, "OffloadActivations")
+
+
+def _apply_function(target: Any, module: types.ModuleType, option: Any) -> Callable[[], None]:
+    return _replace_everywhere(
+        target, get_act_offloading_ctx_manager, "get_act_offloading_ctx_manager"
+    )
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="trl.offload_activations",
+        integration="trl",
+        distributions=("trl",),
+        modules=(("", MODULE),),
+        target="OffloadActivations",
+        affected="<1.5",
+        fixed_in="1.5 (leaks); later versions still fail on retain_graph and several with-blocks",
+        check=_check_class,
+        apply=_apply_class,
+        description="replaced by leakfree.OffloadActivations",
+    ),
+    Patch(
+        name="trl.act_offloading_ctx_manager",
+        integration="trl",
+        distributions=("trl",),
+        modules=(("", MODULE),),
+        target="get_act_offloading_ctx_manager",
+        affected="<1.5",
+        fixed_in="not fixed (hooks stack per call); applied with the class",
+        check=_check_function,
+        apply=_apply_function,
+        description="replaced by one on leakfree.offload_model (hooks never stack)",
+    ),
+)
