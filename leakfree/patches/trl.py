@@ -63,21 +63,23 @@ def get_act_offloading_ctx_manager(
     )
 
 
-def _replace_everywhere(original: Any, replacement: Any, name: str) -> Callable[[], None]:
-    """Rebind ``name`` wherever it is bound to ``original``; return the undo."""
-    rebound: list[types.ModuleType] = []
-    for module in list(sys.modules.values()):
+def _rebind(old: Any, new: Any, name: str) -> None:
+    for module_name, module in list(sys.modules.items()):
+        if module_name == "leakfree" or module_name.startswith("leakfree."):
+            continue  # where the replacements themselves are defined
         namespace = getattr(module, "__dict__", None)
-        if namespace is not None and namespace.get(name) is original:
-            namespace[name] = replacement
-            rebound.append(module)
+        if namespace is not None and namespace.get(name) is old:
+            namespace[name] = new
 
-    def undo() -> None:
-        for module in rebound:
-            if module.__dict__.get(name) is replacement:
-                module.__dict__[name] = original
 
-    return undo
+def _replace_everywhere(original: Any, replacement: Any, name: str) -> Callable[[], None]:
+    """Rebind ``name`` wherever it is bound to ``original``; return the undo.
+
+    Modules imported after the patch copy the replacement from the patched module; the
+    undo therefore puts the original back wherever the replacement is bound by then.
+    """
+    _rebind(original, replacement, name)
+    return lambda: _rebind(replacement, original, name)
 
 
 def _check_class(target: Any, module: types.ModuleType) -> Skip | None:

@@ -1,0 +1,550 @@
+"""patch_all / unpatch_all / patch_report against Transformer Engine stand-ins and real TRL.
+
+Every scenario runs in a fresh interpreter: patches and post-import hooks are
+process-global, and "patch first, import later" needs an import that has not happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.standins.transformer_engine_factory import build, location
+
+ROOT = Path(__file__).resolve().parents[1]
+TE_PATCHES = [
+    "fuser",
+    "fused_attention",
+    "cp_attention_p2p",
+    "cp_attention_a2a",
+    "grouped_linear",
+    "linear",
+    "layernorm_linear",
+    "layernorm_mlp",
+]
+
+
+def run_py(code: str, *paths: Path, timeout: float = 180) -> Any:
+    """Run ``code`` in a fresh interpreter with ``paths`` first on sys.path; parse its JSON."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), str(ROOT)])
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"subprocess failed:\n{done.stdout}\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# Exercise every stand-in Function: is its quantized storage object (and the restored
+# buffers inside it) still alive after backward, while the output (and graph) is alive?
+PROBE = """
+import importlib, json, sys, warnings, weakref
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+LOCATIONS = {locations}
+
+def probe():
+    out = {{}}
+    for name, (module, cls_name) in LOCATIONS.items():
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+        except (ImportError, AttributeError):
+            continue
+        x = torch.randn(4, 8, requires_grad=True)
+        w = torch.randn(8, 3, requires_grad=True)
+        y = cls.apply(x, w)
+        node = y.grad_fn
+        obj = weakref.ref(node.tensor_objects[0])
+        data = StorageWeakRef(node.saved_tensors[0].untyped_storage())
+        op_ctx = weakref.ref(node.basic_op_ctxs[0]) if hasattr(node, "basic_op_ctxs") else None
+        y.sum().backward()
+        out[name] = {{
+            "leaks": obj() is not None or not data.expired(),
+            "op_ctx_kept": None if op_ctx is None else op_ctx() is not None,
+        }}
+        del y, node
+    return out
+"""
+
+
+def te_script(version: str, *parts: str) -> str:
+    """The probe for ``version``'s layout, then ``parts`` (each dedented on its own)."""
+    locations = {p: location(p, version) for p in TE_PATCHES}
+    return PROBE.format(locations=repr(locations)) + "".join(
+        textwrap.dedent(part) for part in parts
+    )
+
+
+@pytest.fixture(scope="module")
+def te(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("te")
+    return {v: build(base / v, v) for v in ("2.0.0", "2.1.0", "2.13.0", "2.15.0")}
+
+
+def statuses(report: list[dict[str, Any]]) -> dict[str, str]:
+    return {
+        r["name"].split(".", 1)[1]: r["status"]
+        for r in report
+        if r["integration"] == "transformer_engine"
+    }
+
+
+REPORT = """
+def report():
+    return [dict(name=r.name, integration=r.integration, status=r.status, reason=r.reason,
+                 version=r.version) for r in leakfree.patch_report()]
+"""
+
+
+def test_te_unpatched_leaks_patched_frees_unpatch_restores(te: dict[str, Path]) -> None:
+    result = run_py(
+        te_script(
+            "2.13.0",
+            """
+            import leakfree
+            """,
+            REPORT,
+            """
+            before = probe()
+            originals = {n: importlib.import_module(m).__dict__[c].__dict__["backward"]
+                         for n, (m, c) in LOCATIONS.items()
+                         if hasattr(importlib.import_module(m), c)}
+            leakfree.patch_all()   # modules already imported: applied at once
+            after = probe()
+            leakfree.unpatch_all()
+            restored = all(importlib.import_module(m).__dict__[c].__dict__["backward"]
+                           is originals[n] for n, (m, c) in LOCATIONS.items() if n in originals)
+            again = probe()
+            print(json.dumps(dict(before=before, after=after, again=again,
+                                  restored=restored, report=report())))
+            """,
+        ),
+        te["2.13.0"],
+    )
+    affected = [
+        "fuser",
+        "fused_attention",
+        "cp_attention_p2p",
+        "cp_attention_a2a",
+        "grouped_linear",
+    ]
+    for name in affected:
+        assert result["before"][name]["leaks"], name  # the leak exists unpatched
+        assert not result["after"][name]["leaks"], name  # gone patched
+        assert result["again"][name]["leaks"], name  # back after unpatch_all
+    for name in ("linear", "layernorm_linear", "layernorm_mlp"):  # fixed upstream in 2.1
+        assert not result["before"][name]["leaks"]
+    assert result["restored"]
+    assert set(statuses(result["report"]).values()) <= {"reverted", "skipped"}
+
+
+def test_te_lazy_patch_in_a_fresh_process(te: dict[str, Path]) -> None:
+    result = run_py(
+        te_script(
+            "2.13.0",
+            """
+            import leakfree
+            """,
+            REPORT,
+            """
+            leakfree.patch_all()
+            not_imported = not any(m.startswith("transformer_engine") for m in sys.modules)
+            pending = report()
+            leaks = probe()             # imports the modules now: hooks apply the patches
+            print(json.dumps(dict(not_imported=not_imported, pending=pending,
+                                  applied=report(), leaks=leaks)))
+            """,
+        ),
+        te["2.13.0"],
+    )
+    assert result["not_imported"]  # patch_all() itself imports no TE module
+    pending = statuses(result["pending"])
+    assert pending["fused_attention"] == "pending import"
+    assert pending["linear"] == "skipped"  # 2.13 is not affected (fixed in 2.1)
+    applied = statuses(result["applied"])
+    for name in (
+        "fuser",
+        "fused_attention",
+        "cp_attention_p2p",
+        "cp_attention_a2a",
+        "grouped_linear",
+    ):
+        assert applied[name] == "applied", name
+        assert not result["leaks"][name]["leaks"], name
+    reasons = {r["name"]: r["reason"] for r in result["applied"]}
+    assert "not affected (fixed in 2.1)" in reasons["transformer_engine.linear"]
+
+
+@pytest.mark.parametrize(
+    ("version", "expect_applied"),
+    [
+        (
+            "2.0.0",
+            {
+                "fused_attention",
+                "cp_attention_p2p",
+                "cp_attention_a2a",
+                "grouped_linear",
+                "linear",
+                "layernorm_linear",
+                "layernorm_mlp",
+            },
+        ),
+        ("2.1.0", {"fused_attention", "cp_attention_p2p", "cp_attention_a2a", "grouped_linear"}),
+        ("2.15.0", set()),
+    ],
+)
+def test_te_versions(te: dict[str, Path], version: str, expect_applied: set[str]) -> None:
+    result = run_py(
+        te_script(
+            version,
+            """
+            import leakfree
+            """,
+            REPORT,
+            """
+            leakfree.patch_all()
+            leaks = probe()
+            print(json.dumps(dict(report=report(), leaks=leaks)))
+            """,
+        ),
+        te[version],
+    )
+    st = statuses(result["report"])
+    assert {n for n, s in st.items() if s == "applied"} == expect_applied
+    assert not any(v["leaks"] for v in result["leaks"].values())  # nothing leaks, anywhere
+    if version == "2.15.0":
+        assert all(s == "skipped" for s in st.values())
+
+
+def test_te_fixed_upstream_detected_by_code_even_when_forced(te: dict[str, Path]) -> None:
+    result = run_py(
+        te_script(
+            "2.15.0",
+            """
+            import leakfree
+            """,
+            REPORT,
+            """
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")   # already fixed is not a warning
+                leakfree.patch_all(transformer_engine="always")
+                probe()
+            print(json.dumps(report()))
+            """,
+        ),
+        te["2.15.0"],
+    )
+    reasons = {r["name"]: r["reason"] for r in result}
+    assert reasons["transformer_engine.fused_attention"].startswith("already fixed upstream")
+    assert reasons["transformer_engine.fuser"].startswith("already fixed upstream")
+
+
+def test_te_fuser_hardening_releases_per_op_contexts(te: dict[str, Path]) -> None:
+    result = run_py(
+        te_script(
+            "2.13.0",
+            """
+            import leakfree
+            leakfree.patch_all()
+            plain = probe()["fuser"]
+            leakfree.unpatch_all()
+            leakfree.patch_all(transformer_engine="harden")
+            hardened = probe()["fuser"]
+            print(json.dumps(dict(plain=plain, hardened=hardened)))
+            """,
+        ),
+        te["2.13.0"],
+    )
+    assert not result["plain"]["leaks"] and result["plain"]["op_ctx_kept"]
+    assert not result["hardened"]["leaks"] and not result["hardened"]["op_ctx_kept"]
+
+
+def test_te_target_not_found_warns_and_skips_or_raises_when_strict(
+    te: dict[str, Path], tmp_path: Path
+) -> None:
+    broken = build(tmp_path / "broken", "2.13.0")
+    (broken / "transformer_engine/pytorch/module/grouped_linear.py").write_text(
+        "class SomethingElse:\n    pass\n"
+    )
+    code = """
+        import json, warnings
+        import leakfree
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            leakfree.patch_all()
+            import transformer_engine.pytorch.module.grouped_linear
+        rec = leakfree.patch_report()["transformer_engine.grouped_linear"]
+        leakfree.unpatch_all()
+        strict = None
+        import transformer_engine.pytorch.module.grouped_linear as m2
+        try:
+            leakfree.patch_all(strict=True)
+        except RuntimeError as e:
+            strict = str(e)
+        print(json.dumps(dict(status=rec.status, reason=rec.reason, strict=strict,
+            warned=[str(w.message) for w in caught
+                    if issubclass(w.category, leakfree.PatchWarning)])))
+    """
+    result = run_py(code, broken)
+    assert result["status"] == "skipped"
+    assert "target not found" in result["reason"]
+    assert any("grouped_linear" in w and "target not found" in w for w in result["warned"])
+    assert result["strict"] is not None and "target not found" in result["strict"]
+
+
+def test_idempotent_and_thread_safe(te: dict[str, Path]) -> None:
+    result = run_py(
+        te_script(
+            "2.13.0",
+            """
+            import threading
+            import leakfree
+            from leakfree.function import _ORIGINAL
+            probe()
+            threads = [threading.Thread(target=leakfree.patch_all) for _ in range(8)]
+            for t in threads: t.start()
+            for t in threads: t.join()
+            leakfree.patch_all()
+            module, name = LOCATIONS["fused_attention"]
+            cls = getattr(importlib.import_module(module), name)
+            fn = cls.__dict__["backward"].__func__
+            inner = getattr(fn, _ORIGINAL).__func__
+            print(json.dumps(dict(wrapped_once=not hasattr(inner, _ORIGINAL),
+                                  attrs=list(leakfree.released_attributes(cls)))))
+            """,
+        ),
+        te["2.13.0"],
+    )
+    assert result == {"wrapped_once": True, "attrs": ["tensor_objects"]}
+
+
+def test_bad_arguments_raise_before_any_change() -> None:
+    result = run_py(
+        """
+        import json, leakfree
+        try:
+            leakfree.patch_all(trl=False, flash_attn=True)
+        except TypeError as e:
+            msg = str(e)
+        statuses = {r.status for r in leakfree.patch_report()}
+        print(json.dumps(dict(msg=msg, statuses=sorted(statuses))))
+        """
+    )
+    assert "unknown integration or patch 'flash_attn'" in result["msg"]
+    assert "transformer_engine" in result["msg"] and "trl" in result["msg"]
+    assert result["statuses"] == ["not requested"]
+
+
+def test_importing_leakfree_imports_no_target_library() -> None:
+    result = run_py(
+        """
+        import json, sys
+        import leakfree
+        leakfree.patch_all()
+        targets = ("trl", "transformer_engine", "transformers")
+        print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in targets)))
+        """
+    )
+    assert result == []
+
+
+# --- generic sweep ---------------------------------------------------------------------------
+
+SWEEP_LIB = {
+    "sweeplib/__init__.py": "",
+    "sweeplib/ops.py": """
+        import torch
+
+        class Leaky(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.big = torch.zeros(1000)
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, g):
+                return g * 2
+    """,
+    "sweeplib/later.py": """
+        import torch
+
+        class LeakyLater(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.big = torch.zeros(1000)
+                return x * 3
+
+            @staticmethod
+            def backward(ctx, g):
+                return g * 3
+    """,
+}
+
+
+def test_patch_functions_sweeps_defined_and_later_modules(tmp_path: Path) -> None:
+    for rel, text in SWEEP_LIB.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(textwrap.dedent(text))
+    result = run_py(
+        """
+        import json, weakref, torch, leakfree
+        from sweeplib.ops import Leaky
+
+        def leaks(cls):
+            y = cls.apply(torch.randn(3, requires_grad=True))
+            r = weakref.ref(y.grad_fn.big)
+            y.sum().backward()
+            return r() is not None
+
+        before = leaks(Leaky)
+        sweep = leakfree.patch_functions("sweeplib")
+        from sweeplib.later import LeakyLater   # defined after the sweep started
+        after = [leaks(Leaky), leaks(LeakyLater)]
+        names = sorted(c.__name__ for c in sweep.classes)
+        in_report = any(r.name == "sweep.sweeplib" for r in leakfree.patch_report())
+        leakfree.unpatch_all()
+        again = [leaks(Leaky), leaks(LeakyLater)]
+        print(json.dumps(dict(before=before, after=after, again=again, names=names,
+                              in_report=in_report)))
+        """,
+        tmp_path,
+    )
+    assert result["before"] is True
+    assert result["after"] == [False, False]
+    assert result["again"] == [True, True]
+    assert result["names"] == ["Leaky", "LeakyLater"]
+    assert result["in_report"]
+
+
+def test_patch_functions_bad_input() -> None:
+    import leakfree
+
+    with pytest.raises(ValueError, match="patch_functions"):
+        leakfree.patch_functions("not a module")
+    with pytest.raises(TypeError, match=r"attrs=\('x',\)"):
+        leakfree.patch_functions("json", attrs="x")
+
+
+# --- TRL ------------------------------------------------------------------------------------------
+
+TRL_SCENARIO = """
+import json, sys, warnings
+import torch
+from torch import nn
+import leakfree
+import importlib.metadata
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+        self.lm_head = nn.Linear(16, 32)
+
+    def forward(self, x):
+        return self.lm_head(self.body(x))
+
+def head_hooks(model):
+    return len(model.lm_head._forward_pre_hooks) + len(model.lm_head._forward_hooks)
+
+def train_step(model, make_ctx):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    ctx = make_ctx(model)
+    with ctx:
+        loss = model(x).square().mean()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()], type(ctx).__module__
+"""
+
+
+def trl_check(order: str, option: str | None, *paths: Path) -> dict[str, Any]:
+    patch_call = "leakfree.patch_all()" if option is None else f"leakfree.patch_all(trl={option!r})"
+    if order == "patch_first":
+        prelude = f"{patch_call}\nimport trl.trainer.sft_trainer as sft\n"
+    else:
+        prelude = f"import trl.trainer.sft_trainer as sft\n{patch_call}\n"
+    body = (
+        prelude
+        + """
+import trl.models.activation_offloading as ao
+import trl.models as models
+applied = {r.name: r.status for r in leakfree.patch_report() if r.integration == "trl"}
+patched = ao.OffloadActivations is leakfree.OffloadActivations
+everywhere = (models.get_act_offloading_ctx_manager is ao.get_act_offloading_ctx_manager
+              is sft.get_act_offloading_ctx_manager)
+model = TinyLM()
+ref = TinyLM(); x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+ref(x).square().mean().backward()
+expected = [p.grad for p in ref.parameters()]
+result = dict(version=importlib.metadata.version("trl"), applied=applied, patched=patched,
+              everywhere=everywhere)
+if patched:
+    # a trainer-style call, three times (trainers build it per run): hooks must not stack
+    for _ in range(3):
+        model.zero_grad()
+        grads, kind = train_step(model, lambda m: sft.get_act_offloading_ctx_manager(
+            model=m, use_pin_memory=True, use_streams=True, min_offload_size=1024,
+            max_fwd_stash_size=5))
+    result["kind"] = kind
+    result["same_grads"] = all(torch.equal(a, b) for a, b in zip(grads, expected))
+    result["head_hooks"] = head_hooks(model)
+leakfree.unpatch_all()
+result["restored"] = (ao.OffloadActivations is not leakfree.OffloadActivations
+                      and sft.get_act_offloading_ctx_manager.__module__ == ao.__name__)
+print(json.dumps(result))
+"""
+    )
+    return run_py(TRL_SCENARIO + body, *paths, timeout=240)  # type: ignore[no-any-return]
+
+
+def test_trl_current_version_not_affected_by_default() -> None:
+    result = trl_check("patch_first", None)
+    assert result["applied"]["trl.offload_activations"] == "skipped"
+    assert not result["patched"]
+
+
+@pytest.mark.parametrize("order", ["patch_first", "import_first"])
+def test_trl_always_replaces_everywhere_and_reverts(order: str) -> None:
+    result = trl_check(order, "always")
+    assert result["applied"] == {
+        "trl.offload_activations": "applied",
+        "trl.act_offloading_ctx_manager": "applied",
+    }
+    assert result["patched"] and result["everywhere"]
+    assert result["kind"] == "leakfree.offload"  # TRL's own class raises without a GPU
+    assert result["same_grads"]
+    assert result["head_hooks"] == 2  # TRL's helper: 6 after three calls, unremovable
+    assert result["restored"]
+
+
+def old_trl() -> Path:
+    """TRL 1.3.0 (leaky release), installed by .ci/run into its own directory."""
+    path = Path(os.environ.get("LEAKFREE_OLD_TRL", ROOT / ".ci-deps" / "trl-1.3.0"))
+    if not (path / "trl").is_dir():
+        pytest.skip(
+            f"TRL 1.3.0 not found at {path}; install it with: pip install --no-deps "
+            f"--target {path} trl==1.3.0 (.ci/run does)"
+        )
+    return path
+
+
+def test_trl_affected_release_is_patched_by_default() -> None:
+    result = trl_check("patch_first", None, old_trl())
+    assert result["version"] == "1.3.0"
+    assert result["applied"]["trl.offload_activations"] == "applied"
+    assert result["patched"] and result["everywhere"]
+    assert result["same_grads"] and result["head_hooks"] == 2
+    assert result["restored"]
