@@ -1,32 +1,47 @@
-"""The demo behind ``python -m leakfree demo``: each leak shape, naive vs leakfree.
+"""``python -m leakfree demo``: the five leak shapes, naive vs leakfree, measured.
 
-Each shape is a tiny training loop run twice, once written the usual way and once with the
-leakfree primitive. Retained bytes are measured by following tensor *storages* with weak
-references (they see what C++ autograd nodes still hold), so the numbers are the same on a
-CPU-only machine as on a GPU.
+Each shape is a tiny loop written twice: the way the leak was shipped, and with the
+leakfree primitive. A :class:`~leakfree.diagnostics.MemoryTracker` samples live bytes after
+every step (allocator statistics on an accelerator; tracked tensor storages on CPU, which
+also see what only C++ autograd nodes hold), and the growth per step is fitted.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import leakfree
+from leakfree.diagnostics.memory import Growth, MemoryTracker, _fmt_bytes, fit_growth
+from leakfree.pipeline import RecvBufferPool
+
+Step = Callable[[], None]
 
 
 @dataclass
 class ShapeResult:
-    shape: str
-    naive_bytes: list[int]
-    leakfree_bytes: list[int]
+    name: str
+    where: str
+    naive: list[int]
+    fixed: list[int]
+
+    @property
+    def naive_growth(self) -> Growth:
+        return fit_growth(self.naive[1:])
+
+    @property
+    def fixed_growth(self) -> Growth:
+        return fit_growth(self.fixed[1:])
 
 
 class StorageWatch:
-    """Bytes of watched storages that are still alive."""
+    """Bytes of watched storages that are still alive (used by the benchmarks)."""
 
     def __init__(self) -> None:
         self._refs: list[tuple[StorageWeakRef, int]] = []
@@ -40,16 +55,47 @@ class StorageWatch:
         return sum(n for _, n in self._refs)
 
 
-def _ctx_attribute_shape(base: type, steps: int, device: torch.device) -> list[int]:
-    """A Function parks a 1 MiB side buffer on ctx; the loop keeps each step's loss."""
-    watch = StorageWatch()
+# --- 1. loss dict ------------------------------------------------------------------------------
+
+
+def _loss_dict(lf: bool, device: torch.device) -> Step:
+    """Fast-LLM: per-microbatch losses kept in a dict; the loss Function keeps context."""
+
+    class ContextLoss(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.context = torch.empty(64 * 1024, device=x.device)  # 256 KiB per microbatch
+            ctx.save_for_backward(x)
+            return x.square().mean()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            (x,) = ctx.saved_tensors
+            return g * 2 * x / x.numel()  # type: ignore[no-any-return]
+
+    w = torch.randn(256, device=device, requires_grad=True)
+    losses: Any = leakfree.LossLog(["lm"]) if lf else {"lm": []}
+
+    def step() -> None:  # one microbatch of a long accumulation step
+        loss = ContextLoss.apply(w * 1.0)  # type: ignore[no-untyped-call]
+        loss.backward()
+        losses["lm"].append(loss)
+
+    return step
+
+
+# --- 2. ctx attributes --------------------------------------------------------------------------
+
+
+def _ctx_attributes(lf: bool, device: torch.device) -> Step:
+    """A Function parks a workspace on ctx; the loop keeps each step's output for logging."""
+    base: type = leakfree.Function if lf else torch.autograd.Function
 
     class Project(base):  # type: ignore[misc, valid-type]
         @staticmethod
         def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             ctx.save_for_backward(x, w)
-            ctx.workspace = torch.empty(256 * 1024, device=x.device)  # 1 MiB, like TE's buffers
-            watch.watch(ctx.workspace)
+            ctx.workspace = torch.empty(256 * 1024, device=x.device)  # 1 MiB
             return x @ w
 
         @staticmethod
@@ -58,20 +104,138 @@ def _ctx_attribute_shape(base: type, steps: int, device: torch.device) -> list[i
             return g @ w.T, x.T @ g
 
     w = torch.randn(64, 64, device=device, requires_grad=True)
-    kept = []
-    series = []
-    for _ in range(steps):
+    kept: list[torch.Tensor] = []
+
+    def step() -> None:
+        out = Project.apply(torch.randn(32, 64, device=device), w).square().mean()
+        out.backward()
+        kept.append(out)
+
+    return step
+
+
+# --- 3. activation offloading ------------------------------------------------------------------
+
+
+class _SideTableOffloader(saved_tensors_hooks):
+    """The shipped pattern (TRL before 1.5): pack returns an id, payloads live in a dict
+    owned by the context manager, and an entry goes only when it is unpacked."""
+
+    def __init__(self) -> None:
+        self.tracker: dict[int, torch.Tensor] = {}
+        self.next_id = 0
+
+        def pack(t: torch.Tensor) -> int:
+            self.next_id += 1
+            self.tracker[self.next_id] = t.detach().to("cpu", copy=True)
+            return self.next_id
+
+        def unpack(key: int) -> torch.Tensor:
+            return self.tracker.pop(key)
+
+        super().__init__(pack, unpack)
+
+
+def _offloading(lf: bool, device: torch.device) -> Step:
+    """Each step also runs a branch whose backward never runs (MoE routing, eval)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
+    ).to(device)
+    ctx: Any = (
+        leakfree.OffloadActivations(force_host_copy=device.type == "cpu", min_offload_size=1024)
+        if lf
+        else _SideTableOffloader()
+    )
+    if lf:
+        ctx.update_model_params(model)
+
+    def step() -> None:
         x = torch.randn(32, 64, device=device)
-        loss = Project.apply(x, w).square().mean()
+        with ctx:
+            loss = model(x).square().mean()
+            unused = model(x * 2).sum()  # its backward never runs
         loss.backward()
-        kept.append(loss)  # "for logging": the loss still carries its graph
-        series.append(watch.live_bytes())
-    return series
+        del unused
+
+    return step
 
 
-SHAPES: dict[str, Callable[[type, int, torch.device], list[int]]] = {
-    "ctx attribute (TE ctx.tensor_objects)": _ctx_attribute_shape,
-}
+# --- 4. pipeline receive ----------------------------------------------------------------------
+
+
+def _pipeline_receive(lf: bool, device: torch.device) -> Step:
+    """A stage keeps each microbatch's received input until the step ends."""
+    w = torch.randn(256, device=device, requires_grad=True)
+    incoming = torch.randn(16, 256, device=device)
+    pool = RecvBufferPool()
+    kept: list[Any] = []
+
+    def step() -> None:
+        if lf:
+            entry = pool.acquire(incoming.shape, incoming.dtype, device)
+            entry.tensor.copy_(incoming)
+            x, entry.activation = entry.activation, None
+            assert x is not None
+            (x * w).sum().backward()  # type: ignore[no-untyped-call]
+            entry.slot.take()  # sent upstream
+            kept.append(entry)
+        else:
+            x = incoming.clone().requires_grad_()  # a leaf per microbatch; .grad accumulates
+            (x * w).sum().backward()  # type: ignore[no-untyped-call]
+            kept.append(x)
+
+    return step
+
+
+# --- 5. patched third-party Function -----------------------------------------------------------
+
+
+def _third_party(lf: bool, device: torch.device) -> Step:
+    """Transformer Engine's shape: buffers restored into objects parked on ctx.tensor_objects.
+
+    leakfree repairs the class in place, as ``patch_all()`` does for TE's classes.
+    """
+
+    class Storage:
+        def __init__(self, data: torch.Tensor | None) -> None:
+            self.data = data
+
+    class FusedThing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            obj = Storage(torch.empty(128 * 1024, device=x.device))  # 512 KiB buffer
+            ctx.save_for_backward(x, obj.data)
+            obj.data = None
+            ctx.tensor_objects = [obj]
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            _, buf = ctx.saved_tensors
+            ctx.tensor_objects[0].data = buf  # restore_from_saved
+            return g * 2
+
+    if lf:
+        leakfree.release_after_backward(FusedThing, attrs=("tensor_objects",))
+    w = torch.randn(64, device=device, requires_grad=True)
+    kept: list[torch.Tensor] = []
+
+    def step() -> None:
+        out = FusedThing.apply(w * torch.randn(64, device=device)).sum()  # type: ignore[no-untyped-call]
+        out.backward()
+        kept.append(out)
+
+    return step
+
+
+SHAPES: list[tuple[str, str, Callable[[bool, torch.device], Step]]] = [
+    ("loss dict", "Fast-LLM context.losses", _loss_dict),
+    ("ctx attributes", "TE ctx.tensor_objects, Tutel", _ctx_attributes),
+    ("activation offloading", "TRL < 1.5 OffloadActivations", _offloading),
+    ("pipeline receive", "leaf receive buffers", _pipeline_receive),
+    ("third-party Function", "patched in place (patch_all)", _third_party),
+]
 
 
 def _device() -> torch.device:
@@ -82,22 +246,126 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def run_demo(steps: int = 20) -> int:
+def measure(
+    make: Callable[[bool, torch.device], Step], lf: bool, steps: int, device: torch.device
+) -> list[int]:
+    """Live bytes on ``device`` after each step of the shape's loop."""
+    tracker = MemoryTracker(devices=[device])
+    with tracker:
+        step = make(lf, device)
+        tracker.step()  # baseline: what setting up the loop allocated
+        for _ in range(steps):
+            step()
+            tracker.step()
+    series = tracker.series[str(device)]
+    return [v - series[0] for v in series]
+
+
+def run_demo(steps: int = 30, plot: str | None = "leakfree-demo.png") -> int:
     device = _device()
-    print(f"leakfree {leakfree.__version__} demo on {device} (torch {torch.__version__})\n")
+    print(f"leakfree {leakfree.__version__} demo on {device} (torch {torch.__version__})")
+    print(f"{len(SHAPES)} leak shapes x {steps} steps, naive vs leakfree\n")
     results = []
-    for name, shape in SHAPES.items():
-        naive = shape(torch.autograd.Function, steps, device)
-        fixed = shape(leakfree.Function, steps, device)
-        results.append(ShapeResult(name, naive, fixed))
-    header = f"{'leak shape':<40} {'naive retained':>16} {'leakfree retained':>18}"
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        print(f"{r.shape:<40} {_mib(r.naive_bytes[-1]):>16} {_mib(r.leakfree_bytes[-1]):>18}")
-    print(f"\nbytes still held after {steps} steps (each step keeps its loss for logging)")
-    return 0
+    runs = [(name, where, make, lf) for name, where, make in SHAPES for lf in (False, True)]
+    progress = _progress(len(runs))
+    measured: dict[tuple[str, bool], list[int]] = {}
+    for name, _where, make, lf in runs:
+        measured[(name, lf)] = measure(make, lf, steps, device)
+        progress(f"{name} ({'leakfree' if lf else 'naive'})")
+    progress(None)
+    for name, where, _make in SHAPES:
+        results.append(ShapeResult(name, where, measured[(name, False)], measured[(name, True)]))
+
+    header = (
+        "leak shape",
+        "seen in",
+        "naive / step",
+        "leakfree / step",
+        f"naive after {steps}",
+        f"leakfree after {steps}",
+    )
+    rows = [header] + [
+        (
+            r.name,
+            r.where,
+            _fmt_bytes(r.naive_growth.bytes_per_step),
+            _fmt_bytes(r.fixed_growth.bytes_per_step),
+            _fmt_bytes(r.naive[-1]),
+            _fmt_bytes(r.fixed[-1]),
+        )
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for i, row in enumerate(rows):
+        print(
+            "  ".join(
+                c.ljust(w) if k < 2 else c.rjust(w) for k, (c, w) in enumerate(zip(row, widths))
+            ).rstrip()
+        )
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    print(
+        f"\nper step: least-squares growth of live bytes on {device}. Every loop keeps what "
+        "users keep (a logged loss, an output, a received input); with leakfree only those "
+        "few bytes stay."
+    )
+    if plot:
+        written = _plot(results, plot, device)
+        print(
+            f"plot: {written}"
+            if written
+            else "plot: skipped (install matplotlib, e.g. pip install 'leakfree[demo]')"
+        )
+    leaks_fixed = all(
+        r.naive_growth.exceeds(0) and not r.fixed_growth.exceeds(1024) for r in results
+    )
+    return 0 if leaks_fixed else 1
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+def _progress(total: int) -> Callable[[str | None], None]:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        count = [0]
+
+        def plain(label: str | None) -> None:
+            if label is not None:
+                count[0] += 1
+                print(f"  [{count[0]}/{total}] {label}", file=sys.stderr)
+
+        return plain
+    bar = tqdm(total=total, unit="run", file=sys.stderr, leave=False)
+
+    def update(label: str | None) -> None:
+        if label is None:
+            bar.close()
+        else:
+            bar.set_postfix_str(label)
+            bar.update()
+
+    return update
+
+
+def _plot(results: list[ShapeResult], path: str, device: torch.device) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.4), sharex=True)
+    for ax, r in zip(axes, results):
+        steps = range(len(r.naive))
+        ax.plot(steps, [v / 2**20 for v in r.naive], color="#c0392b", label="naive")
+        ax.plot(steps, [v / 2**20 for v in r.fixed], color="#27ae60", label="leakfree")
+        ax.set_title(f"{r.name}\n({r.where})", fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"live MiB on {device}")
+    axes[0].legend(loc="upper left", fontsize=8)
+    fig.suptitle("leakfree demo: memory held after each step", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,32 +1,88 @@
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from leakfree import _demo
 from leakfree.__main__ import main
+from leakfree.diagnostics import fit_growth
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_demo_shapes_leak_naive_and_not_with_leakfree() -> None:
-    for name, shape in _demo.SHAPES.items():
-        naive = shape(__import__("torch").autograd.Function, 5, _demo._device())
-        import leakfree
+@pytest.mark.parametrize("shape", _demo.SHAPES, ids=[s[0] for s in _demo.SHAPES])
+def test_demo_shape_leaks_naive_and_not_with_leakfree(shape: Any) -> None:
+    name, _where, make = shape
+    device = torch.device("cpu")
+    naive = fit_growth(_demo.measure(make, False, 8, device)[1:])
+    fixed = fit_growth(_demo.measure(make, True, 8, device)[1:])
+    assert naive.exceeds(4096), name  # at least 4 KiB per step without leakfree
+    assert not fixed.exceeds(1024), name  # with it, at most what the loop itself keeps
 
-        fixed = shape(leakfree.Function, 5, _demo._device())
-        assert naive[-1] > naive[0] > 0, name  # grows every step
-        assert fixed[-1] == 0, name
 
-
-def test_demo_command(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--steps", "3"]) == 0
+def test_demo_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "demo.png"
+    assert main(["demo", "--steps", "5", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "naive retained" in out and "3.0 MiB" in out and "0.0 MiB" in out
+    for name, _, _ in _demo.SHAPES:
+        assert name in out
+    assert "naive / step" in out and f"plot: {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_doctor_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__}" in out
+    assert "transformer_engine: not installed" in out
+    assert "trl.offload_activations" in out and "not affected" in out
+    assert "accelerator:" in out
+
+
+def test_snapshot_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    block = {
+        "size": 2 << 20,
+        "requested_size": 2 << 20,
+        "address": 4096,
+        "state": "active_allocated",
+        "frames": [{"filename": "train.py", "line": 7, "name": "step"}],
+    }
+    segment = {
+        "device": 0,
+        "address": 4096,
+        "total_size": 2 << 20,
+        "allocated_size": 2 << 20,
+        "active_size": 2 << 20,
+        "requested_size": 2 << 20,
+        "stream": 0,
+        "segment_type": "large",
+        "segment_pool_id": (0, 0),
+        "is_expandable": False,
+        "frames": [],
+        "blocks": [block],
+    }
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps({"segments": [segment], "device_traces": [[]]}))
+    assert main(["snapshot", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "2.0" in out and "train.py:7:step" in out
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(pickle.dumps([1, 2]))
+    assert main(["snapshot", str(bad)]) == 2
+
+
+def test_console_script_entry_point() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "leakfree", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and "doctor" in done.stdout and "snapshot" in done.stdout
 
 
 def test_function_overhead_benchmark_runs(tmp_path: Path) -> None:

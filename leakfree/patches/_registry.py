@@ -271,6 +271,31 @@ class Registry:
                 elif record.status == "pending import":
                     record.status, record.reason = "reverted", "unpatch_all() before import"
 
+    def plan(self, chosen: dict[str, Any]) -> PatchReport:
+        """What ``request(chosen)`` would do, without doing it (``python -m leakfree doctor``)."""
+        out = PatchReport()
+        for name, option in chosen.items():
+            patch = self.patches[name]
+            version = installed_version(patch.distributions)
+            record = PatchRecord(
+                name, patch.integration, patch.target, str(version) if version else None, ""
+            )
+            affected = dict(patch.widen).get(option, patch.affected)
+            if option is False:
+                record.status, record.reason = "off", "not requested (off by default or disabled)"
+            elif version is None:
+                record.status, record.reason = "not installed", ""
+            elif option != "always" and version not in SpecifierSet(affected):
+                record.status = "not affected"
+                record.reason = f"fixed in {patch.fixed_in}"
+            else:
+                module = patch.module_for(version)
+                current = self.records[name].status
+                record.status = "applied" if current == "applied" else "would apply"
+                record.reason = f"{patch.description} ({module}.{patch.target})"
+            out.append(record)
+        return out
+
     def report(self) -> PatchReport:
         with self._lock:
             return PatchReport(

@@ -1,0 +1,52 @@
+"""``python -m leakfree doctor``: what is installed, which known leaks affect it, what
+``patch_all()`` would do, and whether an accelerator is there."""
+
+from __future__ import annotations
+
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+import leakfree
+from leakfree.patches import REGISTRY
+from leakfree.patches._registry import installed_version
+
+
+def _version(*names: str) -> str:
+    for name in names:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def run_doctor() -> int:
+    print(f"leakfree {leakfree.__version__}")
+    print(f"python {platform.python_version()}, torch {torch.__version__}")
+    if torch.accelerator.is_available():
+        acc = torch.accelerator.current_accelerator()
+        count = torch.accelerator.device_count()
+        print(f"accelerator: {acc} ({count} device{'s' if count != 1 else ''})")
+    else:
+        print(
+            "accelerator: none found (OffloadActivations offloads nothing here unless "
+            "force_host_copy=True; the CPU storage tracker measures memory)"
+        )
+    te = installed_version(("transformer_engine", "transformer-engine", "transformer_engine_torch"))
+    print(f"transformer_engine: {te if te is not None else 'not installed'}")
+    print(f"trl: {_version('trl')}")
+    print()
+    plan = REGISTRY.plan(REGISTRY.select({}))
+    affecting = [r for r in plan if r.status in ("would apply", "applied")]
+    print("known leaks (see docs/patches.md) and what patch_all() would do:")
+    print(plan)
+    print()
+    if affecting:
+        names = ", ".join(r.name for r in affecting)
+        print(f"{len(affecting)} known leak(s) affect the installed versions: {names}.")
+        print("call leakfree.patch_all() at startup to repair them.")
+    else:
+        print("no known leak affects the installed versions.")
+    return 0

@@ -1,0 +1,260 @@
+"""Live bytes per device per step, and how fast they grow.
+
+:class:`MemoryTracker` samples, at every ``tracker.step()``, the bytes alive on each device:
+
+* on an accelerator, from the allocator (``torch.cuda.memory_allocated`` and its
+  equivalents through ``torch.get_device_module``);
+* on any device (and always on CPU), from the tensor storages created while the tracker is
+  active: a ``TorchDispatchMode`` records each new storage with a weak reference, so a
+  storage counts exactly as long as something holds it, a C++ autograd node included.
+
+``growth()`` fits bytes against step by least squares and returns the slope with a noise
+bound (three standard errors of the slope, and never less than the residual spread over
+the run), so "grows by 1.0 MiB per step +- 2 KiB" separates a leak from noise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Growth", "MemoryTracker", "StorageTracker", "fit_growth"]
+
+
+@dataclass(frozen=True)
+class Growth:
+    """Least-squares growth of live bytes per step."""
+
+    bytes_per_step: float
+    noise: float  #: bound on what noise alone could produce (bytes per step)
+    steps: int  #: samples used
+    first: int  #: live bytes at the first sample used
+    last: int  #: live bytes at the last sample
+
+    def exceeds(self, tolerance: float = 0.0) -> bool:
+        """Growth beyond ``tolerance`` bytes per step that noise cannot explain."""
+        return self.bytes_per_step - self.noise > tolerance
+
+    def __str__(self) -> str:
+        return f"{_fmt_bytes(self.bytes_per_step)}/step +- {_fmt_bytes(self.noise)}"
+
+
+def fit_growth(values: Sequence[float]) -> Growth:
+    """Slope of ``values`` against their index, with a noise bound (see module doc)."""
+    n = len(values)
+    if n < 2:
+        v = int(values[0]) if values else 0
+        return Growth(0.0, math.inf, n, v, v)
+    xs = range(n)
+    mean_x = (n - 1) / 2
+    mean_y = sum(values) / n
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, values)) / sxx
+    residuals = [y - (mean_y + slope * (x - mean_x)) for x, y in zip(xs, values)]
+    if n > 2:
+        sigma = math.sqrt(sum(r * r for r in residuals) / (n - 2))
+        stderr = sigma / math.sqrt(sxx)
+        spread = (max(residuals) - min(residuals)) / (n - 1)
+        noise = max(3 * stderr, spread)
+    else:
+        noise = 0.0
+    return Growth(slope, noise, n, int(values[0]), int(values[-1]))
+
+
+def _fmt_bytes(n: float) -> str:
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{sign}{n / size:.1f} {unit}"
+    return f"{sign}{n:.0f} B"
+
+
+class StorageTracker(TorchDispatchMode):
+    """Records every storage created by an aten op while active; counts those still alive.
+
+    A storage is counted with the size it had when first seen, for as long as anything
+    (Python or C++) holds it. Storages that existed before activation are not counted, even
+    when an op returns a view of them or writes into them.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._live: dict[int, tuple[StorageWeakRef, int, str]] = {}
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out  # a view of an input's storage: nothing new
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        inputs: set[int] | None = None
+        for t in outputs:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            if t.layout != torch.strided:
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata
+            seen = self._live.get(key)
+            if seen is not None and not seen[0].expired():  # type: ignore[no-untyped-call]
+                continue
+            if inputs is None:  # in-place and out= ops return an input's storage
+                inputs = _storages_of(args, kwargs)
+            if key in inputs:
+                continue
+            self._live[key] = (
+                StorageWeakRef(storage),  # type: ignore[no-untyped-call]
+                storage.nbytes(),
+                str(t.device),
+            )
+        return out
+
+    def live_bytes(self) -> dict[str, int]:
+        """Bytes of tracked storages still alive, per device (and forgets the dead ones)."""
+        out: dict[str, int] = {}
+        dead = []
+        for key, (ref, nbytes, device) in self._live.items():
+            if ref.expired():  # type: ignore[no-untyped-call]
+                dead.append(key)
+            else:
+                out[device] = out.get(device, 0) + nbytes
+        for key in dead:
+            del self._live[key]
+        return out
+
+
+def _storages_of(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[int]:
+    found: set[int] = set()
+    for value in (*args, *(kwargs or {}).values()):
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        for t in items:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                found.add(t.untyped_storage()._cdata)
+    return found
+
+
+def _default_devices() -> list[torch.device]:
+    devices = [torch.device("cpu")]
+    if torch.accelerator.is_available():
+        acc = torch.accelerator.current_accelerator()
+        if acc is not None:
+            devices.append(torch.device(acc.type, torch.accelerator.current_device_index()))
+    return devices
+
+
+@dataclass
+class MemoryTracker:
+    """Live bytes per device at each ``step()``; ``growth()`` and ``report()`` read them.
+
+    Use as a context manager around the steps (storage tracking is active inside it)::
+
+        tracker = MemoryTracker()
+        with tracker:
+            for batch in batches:
+                train_step(batch)
+                tracker.step()
+        print(tracker.report())
+
+    Args:
+        devices: devices to sample (default: the CPU and the current accelerator).
+        use_allocator: read accelerator devices from their allocator (default True); with
+            False, or where a device has no allocator statistics, the storage tracker counts.
+    """
+
+    devices: list[torch.device] = field(default_factory=_default_devices)
+    use_allocator: bool = True
+    series: dict[str, list[int]] = field(default_factory=dict)
+    _storages: StorageTracker | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.devices = [torch.device(d) for d in self.devices]
+        for d in self.devices:
+            self.series.setdefault(str(d), [])
+
+    def __enter__(self) -> MemoryTracker:
+        self._storages = StorageTracker()
+        self._storages.__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._storages is not None:
+            self._storages.__exit__(*exc)  # type: ignore[no-untyped-call]
+
+    def _allocator_bytes(self, device: torch.device) -> int | None:
+        if not self.use_allocator or device.type in ("cpu", "meta"):
+            return None
+        module = torch.get_device_module(device.type)
+        allocated = getattr(module, "memory_allocated", None)
+        return int(allocated(device)) if allocated is not None else None
+
+    def sample(self) -> dict[str, int]:
+        """Live bytes per device now (without recording a step)."""
+        tracked = self._storages.live_bytes() if self._storages is not None else {}
+        out = {}
+        for device in self.devices:
+            key = str(device)
+            allocator = self._allocator_bytes(device)
+            if allocator is not None:
+                out[key] = allocator
+            elif device.index is not None or device.type == "cpu":
+                out[key] = tracked.get(key, 0)
+            else:  # "cuda" without an index: every device of that type
+                out[key] = sum(v for k, v in tracked.items() if k.split(":")[0] == device.type)
+        return out
+
+    def step(self) -> dict[str, int]:
+        """Record the live bytes of each device as one step; returns them."""
+        now = self.sample()
+        for key, value in now.items():
+            self.series.setdefault(key, []).append(value)
+        return now
+
+    def growth(self, device: str | torch.device | None = None, *, skip: int = 1) -> Growth:
+        """Bytes per step on ``device`` (default: the accelerator if tracked, else the CPU),
+        ignoring the first ``skip`` steps (warm-up: caches, optimizer state)."""
+        key = self._key(device)
+        return fit_growth(self.series[key][skip:])
+
+    def _key(self, device: str | torch.device | None) -> str:
+        if device is None:
+            keys = list(self.series)
+            accelerated = [k for k in keys if not k.startswith("cpu")]
+            return accelerated[0] if accelerated else keys[0]
+        key = str(torch.device(device))
+        if key not in self.series:
+            raise KeyError(f"device {key!r} is not tracked; tracked: {', '.join(self.series)}")
+        return key
+
+    def report(self, *, skip: int = 1) -> str:
+        """A table: per device, steps, first and last live bytes, growth per step."""
+        rows = [("device", "steps", "first", "last", "growth per step")]
+        for key, values in self.series.items():
+            if not values:
+                continue
+            g = fit_growth(values[skip:])
+            verdict = "" if not g.exceeds() else "  <- grows"
+            rows.append(
+                (
+                    key,
+                    str(len(values)),
+                    _fmt_bytes(values[0]),
+                    _fmt_bytes(values[-1]),
+                    f"{g}{verdict}",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)

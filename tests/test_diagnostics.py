@@ -1,0 +1,136 @@
+"""MemoryTracker, fit_growth and find_retained."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import leakfree
+from leakfree.diagnostics import MemoryTracker, StorageTracker, find_retained, fit_growth
+
+
+def test_fit_growth_slope_and_noise() -> None:
+    g = fit_growth([100 + 50 * i for i in range(10)])
+    assert g.bytes_per_step == pytest.approx(50) and g.noise == pytest.approx(0, abs=1e-9)
+    assert g.exceeds(0) and not g.exceeds(60)
+    flat_noisy = fit_growth([1000, 1010, 990, 1005, 995, 1000, 1008, 992])
+    assert abs(flat_noisy.bytes_per_step) < flat_noisy.noise  # noise, not growth
+    assert not flat_noisy.exceeds(0)
+    assert math.isinf(fit_growth([5]).noise)
+
+
+def test_storage_tracker_sees_what_only_autograd_holds() -> None:
+    lin = nn.Linear(256, 256)
+    with StorageTracker() as tracker:
+        y = torch.tanh(lin(torch.randn(64, 256)))  # TanhBackward holds its output in C++
+        held = tracker.live_bytes()["cpu"]
+        del y
+        after = tracker.live_bytes().get("cpu", 0)
+    assert held >= 2 * 64 * 256 * 4  # linear's output and tanh's output (saved by the node)
+    assert after == 0
+
+
+def test_tracker_growth_leaky_vs_clean() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    kept: list[Any] = []
+
+    def step(keep: bool) -> None:
+        loss = model(torch.randn(32, 64)).square().mean()
+        loss.backward()
+        model.zero_grad(set_to_none=False)
+        if keep:
+            kept.append(model[0](torch.randn(8, 64)))  # 2 KiB output, with its graph
+
+    results = {}
+    for keep in (False, True):
+        tracker = MemoryTracker(devices=["cpu"])
+        with tracker:
+            for _ in range(12):
+                step(keep)
+                tracker.step()
+        results[keep] = tracker.growth("cpu")
+        report = tracker.report()
+    assert not results[False].exceeds(0)
+    # the kept output and the input its graph saved for the weight gradient
+    assert results[True].bytes_per_step == pytest.approx(2 * 8 * 64 * 4, rel=0.01)
+    assert "<- grows" in report and "cpu" in report
+    with pytest.raises(KeyError, match="not tracked"):
+        tracker.growth("meta")
+
+
+class ContextLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.context = torch.zeros(64, 1024)  # 256 KiB
+        ctx.save_for_backward(x)
+        return x.square().mean()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return g * 2 * x / x.numel()
+
+
+class BatchContext:
+    def __init__(self) -> None:
+        self.losses: dict[str, list[torch.Tensor]] = {"lm": []}
+
+
+def test_find_retained_names_the_container_path_and_ctx_attribute() -> None:
+    context = BatchContext()
+    w = torch.randn(16, requires_grad=True)
+    for _ in range(4):
+        loss = ContextLoss.apply(w * 2)
+        loss.backward()
+        context.losses["lm"].append(loss)
+    del loss
+    report = find_retained()  # the caller's locals: `context`, `w`
+    paths = {r.where for r in report if r.kind == "graph"}
+    assert paths == {f"context.losses['lm'][{i}]" for i in range(4)}
+    ctx = [r for r in report if r.kind == "ctx attribute"]
+    assert [(r.where, r.nbytes) for r in ctx] == [("ContextLoss.ctx.context", 4 * 64 * 1024 * 4)]
+    assert report.total_bytes == 4 * 256 * 1024
+    text = str(report)
+    assert "context.losses['lm'][3]" in text and "1.0 MiB" in text
+
+
+def test_find_retained_clean_after_detach_and_with_leakfree() -> None:
+    context = BatchContext()
+    w = torch.randn(16, requires_grad=True)
+    for _ in range(2):
+        loss = ContextLoss.apply(w * 2)
+        loss.backward()
+        context.losses["lm"].append(loss.detach())
+    del loss
+    assert not find_retained(context, names=["context"])
+    log = leakfree.LossLog(["lm"])
+    log["lm"].append(ContextLoss.apply(w * 2))
+    assert not find_retained(log, names=["log"])
+    assert "nothing retained" in str(find_retained(log, names=["log"]))
+
+
+def test_find_retained_sees_tensors_inside_objects_on_ctx() -> None:
+    class Storage:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.data = t
+
+    class TEish(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.tensor_objects = [Storage(torch.zeros(1000))]
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g * 2
+
+    x = torch.randn(3, requires_grad=True)
+    outputs = [TEish.apply(x)]
+    outputs[0].sum().backward()
+    report = find_retained(outputs, names=["outputs"])
+    [(where, nbytes)] = [(r.where, r.nbytes) for r in report if r.kind == "ctx attribute"]
+    assert where.endswith("TEish.ctx.tensor_objects") and nbytes == 4000

@@ -1,0 +1,87 @@
+"""assert_no_leak and the pytest plugin (leak_check fixture and marker)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from leakfree.testing import LeakError, assert_no_leak
+
+pytest_plugins = ["pytester"]
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def test_catches_a_planted_leak_and_says_who_holds_it() -> None:
+    model, opt = _model()
+    history: list[torch.Tensor] = []
+
+    def step() -> None:
+        loss = model(torch.randn(16, 32)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        history.append(loss)  # the planted leak: a logged loss with its graph
+
+    with pytest.raises(LeakError) as err:
+        assert_no_leak(step, steps=10)
+    assert err.value.growth.bytes_per_step > 0
+    message = str(err.value)
+    assert "memory grows by" in message and "history[0]" in message
+    assert "already backpropagated" in message
+
+
+@pytest.mark.parametrize("run", range(20))
+def test_clean_loop_never_a_false_alarm(run: int) -> None:
+    model, opt = _model()
+    logged: list[float] = []
+
+    def step() -> None:
+        x = torch.randn(16, 32)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=run % 2 == 0)
+        logged.append(loss.item())
+
+    growth = assert_no_leak(step, steps=10)
+    assert growth.bytes_per_step - growth.noise <= 0
+
+
+def test_tolerance_and_argument_errors() -> None:
+    buf: list[torch.Tensor] = []
+    assert_no_leak(lambda: buf.append(torch.zeros(4)), steps=5, tolerance=64)  # 16 B/step
+    with pytest.raises(ValueError, match="steps=2"):
+        assert_no_leak(lambda: None, steps=2)
+
+
+def test_pytest_plugin_fixture_and_marker(pytester: Any) -> None:
+    pytester.makepyfile(
+        """
+        import pytest, torch
+
+        KEPT = []
+
+        def test_fixture_catches(leak_check):
+            with pytest.raises(AssertionError, match="memory grows"):
+                leak_check(lambda: KEPT.append(torch.zeros(256)), steps=5)
+
+        @pytest.mark.leak_check(steps=5)
+        def test_marker_clean():
+            torch.randn(64, 64) @ torch.randn(64, 64)
+
+        @pytest.mark.leak_check(steps=5)
+        def test_marker_leaky():
+            KEPT.append(torch.zeros(1024))
+        """
+    )
+    result = pytester.runpytest("-q")  # the plugin is loaded through its entry point
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*test_marker_leaky*", "*memory grows by 4.0 KiB/step*"])
