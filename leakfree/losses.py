@@ -96,6 +96,18 @@ def _check_many(key: str, values: Iterable[Any], owner: _Owner) -> list[Any]:
     return out
 
 
+def _plain_scalar(value: Any, owner: _Owner) -> bool:
+    """The per-microbatch fast path: a 0-d, non-view, real tensor on the log's device,
+    which ``_check`` would accept and store as ``value.detach()``."""
+    return (
+        type(value) is torch.Tensor
+        and not value.dim()
+        and value._base is None
+        and value.device == owner.device
+        and not value.is_complex()
+    )
+
+
 def _adopt_device(owner: _Owner, items: Iterable[Any]) -> None:
     if owner.device is None:
         for item in items:
@@ -126,14 +138,7 @@ class LossList(list[Any]):
 
     def append(self, value: Any) -> None:
         owner = self._owner
-        # Fast path (the per-microbatch call): a 0-d, non-view tensor on the log's device.
-        if (
-            type(value) is torch.Tensor
-            and not value.dim()
-            and value._base is None
-            and value.device == owner.device
-            and not value.is_complex()
-        ):
+        if _plain_scalar(value, owner):
             _list_append(self, value.detach())
             return
         item = _check(self._key, value, owner.device)
@@ -201,14 +206,8 @@ class RunningLoss:
 
     def append(self, value: Any) -> None:
         owner = self._owner
-        if (
-            type(value) is torch.Tensor
-            and not value.dim()
-            and value._base is None
-            and value.device == owner.device
-            and not value.is_complex()
-        ):
-            item = value.detach()  # fast path, as in LossList.append
+        if _plain_scalar(value, owner):
+            item = value.detach()
         else:
             item = _check(self._key, value, owner.device)
             if owner.device is None and isinstance(item, torch.Tensor):

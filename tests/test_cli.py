@@ -85,13 +85,14 @@ def test_console_script_entry_point() -> None:
     assert done.returncode == 0 and "doctor" in done.stdout and "snapshot" in done.stdout
 
 
-def test_function_overhead_benchmark_runs(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
+def run_benchmark(name: str, tmp_path: Path, *args: str) -> Any:
+    out = tmp_path / f"{name}.json"
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "function_overhead.py"),
+            str(ROOT / "benchmarks" / f"{name}.py"),
             "--quick",
+            *args,
             "--json",
             str(out),
         ],
@@ -99,72 +100,31 @@ def test_function_overhead_benchmark_runs(tmp_path: Path) -> None:
         capture_output=True,
         timeout=300,
     )
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_function_overhead_benchmark_runs(tmp_path: Path) -> None:
+    data = run_benchmark("function_overhead", tmp_path)
     assert [r["op"] for r in data["results"]] == ["1-element mul", "1024x1024 matmul"]
     assert all(r["plain_us"] > 0 and r["leakfree_us"] > 0 for r in data["results"])
 
 
 def test_losslog_benchmark_runs(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "losslog.py"),
-            "--quick",
-            "--microbatches",
-            "256",
-            "--json",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    data = json.loads(out.read_text())
+    data = run_benchmark("losslog", tmp_path, "--microbatches", "256")
     assert data["host_syncs"] == {"per-item .item()": 1024, "LossLog.reduce": 1}
     assert data["retained_bytes"]["plain dict"] == 256 * 4096
     assert data["retained_bytes"]["LossLog"] == 0
 
 
 def test_offload_benchmark_runs(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "offload.py"),
-            "--quick",
-            "--steps",
-            "3",
-            "--json",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    data = json.loads(out.read_text())
+    data = run_benchmark("offload", tmp_path, "--steps", "3")
     modes = {r["mode"] for r in data["cpu_hook_cost"]}
     assert {"no offloading", "leakfree", "torch save_on_cpu"} <= modes
     assert data["cpu_live_bytes"]["leakfree"] == [0, 0, 0]
 
 
 def test_pipeline_benchmark_runs(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "pipeline.py"),
-            "--quick",
-            "--microbatches",
-            "10",
-            "--json",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    data = json.loads(out.read_text())
+    data = run_benchmark("pipeline", tmp_path, "--microbatches", "10")
     assert data["live_bytes"]["RecvBufferPool"] == [8192] * 10
     assert data["live_bytes"]["leaf receive"][-1] == 10 * 16384
 

@@ -11,6 +11,7 @@ from torch import nn
 
 import leakfree
 from leakfree.diagnostics import MemoryTracker, StorageTracker, find_retained, fit_growth
+from tests.test_losses import ContextLoss
 
 
 def test_fit_growth_slope_and_noise() -> None:
@@ -60,19 +61,6 @@ def test_tracker_growth_leaky_vs_clean() -> None:
     assert "<- grows" in report and "cpu" in report
     with pytest.raises(KeyError, match="not tracked"):
         tracker.growth("meta")
-
-
-class ContextLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.context = torch.zeros(64, 1024)  # 256 KiB
-        ctx.save_for_backward(x)
-        return x.square().mean()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        return g * 2 * x / x.numel()
 
 
 class BatchContext:
