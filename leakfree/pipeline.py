@@ -186,7 +186,13 @@ def as_nonleaf(buf: torch.Tensor, slot: GradSlot) -> torch.Tensor:
             f"as_nonleaf(buf=...): dtype {buf.dtype} cannot carry a gradient; only "
             "floating point (or complex) activations can be backpropagated"
         )
-    out: torch.Tensor = _ToSlot.apply(_anchor(buf.device), buf, slot)
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "as_nonleaf under torch.inference_mode(): no gradient can flow back, so there is "
+            "nothing to deliver; use the received buffer directly"
+        )
+    with torch.enable_grad():  # under no_grad (evaluation) too: it must be a non-leaf
+        out: torch.Tensor = _ToSlot.apply(_anchor(buf.device), buf, slot)
     return out
 
 
@@ -235,28 +241,37 @@ class RecvBufferPool:
         callback: Callable[[torch.Tensor], None] | None = None,
     ) -> RecvBuffer:
         key = (tuple(int(s) for s in shape), dtype, torch.device(device))
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "RecvBufferPool.acquire under torch.inference_mode(): receive into a plain "
+                "buffer; a pooled buffer is returned when its gradient is delivered"
+            )
         with self._lock:
             free = self._free.get(key)
             buf = free.pop() if free else None
-            if buf is None:
-                self.counters.allocated += 1
-            else:
-                self.counters.reused += 1
-            self.counters.in_use += 1
+        new = buf is None
         if buf is None:
             buf = torch.empty(key[0], dtype=dtype, device=key[2])
-            with self._lock:
-                self.counters.allocated_bytes += buf.untyped_storage().nbytes()
         slot = GradSlot(callback)
-        entry = RecvBuffer(buf, slot, key=key)
         give_back = _GiveBack(self, buf, key)
         slot.on_delivered.append(give_back)
-        entry.activation = as_nonleaf(buf, slot)
+        try:
+            activation = as_nonleaf(buf, slot)
+        except BaseException:
+            if not new:
+                with self._lock:
+                    self._free.setdefault(key, []).append(buf)
+            raise
+        with self._lock:
+            self.counters.in_use += 1
+            if new:
+                self.counters.allocated += 1
+                self.counters.allocated_bytes += buf.untyped_storage().nbytes()
+            else:
+                self.counters.reused += 1
         # If the graph dies without backward, the buffer comes back too.
-        grad_fn = entry.activation.grad_fn
-        assert grad_fn is not None
-        weakref.finalize(grad_fn, give_back, None)
-        return entry
+        weakref.finalize(activation.grad_fn, give_back, None)
+        return RecvBuffer(buf, slot, activation, key=key)
 
     def _release(self, buf: torch.Tensor, key: tuple[Any, ...]) -> None:
         with self._lock:
@@ -289,6 +304,9 @@ class _GiveBack:
 # --- sending side: free sent outputs, backpropagate later -------------------------------------
 
 _use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+_increment_version: Callable[[torch.Tensor], None] = getattr(
+    torch.autograd.graph, "increment_version", torch._C._increment_version
+)
 
 
 @dataclass(frozen=True)
@@ -300,6 +318,7 @@ class ReleasedOutput:
     dtype: torch.dtype
     device: torch.device
     freed: bool
+    held_bytes: int = 0  #: bytes still held because the storage could not be freed
 
 
 def _others_hold(t: torch.Tensor) -> bool | None:
@@ -315,10 +334,12 @@ def release_output(y: torch.Tensor) -> ReleasedOutput:
 
     Returns a :class:`ReleasedOutput` holding the output's gradient edge (public API,
     ``torch.autograd.graph.get_gradient_edge``), which keeps the graph alive for
-    :func:`backward_from`. The storage is freed in place (``y`` keeps its shape but must
-    not be read again). If anything else still references the storage (a node saved
-    ``y`` for backward, a view of it is alive), nothing is freed and a
-    :class:`PipelineWarning` says so: freeing it would corrupt that backward.
+    :func:`backward_from`. ``y`` is left holding an empty storage (its memory is freed;
+    reading it gives an empty tensor) and its version is bumped, so a later node that
+    saved ``y`` as an input fails with autograd's in-place error rather than reading
+    garbage. If anything else still references the storage (a node saved ``y`` as its
+    output, a view of it is alive), nothing is freed and a :class:`PipelineWarning` says
+    so.
 
     Only call it once the send has completed (for ``isend``, after ``work.wait()`` or
     ``is_completed()``).
@@ -333,8 +354,15 @@ def release_output(y: torch.Tensor) -> ReleasedOutput:
     edge = get_gradient_edge(y)
     held = _others_hold(y)
     freed = held is False and y._base is None
+    nbytes = y.untyped_storage().nbytes()
+    shape, dtype, device = y.shape, y.dtype, y.device
     if freed:
-        y.untyped_storage().resize_(0)
+        # Swap in an empty storage rather than resizing the old one to 0: whatever holds
+        # this very tensor (a later node that saved it as an input, a user's list) then sees
+        # a valid empty tensor, and the version bump makes such a node raise autograd's
+        # "modified by an inplace operation" instead of reading freed memory.
+        y.data = torch.empty((0,), dtype=dtype, device=device)
+        _increment_version(y)
     else:
         why = (
             "this torch cannot count storage references"
@@ -344,12 +372,12 @@ def release_output(y: torch.Tensor) -> ReleasedOutput:
             else "its storage is still referenced elsewhere (saved for backward, or a view)"
         )
         warnings.warn(
-            f"release_output: not freeing the output's storage ({tuple(y.shape)}, "
-            f"{y.dtype}): {why}. Its memory stays until the graph is done with it.",
+            f"release_output: not freeing the output's storage ({tuple(shape)}, "
+            f"{dtype}): {why}. Its memory stays until the graph is done with it.",
             PipelineWarning,
             stacklevel=2,
         )
-    return ReleasedOutput(edge, y.shape, y.dtype, y.device, freed)
+    return ReleasedOutput(edge, shape, dtype, device, freed, 0 if freed else nbytes)
 
 
 def backward_from(handle: ReleasedOutput, grad: torch.Tensor) -> None:
@@ -359,10 +387,11 @@ def backward_from(handle: ReleasedOutput, grad: torch.Tensor) -> None:
             f"backward_from(handle=...): expected what release_output returned, got "
             f"{type(handle).__name__}"
         )
-    if grad.shape != handle.shape or grad.dtype != handle.dtype:
+    if grad.shape != handle.shape or grad.dtype != handle.dtype or grad.device != handle.device:
         raise ValueError(
-            f"backward_from: gradient {tuple(grad.shape)} {grad.dtype} does not match the "
-            f"released output {tuple(handle.shape)} {handle.dtype}"
+            f"backward_from: gradient {tuple(grad.shape)} {grad.dtype} on {grad.device} does "
+            f"not match the released output {tuple(handle.shape)} {handle.dtype} on "
+            f"{handle.device}"
         )
     torch.autograd.backward(handle.edge, grad_tensors=grad)  # type: ignore[arg-type]
 
@@ -374,6 +403,8 @@ _DTYPES: tuple[torch.dtype, ...] = (
     torch.float16,
     torch.bfloat16,
     torch.float64,
+    torch.complex64,
+    torch.complex128,
     torch.int64,
     torch.int32,
     torch.int8,
@@ -384,32 +415,36 @@ _MAX_DIMS = 8
 _HEADER = 2 + _MAX_DIMS  # dtype code, ndim, dims
 
 
-@dataclass
 class _Pending:
-    """Sends in flight (isend) and what to do once each completes."""
+    """Sends in flight (isend) and what to run once each completes.
 
-    works: list[tuple[Any, torch.Tensor, Callable[[], None] | None]] = field(default_factory=list)
+    The payload (an alias of the sent tensor) is dropped *before* ``then`` runs: otherwise
+    ``release_output`` would see it as another holder of the storage and refuse.
+    """
+
+    def __init__(self) -> None:
+        self.works: list[list[Any]] = []  # [work, payload, then]
 
     def add(self, work: Any, keep: torch.Tensor, then: Callable[[], None] | None = None) -> None:
-        self.works.append((work, keep, then))
+        self.works.append([work, keep, then])
+
+    def _finish(self, entry: list[Any]) -> None:
+        entry[0].wait()
+        then = entry[2]
+        entry.clear()  # the payload reference goes first
+        if then is not None:
+            then()
 
     def poll(self) -> None:
-        still = []
-        for work, keep, then in self.works:
-            if work.is_completed():
-                work.wait()
-                if then is not None:
-                    then()
-            else:
-                still.append((work, keep, then))
-        self.works = still
+        done = [e for e in self.works if e[0].is_completed()]
+        self.works = [e for e in self.works if e not in done]
+        for entry in done:
+            self._finish(entry)
 
     def wait_all(self) -> None:
-        for work, _keep, then in self.works:
-            work.wait()
-            if then is not None:
-                then()
-        self.works = []
+        works, self.works = self.works, []
+        for entry in works:
+            self._finish(entry)
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
@@ -437,6 +472,7 @@ def _send(
     if pending is None:
         dist.send(header, dst, group=group)
         dist.send(payload, dst, group=group)
+        del payload  # not a holder of the storage any more (see _Pending)
         if then is not None:
             then()
     else:
@@ -450,8 +486,13 @@ def _recv_header(src: int, device: torch.device, group: Any) -> tuple[tuple[int,
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
     dist.recv(header, src, group=group)
     values = header.tolist()
-    ndim = int(values[1])
-    return tuple(int(v) for v in values[2 : 2 + ndim]), _DTYPES[int(values[0])]
+    code, ndim = int(values[0]), int(values[1])
+    if not (0 <= code < len(_DTYPES) and 0 <= ndim <= _MAX_DIMS):
+        raise ValueError(
+            f"pipeline p2p: rank {src} sent a header leakfree cannot read ({values}); are "
+            "both sides using leakfree's send/recv helpers, in the same order?"
+        )
+    return tuple(int(v) for v in values[2 : 2 + ndim]), _DTYPES[code]
 
 
 def _recv_into(
@@ -478,6 +519,9 @@ def _recv_into(
         )
     buf = make(sent_shape, sent_dtype)
     dist.recv(buf, src, group=group)
+    # recv writes without bumping the version counter: bump it, so that an alias of this
+    # (reused) buffer still saved by a retained graph raises instead of reading new data.
+    _increment_version(buf)
     return buf
 
 
@@ -564,6 +608,7 @@ class ScheduleResult:
     losses: list[float]  #: last stage: each microbatch's loss (empty elsewhere)
     live_bytes: list[int]  #: after each microbatch's backward: buffers + unreleased outputs
     pool: RecvBufferPool
+    freed_outputs: int = 0  #: sent outputs whose storage release_output freed
 
 
 def run_schedule(
@@ -615,6 +660,7 @@ def run_schedule(
     sent: dict[int, ReleasedOutput | torch.Tensor] = {}
     losses: list[float] = []
     live: list[int] = []
+    freed = 0
 
     def forward(i: int) -> None:
         if first:
@@ -639,6 +685,7 @@ def run_schedule(
         pending.poll()
 
     def backward(i: int) -> None:
+        nonlocal freed
         if last:
             loss = sent.pop(i)
             assert isinstance(loss, torch.Tensor)
@@ -651,6 +698,7 @@ def run_schedule(
                 pending.wait_all()  # its send is still in flight: finish it (and release)
             out = sent.pop(i)
             assert isinstance(out, ReleasedOutput)
+            freed += out.freed
             backward_from(out, recv_backward(next_rank, device=dev, group=group))
         if not first:
             assert prev_rank is not None
@@ -674,7 +722,7 @@ def run_schedule(
         for i in range(num_microbatches - warmup, num_microbatches):
             backward(i)
     pending.wait_all()
-    return ScheduleResult(losses, live, pool)
+    return ScheduleResult(losses, live, pool, freed)
 
 
 def _releaser(sent: dict[int, ReleasedOutput | torch.Tensor], i: int) -> Callable[[], None]:
@@ -689,6 +737,11 @@ def _releaser(sent: dict[int, ReleasedOutput | torch.Tensor], i: int) -> Callabl
 
 
 def _unreleased_bytes(sent: dict[int, Any]) -> int:
-    return sum(
-        out.untyped_storage().nbytes() for out in sent.values() if isinstance(out, torch.Tensor)
-    )
+    """Bytes of sent outputs still held: not yet released, or not freeable."""
+    total = 0
+    for out in sent.values():
+        if isinstance(out, torch.Tensor):
+            total += out.untyped_storage().nbytes()
+        elif isinstance(out, ReleasedOutput):
+            total += out.held_bytes
+    return total

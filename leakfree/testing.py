@@ -5,12 +5,9 @@
 :func:`~leakfree.diagnostics.find_retained` report of who holds the memory, when live bytes
 grow faster than ``tolerance`` by more than noise can explain.
 
-The pytest plugin (registered as the ``leakfree`` entry point, active once leakfree is
-installed) adds:
-
-* the ``leak_check`` fixture: ``leak_check(step_fn, steps=..., tolerance=...)``;
-* the ``@pytest.mark.leak_check(steps=10, tolerance=0)`` marker: the test function itself is
-  the step, run ``warmup + steps`` times.
+The pytest plugin (the top-level module ``leakfree_pytest_plugin``, registered as the
+``leakfree`` entry point, active once leakfree is installed) adds the ``leak_check``
+fixture and the ``@pytest.mark.leak_check(steps=10, tolerance=0)`` marker.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import torch
 from leakfree.diagnostics.memory import Growth, MemoryTracker
 from leakfree.diagnostics.retention import find_retained
 
-__all__ = ["LeakError", "assert_no_leak", "leak_check"]
+__all__ = ["LeakError", "assert_no_leak"]
 
 
 class LeakError(AssertionError):
@@ -96,36 +93,3 @@ def assert_no_leak(
             retained,
         )
     return growth
-
-
-# --- pytest plugin ------------------------------------------------------------------------------
-
-try:  # the plugin part needs pytest; the assertion above does not
-    import pytest
-except ImportError:  # pragma: no cover
-    pytest = None  # type: ignore[assignment]
-
-if pytest is not None:
-
-    def pytest_configure(config: Any) -> None:
-        config.addinivalue_line(
-            "markers",
-            "leak_check(steps=10, warmup=2, tolerance=0): run the test as a step repeatedly "
-            "and fail if live memory grows per run (leakfree)",
-        )
-
-    @pytest.fixture
-    def leak_check() -> Callable[..., Growth]:
-        """``leak_check(step_fn, steps=20, tolerance=0)``: :func:`assert_no_leak`."""
-        return assert_no_leak
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_pyfunc_call(pyfuncitem: Any) -> bool | None:
-        marker = pyfuncitem.get_closest_marker("leak_check")
-        if marker is None:
-            return None  # not ours: pytest calls the test as usual
-        func = pyfuncitem.obj
-        kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
-        options = {"steps": 10, **marker.kwargs}
-        assert_no_leak(lambda: func(**kwargs), **options)
-        return True  # the test ran, as the measured step

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +84,10 @@ def test_console_script_entry_point() -> None:
         [sys.executable, "-m", "leakfree", "--help"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0 and "doctor" in done.stdout and "snapshot" in done.stdout
+    script = shutil.which("leakfree")  # the console script, where leakfree is installed
+    if script is not None:
+        done = subprocess.run([script, "doctor"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "known leaks" in done.stdout
 
 
 def run_benchmark(name: str, tmp_path: Path, *args: str) -> Any:

@@ -122,3 +122,71 @@ def test_find_retained_sees_tensors_inside_objects_on_ctx() -> None:
     report = find_retained(outputs, names=["outputs"])
     [(where, nbytes)] = [(r.where, r.nbytes) for r in report if r.kind == "ctx attribute"]
     assert where.endswith("TEish.ctx.tensor_objects") and nbytes == 4000
+
+
+def _growth(step: Any, steps: int = 8) -> Any:
+    tracker = MemoryTracker(devices=["cpu"])
+    with tracker:
+        for _ in range(steps):
+            step()
+            tracker.step()
+    return tracker.growth("cpu")
+
+
+def test_tracker_sees_torch_tensor_of_a_list_and_current_sizes() -> None:
+    kept: list[torch.Tensor] = []
+    g = _growth(lambda: kept.append(torch.tensor([1.0] * 256)))
+    assert g.bytes_per_step == pytest.approx(1024) and g.exceeds(0)
+
+    grow = torch.empty(0)
+
+    def resize() -> None:
+        grow.untyped_storage().resize_(grow.untyped_storage().nbytes() + 4096)
+
+    def fresh() -> None:  # created inside the tracker, then grown in place every step
+        nonlocal grow
+        if grow.numel() == 0 and not kept_resized:
+            grow = torch.zeros(1)
+            kept_resized.append(grow)
+        resize()
+
+    kept_resized: list[torch.Tensor] = []
+    assert _growth(fresh).bytes_per_step == pytest.approx(4096)
+
+    released: list[torch.Tensor] = []
+
+    def keep_then_free() -> None:  # what release_output does: the object stays, memory goes
+        t = torch.zeros(64 * 1024)
+        t.untyped_storage().resize_(0)
+        released.append(t)
+
+    assert not _growth(keep_then_free).exceeds(0)
+
+
+def test_growth_ignores_a_one_off_jump() -> None:
+    assert not fit_growth([0] * 5 + [1 << 20] * 5).exceeds(0)
+    assert fit_growth([i * 1000 for i in range(10)]).exceeds(0)
+
+
+def test_find_retained_never_runs_unpack_hooks_nor_properties() -> None:
+    calls: list[int] = []
+    x = torch.randn(8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: t.clone(), lambda t: (calls.append(1), t)[1]
+    ):
+        y = (x * x).sum()
+
+    class Flaky:
+        __slots__ = ("conn", "value")
+
+        def __init__(self, value: torch.Tensor) -> None:
+            self.value = value
+
+    holder = Flaky(y)  # `conn` is never set: reading it raises
+    report = find_retained(holder, names=["holder"])
+    assert calls == [] and not report  # not backpropagated yet: nothing to report
+    y.backward()
+    assert calls == [1, 1]
+    report = find_retained(holder, names=["holder"])
+    assert [r.where for r in report if r.kind == "graph"] == ["holder.value"]
+    assert calls == [1, 1]  # the walk unpacked nothing

@@ -548,3 +548,116 @@ def test_trl_affected_release_is_patched_by_default() -> None:
     assert result["patched"] and result["everywhere"]
     assert result["same_grads"] and result["head_hooks"] == 2
     assert result["restored"]
+
+
+# --- regressions from review: state changes, re-imports, overlapping owners ------------------
+
+
+def test_option_changes_reapply_and_false_reverts(te: dict[str, Path]) -> None:
+    result = run_py(
+        te_script(
+            "2.13.0",
+            """
+            import leakfree
+            leakfree.patch_all()
+            plain = probe()["fuser"]
+            leakfree.patch_all(transformer_engine="harden")   # a different option: re-applied
+            hardened = probe()["fuser"]
+            leakfree.patch_all(transformer_engine=False)       # off: reverted
+            off = probe()["fused_attention"]
+            status = leakfree.patch_report()["transformer_engine.fused_attention"].status
+            print(json.dumps(dict(plain=plain, hardened=hardened, off=off, status=status)))
+            """,
+        ),
+        te["2.13.0"],
+    )
+    assert result["plain"]["op_ctx_kept"] and not result["hardened"]["op_ctx_kept"]
+    assert result["off"]["leaks"] and result["status"] == "disabled"
+
+
+def test_reimport_after_unpatch_is_patched_again(te: dict[str, Path]) -> None:
+    result = run_py(
+        te_script(
+            "2.13.0",
+            """
+            import leakfree
+            leakfree.patch_all()
+            probe()
+            leakfree.unpatch_all()
+            for name in [m for m in sys.modules if m.startswith("transformer_engine")]:
+                del sys.modules[name]
+            leakfree.patch_all()
+            leaks = probe()["fused_attention"]["leaks"]
+            status = leakfree.patch_report()["transformer_engine.fused_attention"].status
+            print(json.dumps(dict(leaks=leaks, status=status)))
+            """,
+        ),
+        te["2.13.0"],
+    )
+    assert result == {"leaks": False, "status": "applied"}
+
+
+def test_sweep_and_patch_do_not_undo_each_other(te: dict[str, Path]) -> None:
+    result = run_py(
+        te_script(
+            "2.13.0",
+            """
+            import leakfree
+            probe()
+            leakfree.patch_all()
+            sweep = leakfree.patch_functions("transformer_engine")
+            swept = sorted(c.__name__ for c in sweep.classes)
+            sweep.remove()
+            leaks = probe()["fused_attention"]["leaks"]   # the patch is still in place
+            print(json.dumps(dict(swept=swept, leaks=leaks)))
+            """,
+        ),
+        te["2.13.0"],
+    )
+    # the five patched classes were skipped by the sweep; the self-fixed 2.1+ ones were swept
+    assert "FusedAttnFunc" not in result["swept"] and "_Linear" in result["swept"]
+    assert result["leaks"] is False
+
+
+def test_decorated_backward_is_still_recognised(tmp_path: Path) -> None:
+    root = build(tmp_path / "te", "2.13.0")
+    path = root / "transformer_engine/pytorch/module/grouped_linear.py"
+    text = path.read_text().replace(
+        "    @staticmethod\n    def backward(",
+        "    @staticmethod\n    @_decorate\n    def backward(",
+    )
+    decorator = (
+        "import functools\n\n\ndef _decorate(fn):\n    @functools.wraps(fn)\n"
+        "    def wrapper(*args):\n        return fn(*args)\n\n    return wrapper\n"
+    )
+    path.write_text(decorator + text)
+    result = run_py(
+        te_script(
+            "2.13.0",
+            """
+            import leakfree
+            leakfree.patch_all()
+            leaks = probe()["grouped_linear"]["leaks"]
+            print(json.dumps(dict(leaks=leaks,
+                status=leakfree.patch_report()["transformer_engine.grouped_linear"].status)))
+            """,
+        ),
+        root,
+    )
+    assert result == {"leaks": False, "status": "applied"}
+
+
+def test_trl_unpatch_never_rebinds_user_modules(tmp_path: Path) -> None:
+    (tmp_path / "usercode.py").write_text("from leakfree import OffloadActivations\n")
+    result = run_py(
+        """
+        import json, leakfree
+        leakfree.patch_all(trl="always")
+        import trl.models.activation_offloading
+        import usercode
+        leakfree.unpatch_all()
+        print(json.dumps(usercode.OffloadActivations is leakfree.OffloadActivations))
+        """,
+        tmp_path,
+    )
+    assert result is True

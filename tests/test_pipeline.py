@@ -170,8 +170,8 @@ def test_release_output_frees_and_backward_from_matches() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         handle = release_output(y)
-    assert handle.freed and y.untyped_storage().nbytes() == 0
-    assert not storage.expired()  # the object lives on; its memory is gone
+    assert handle.freed and y.numel() == 0
+    assert storage.expired()  # the memory is gone; y holds an empty storage
     backward_from(handle, torch.ones(4, 16))
     for p, e in zip(lin.parameters(), expect):
         assert torch.equal(p.grad, e)
@@ -191,12 +191,40 @@ def test_release_output_refuses_when_storage_is_saved() -> None:
         release_output(v)
 
 
+def test_release_output_never_leaves_a_saved_input_reading_freed_memory() -> None:
+    """A later op saved y as an *input* (same TensorImpl: no storage reference to count)."""
+    lin = nn.Linear(8, 8)
+    y = lin(torch.randn(2, 8))
+    aux = (y * y).sum()  # MulBackward saves y itself
+    handle = release_output(y)
+    assert handle.freed
+    assert y.numel() == 0  # a user holding y reads an empty tensor, not freed memory
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        aux.backward()
+
+
+def test_receive_under_no_grad_and_inference_mode() -> None:
+    buf = torch.randn(3)
+    with torch.no_grad():  # evaluation: still a non-leaf whose gradient has a place to go
+        x = as_nonleaf(buf, GradSlot())
+    assert x.grad_fn is not None and not x.is_leaf
+    pool = RecvBufferPool()
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="inference_mode"):
+            as_nonleaf(buf, GradSlot())
+        with pytest.raises(RuntimeError, match="inference_mode"):
+            pool.acquire((3,), torch.float32, "cpu")
+    assert pool.counters.in_use == 0 and pool.counters.allocated == 0
+
+
 def test_release_and_backward_bad_input() -> None:
     with pytest.raises(ValueError, match="does not require grad"):
         release_output(torch.ones(3))
     w = torch.randn(3, requires_grad=True)
     handle = release_output(w * 2)
-    with pytest.raises(ValueError, match=r"gradient \(4,\) torch.float32 does not match.*\(3,\)"):
+    with pytest.raises(
+        ValueError, match=r"gradient \(4,\) torch.float32 on cpu does not match.*\(3,\)"
+    ):
         backward_from(handle, torch.ones(4))
     with pytest.raises(TypeError, match="release_output returned"):
         backward_from(w, torch.ones(3))  # type: ignore[arg-type]
@@ -222,7 +250,9 @@ def _full_model() -> nn.Sequential:
     torch.manual_seed(1234)
     layers: list[nn.Module] = []
     for _ in range(6):
-        layers += [nn.Linear(D, D), nn.Tanh()]
+        # Linear last in each pair: every stage's output is a Linear output, which no node
+        # saves, so release_output can free it (a Tanh output is saved by TanhBackward)
+        layers += [nn.Tanh(), nn.Linear(D, D)]
     return nn.Sequential(*layers)
 
 
@@ -264,6 +294,7 @@ def _pipeline_worker(rank: int, world: int, schedule: str, m: int) -> dict[str, 
         "losses": result.losses,
         "live": result.live_bytes,
         "buffers": result.pool.counters.allocated,
+        "freed": result.freed_outputs,
     }
 
 
@@ -277,6 +308,8 @@ def test_pipeline_gradients_bit_identical_to_one_process(
     for rank, r in enumerate(results):
         assert r["grads"] == expect[rank], f"stage {rank}"
     assert len(results[-1]["losses"]) == m
+    for r in results[:-1]:
+        assert r["freed"] == m  # every sent output's memory was released after its send
     if schedule == "1f1b":
         # receive buffers: as many as microbatches in flight on that stage, not m
         for rank in range(1, world):
@@ -305,7 +338,7 @@ def _mismatch_worker(rank: int, world: int) -> dict[str, Any]:
     except ValueError as e:
         first = str(e)
     entry = pipeline.recv_forward(0, shape=(2, 3), dtype=torch.float32)  # stream still in sync
-    return {"error": first, "shape": list(entry.tensor.shape)}
+    return {"error": first, "shape": list(entry.tensor.shape), "version": entry.tensor._version}
 
 
 def test_p2p_shape_mismatch_names_both(tmp_path: Path) -> None:
@@ -313,6 +346,7 @@ def test_p2p_shape_mismatch_names_both(tmp_path: Path) -> None:
     assert "rank 0 sent (2, 3) torch.float32" in results[1]["error"]
     assert "receiving buffer is (3, 2) torch.float32" in results[1]["error"]
     assert results[1]["shape"] == [2, 3]
+    assert results[1]["version"] >= 1  # recv bumps the version: stale aliases are caught
 
 
 def test_dist_is_not_left_initialised() -> None:

@@ -85,3 +85,31 @@ def test_pytest_plugin_fixture_and_marker(pytester: Any) -> None:
     result = pytester.runpytest("-q")  # the plugin is loaded through its entry point
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["*test_marker_leaky*", "*memory grows by 4.0 KiB/step*"])
+
+
+def test_pytest_plugin_refuses_what_it_cannot_repeat(pytester: Any) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.leak_check(5)
+        def test_positional():
+            pass
+
+        @pytest.mark.leak_check(steps=5)
+        async def test_async():
+            raise AssertionError("never awaited")
+        """
+    )
+    result = pytester.runpytest("-q")
+    result.stdout.fnmatch_lines(["*takes keyword arguments*"])
+    assert result.ret != 0
+
+
+def test_plugin_module_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, leakfree_pytest_plugin; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False"

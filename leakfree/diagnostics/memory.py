@@ -36,10 +36,13 @@ class Growth:
     steps: int  #: samples used
     first: int  #: live bytes at the first sample used
     last: int  #: live bytes at the last sample
+    halves: tuple[float, float] = (0.0, 0.0)  #: slopes over the first and the second half
 
     def exceeds(self, tolerance: float = 0.0) -> bool:
-        """Growth beyond ``tolerance`` bytes per step that noise cannot explain."""
-        return self.bytes_per_step - self.noise > tolerance
+        """Growth beyond ``tolerance`` bytes per step that noise cannot explain, and that
+        persists: both halves of the run grow too (a one-off jump, e.g. optimizer state
+        created mid-run, is not a leak)."""
+        return self.bytes_per_step - self.noise > tolerance and min(self.halves) > tolerance
 
     def __str__(self) -> str:
         return f"{_fmt_bytes(self.bytes_per_step)}/step +- {_fmt_bytes(self.noise)}"
@@ -64,7 +67,16 @@ def fit_growth(values: Sequence[float]) -> Growth:
         noise = max(3 * stderr, spread)
     else:
         noise = 0.0
-    return Growth(slope, noise, n, int(values[0]), int(values[-1]))
+    half = n // 2
+    halves = (_slope(values[: half + 1]), _slope(values[half:])) if n >= 4 else (slope, slope)
+    return Growth(slope, noise, n, int(values[0]), int(values[-1]), halves)
+
+
+def _slope(values: Sequence[float]) -> float:
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    sxx = sum((x - mean_x) ** 2 for x in range(n))
+    return sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / sxx
 
 
 def _fmt_bytes(n: float) -> str:
@@ -79,9 +91,11 @@ def _fmt_bytes(n: float) -> str:
 class StorageTracker(TorchDispatchMode):
     """Records every storage created by an aten op while active; counts those still alive.
 
-    A storage is counted with the size it had when first seen, for as long as anything
-    (Python or C++) holds it. Storages that existed before activation are not counted, even
-    when an op returns a view of them or writes into them.
+    A storage is counted, with its current size, for as long as anything (Python or C++)
+    holds it. Storages that existed before activation are not counted, even when an op
+    returns a view of them or writes into them. Not seen: tensors that never pass through
+    an aten op (``torch.from_numpy``, ``torch.frombuffer``, a DataLoader's pinned batches)
+    and non-strided (sparse, nested) tensors.
     """
 
     def __init__(self) -> None:
@@ -96,7 +110,10 @@ class StorageTracker(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func.is_view:
+        # torch.tensor(data) builds its storage below the dispatcher and only "lifts" it
+        # (an op marked as a view): that output is new although it is an input's storage.
+        fresh = func in _LIFT_FRESH
+        if func.is_view and not fresh:
             return out  # a view of an input's storage: nothing new
         outputs = out if isinstance(out, (tuple, list)) else (out,)
         inputs: set[int] | None = None
@@ -111,7 +128,7 @@ class StorageTracker(TorchDispatchMode):
             if seen is not None and not seen[0].expired():  # type: ignore[no-untyped-call]
                 continue
             if inputs is None:  # in-place and out= ops return an input's storage
-                inputs = _storages_of(args, kwargs)
+                inputs = set() if fresh else _storages_of(args, kwargs)
             if key in inputs:
                 continue
             self._live[key] = (
@@ -122,17 +139,35 @@ class StorageTracker(TorchDispatchMode):
         return out
 
     def live_bytes(self) -> dict[str, int]:
-        """Bytes of tracked storages still alive, per device (and forgets the dead ones)."""
+        """Bytes of tracked storages still alive, per device (and forgets the dead ones).
+
+        Sizes are read now, so a storage resized since (grown, or freed with ``resize_(0)``
+        as ``release_output`` does) counts with its current size.
+        """
         out: dict[str, int] = {}
         dead = []
         for key, (ref, nbytes, device) in self._live.items():
             if ref.expired():  # type: ignore[no-untyped-call]
                 dead.append(key)
             else:
+                nbytes = _current_nbytes(ref, nbytes)
                 out[device] = out.get(device, 0) + nbytes
         for key in dead:
             del self._live[key]
         return out
+
+
+_LIFT_FRESH = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+_from_weak = getattr(torch.UntypedStorage, "_new_with_weak_ptr", None)
+
+
+def _current_nbytes(ref: StorageWeakRef, recorded: int) -> int:
+    if _from_weak is None:
+        return recorded
+    try:
+        return int(_from_weak(ref.cdata).nbytes())
+    except RuntimeError:  # expired between the check and now
+        return 0
 
 
 def _storages_of(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[int]:

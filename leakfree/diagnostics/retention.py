@@ -30,7 +30,9 @@ from leakfree.function import RELEASED
 
 __all__ = ["Retained", "RetentionReport", "find_retained", "tensor_bytes"]
 
-_MAX_NODES = 20000
+_MAX_NODES = 20000  #: per graph
+_MAX_TOTAL_NODES = 200000  #: per call, over all graphs
+_MAX_ITEMS = 100000  #: per list or tuple
 _ROWS = 20
 _SKIP = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
 
@@ -114,31 +116,44 @@ def tensor_bytes(value: Any, seen: set[int] | None = None, depth: int = 0) -> in
     return sum(tensor_bytes(v, seen, depth + 1) for v in items)
 
 
+_raw_names: dict[type, tuple[str, ...]] = {}
+
+
 def _released(node: Any) -> bool:
-    """Did this node's backward already run (in a pass that did not keep the graph)?"""
-    if isinstance(node, BackwardCFunction):
-        if RELEASED in node.__dict__:
-            return True
-        try:
-            node._raw_saved_tensors  # noqa: B018
-        except RuntimeError:
-            return True
-        return False
-    for name in dir(node):
-        if name.startswith("_saved_"):
+    """Did this node's backward already run (in a pass that did not keep the graph)?
+
+    Reads only ``_raw_saved_*`` handles (``SavedTensor.data`` is ``None`` once released);
+    never unpacks a saved tensor, so no saved-tensor hook (an offloader's) runs.
+    """
+    try:
+        if isinstance(node, BackwardCFunction):
+            if RELEASED in node.__dict__:
+                return True
             try:
-                getattr(node, name)
+                node._raw_saved_tensors  # noqa: B018
             except RuntimeError:
                 return True
-            except Exception:
-                continue
-    return False
+            return False
+        names = _raw_names.get(type(node))
+        if names is None:
+            names = _raw_names[type(node)] = tuple(
+                n for n in dir(node) if n.startswith("_raw_saved_")
+            )
+        handles: list[Any] = []
+        for name in names:
+            value = getattr(node, name)
+            handles.extend(value if isinstance(value, (list, tuple)) else [value])
+        saved = [h for h in handles if hasattr(h, "data")]
+        return bool(saved) and all(h.data is None for h in saved)
+    except Exception:  # an exotic node: say nothing rather than break the walk
+        return False
 
 
-def _graph(root: Any) -> Iterator[Any]:
+def _graph(root: Any, budget: list[int]) -> Iterator[Any]:
     seen: set[int] = set()
     stack = [root]
-    while stack and len(seen) < _MAX_NODES:
+    while stack and len(seen) < _MAX_NODES and budget[0] > 0:
+        budget[0] -= 1
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
@@ -173,19 +188,34 @@ def _walk(obj: Any, path: str, depth: int, visited: set[int]) -> Iterator[tuple[
             yield from _walk(v, f"{path}[{k!r}]", depth - 1, visited)
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
+            if i >= _MAX_ITEMS:
+                break
             yield from _walk(v, f"{path}[{i}]", depth - 1, visited)
     elif isinstance(obj, (set, frozenset)):
         for v in obj:
             yield from _walk(v, f"{path}{{...}}", depth - 1, visited)
     else:
-        fields = dict(getattr(obj, "__dict__", {}))
-        for klass in type(obj).__mro__:
-            for name in klass.__dict__.get("__slots__", ()):
-                if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
-                    fields[name] = getattr(obj, name)
-        for name, v in fields.items():
+        for name, v in _fields(obj).items():
             if not name.startswith("__"):
                 yield from _walk(v, f"{path}.{name}", depth - 1, visited)
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    """An object's instance attributes and slots, read without running properties."""
+    try:
+        fields = dict(object.__getattribute__(obj, "__dict__"))
+    except Exception:
+        fields = {}
+    for klass in type(obj).__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            try:
+                fields[name] = object.__getattribute__(obj, name)
+            except Exception:  # unset slot, or a descriptor that raises
+                continue
+    return fields
 
 
 def find_retained(*roots: Any, names: list[str] | None = None, depth: int = 8) -> RetentionReport:
@@ -214,14 +244,18 @@ def find_retained(*roots: Any, names: list[str] | None = None, depth: int = 8) -
     visited: set[int] = set()
     nodes_seen: set[int] = set()
     counted: set[int] = set()
+    released_cache: dict[int, bool] = {}
+    budget = [_MAX_TOTAL_NODES]
     for name, root in named:
         for path, tensor in _walk(root, name, depth, visited):
             graph_bytes = 0
             backpropagated = False
             nodes = 0
-            for node in _graph(tensor.grad_fn):
+            for node in _graph(tensor.grad_fn, budget):
                 nodes += 1
-                released = _released(node)
+                released = released_cache.get(id(node))
+                if released is None:
+                    released = released_cache[id(node)] = _released(node)
                 backpropagated = backpropagated or released
                 if isinstance(node, BackwardCFunction) and released:
                     state = _ctx_state(node, counted)

@@ -82,6 +82,7 @@ class PatchRecord:
     status: str  # applied | pending import | skipped | reverted | disabled
     reason: str = ""
     undo: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    option: Any = field(default=None, repr=False, compare=False)  #: what it was applied with
 
     @property
     def applied(self) -> bool:
@@ -179,12 +180,14 @@ class Registry:
             self.strict = strict
             for name, option in chosen.items():
                 record = self.records[name]
-                if option is False:
-                    if record.status != "applied":
-                        record.status, record.reason = "disabled", "disabled by the caller"
-                    continue
                 if record.status == "applied":
-                    continue  # idempotent
+                    if option == record.option:
+                        continue  # idempotent
+                    self._undo(record)  # asked for something else now: off, or harden...
+                if option is False:
+                    self._wanted.pop(name, None)
+                    record.status, record.reason = "disabled", "disabled by the caller"
+                    continue
                 self._wanted[name] = option
                 self._decide(self.patches[name], option)
 
@@ -216,6 +219,8 @@ class Registry:
 
     def _on_import(self, module: types.ModuleType) -> None:
         with self._lock:
+            # wrapt drops a hook once it fired: a later re-import needs a new registration
+            self._hooked.discard(module.__name__)
             for patch in self.patches.values():
                 record = self.records[patch.name]
                 if patch.name in self._wanted and record.status == "pending import":
@@ -228,15 +233,17 @@ class Registry:
         option = self._wanted.get(patch.name, True)
         try:
             target = _resolve(module, patch.target)
-        except AttributeError:
+            skip = patch.check(target, module)
+        except Exception as e:  # an odd module (lazy __getattr__, a check that trips): skip
+            if self.strict and not isinstance(e, AttributeError):
+                raise
             self._skip(
                 record,
                 "skipped",
-                f"target not found: {module.__name__}.{patch.target}",
+                f"target not found: {module.__name__}.{patch.target} ({type(e).__name__})",
                 warn=True,
             )
             return
-        skip = patch.check(target, module)
         if skip is not None:
             expected = skip.status == "already fixed upstream"  # good news, not a warning
             self._skip(record, "skipped", f"{skip.status}: {skip.detail}", warn=not expected)
@@ -249,6 +256,7 @@ class Registry:
             self._skip(record, "skipped", f"apply failed: {type(e).__name__}: {e}", warn=True)
             return
         record.status, record.reason, record.undo = "applied", patch.description, undo
+        record.option = option
 
     def _skip(self, record: PatchRecord, status: str, reason: str, *, warn: bool = False) -> None:
         record.status, record.reason, record.undo = status, reason, None
@@ -261,15 +269,28 @@ class Registry:
 
     # -- reverting ---------------------------------------------------------------------------
 
+    def _undo(self, record: PatchRecord) -> None:
+        undo, record.undo, record.option = record.undo, None, None
+        record.status, record.reason = "reverted", "unpatch_all()"
+        if undo is not None:
+            undo()
+
     def revert_all(self) -> None:
+        errors = []
         with self._lock:
             self._wanted.clear()  # pending hooks become no-ops
             for record in self.records.values():
-                if record.status == "applied" and record.undo is not None:
-                    record.undo()
-                    record.status, record.reason, record.undo = "reverted", "unpatch_all()", None
+                if record.status == "applied":
+                    try:
+                        self._undo(record)
+                    except Exception as e:  # revert the others anyway
+                        errors.append(f"{record.name}: {type(e).__name__}: {e}")
                 elif record.status == "pending import":
                     record.status, record.reason = "reverted", "unpatch_all() before import"
+        if errors:
+            warnings.warn(
+                "leakfree: could not revert " + "; ".join(errors), PatchWarning, stacklevel=3
+            )
 
     def plan(self, chosen: dict[str, Any]) -> PatchReport:
         """What ``request(chosen)`` would do, without doing it (``python -m leakfree doctor``)."""

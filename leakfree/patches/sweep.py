@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-from leakfree.function import Function, ReleaseHandle, _backward_name, release_after_backward
+from leakfree.function import (
+    _HANDLE,
+    Function,
+    ReleaseHandle,
+    _backward_name,
+    release_after_backward,
+)
 
 __all__ = ["Sweep", "patch_functions"]
 
@@ -66,6 +72,8 @@ class Sweep:
                     continue
                 if "_backward_cls" not in cls.__dict__ or _backward_name(cls) is None:
                     continue  # not a concrete Function, or nothing to release after
+                if _HANDLE in cls.__dict__:
+                    continue  # already released by someone else (a patch, another sweep)
                 self.handles[cls] = release_after_backward(cls, self.attrs)  # type: ignore[arg-type]
 
     def remove(self) -> None:

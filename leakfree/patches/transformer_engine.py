@@ -39,11 +39,32 @@ _NEW_CP = "transformer_engine.pytorch.attention.dot_product_attention.context_pa
 
 
 def _code_facts(fn: Any) -> tuple[set[str], set[str]]:
-    """Names a function's code loads or calls, and attribute names it stores (nested too)."""
-    code = getattr(fn, "__code__", None)
+    """Names a function's code loads or calls, and attribute names it stores: nested code,
+    and through decorators (``functools.wraps`` chains, functions in closure cells, as
+    ``torch.amp.custom_bwd`` makes)."""
     names: set[str] = set()
     stored: set[str] = set()
-    stack = [code] if code is not None else []
+    stack: list[types.CodeType] = []
+    seen_fns: set[int] = set()
+    fns = [fn]
+    while fns:
+        f = fns.pop()
+        if id(f) in seen_fns:
+            continue
+        seen_fns.add(id(f))
+        code = getattr(f, "__code__", None)
+        if code is not None:
+            stack.append(code)
+        wrapped = getattr(f, "__wrapped__", None)
+        if wrapped is not None:
+            fns.append(wrapped)
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, types.FunctionType):
+                fns.append(value)
     while stack:
         c = stack.pop()
         names.update(c.co_names)

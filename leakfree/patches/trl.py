@@ -63,23 +63,43 @@ def get_act_offloading_ctx_manager(
     )
 
 
-def _rebind(old: Any, new: Any, name: str) -> None:
-    for module_name, module in list(sys.modules.items()):
-        if module_name == "leakfree" or module_name.startswith("leakfree."):
-            continue  # where the replacements themselves are defined
+def _rebind(
+    old: Any, new: Any, name: str, modules: list[types.ModuleType]
+) -> list[types.ModuleType]:
+    done = []
+    for module in modules:
         namespace = getattr(module, "__dict__", None)
         if namespace is not None and namespace.get(name) is old:
             namespace[name] = new
+            done.append(module)
+    return done
+
+
+def _imported_modules(prefix: str | None = None) -> list[types.ModuleType]:
+    out = []
+    for module_name, module in list(sys.modules.items()):
+        if module_name == "leakfree" or module_name.startswith("leakfree."):
+            continue  # where the replacements themselves are defined
+        if prefix is None or module_name == prefix or module_name.startswith(prefix + "."):
+            out.append(module)
+    return out
 
 
 def _replace_everywhere(original: Any, replacement: Any, name: str) -> Callable[[], None]:
     """Rebind ``name`` wherever it is bound to ``original``; return the undo.
 
-    Modules imported after the patch copy the replacement from the patched module; the
-    undo therefore puts the original back wherever the replacement is bound by then.
+    The undo restores exactly the modules rebound here, plus TRL's own modules imported
+    since (they copied the replacement from the patched module); never a user module that
+    imported leakfree's object on purpose.
     """
-    _rebind(original, replacement, name)
-    return lambda: _rebind(replacement, original, name)
+    rebound = _rebind(original, replacement, name, _imported_modules())
+
+    def undo() -> None:
+        seen = {id(m) for m in rebound}
+        later = [m for m in _imported_modules("trl") if id(m) not in seen]
+        _rebind(replacement, original, name, rebound + later)
+
+    return undo
 
 
 def _check_class(target: Any, module: types.ModuleType) -> Skip | None:
