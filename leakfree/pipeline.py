@@ -186,13 +186,16 @@ def as_nonleaf(buf: torch.Tensor, slot: GradSlot) -> torch.Tensor:
             f"as_nonleaf(buf=...): dtype {buf.dtype} cannot carry a gradient; only "
             "floating point (or complex) activations can be backpropagated"
         )
+    if torch.is_grad_enabled():
+        out: torch.Tensor = _ToSlot.apply(_anchor(buf.device), buf, slot)
+        return out
     if torch.is_inference_mode_enabled():
         raise RuntimeError(
             "as_nonleaf under torch.inference_mode(): no gradient can flow back, so there is "
             "nothing to deliver; use the received buffer directly"
         )
     with torch.enable_grad():  # under no_grad (evaluation) too: it must be a non-leaf
-        out: torch.Tensor = _ToSlot.apply(_anchor(buf.device), buf, slot)
+        out = _ToSlot.apply(_anchor(buf.device), buf, slot)
     return out
 
 

@@ -110,31 +110,35 @@ class StorageTracker(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        # torch.tensor(data) builds its storage below the dispatcher and only "lifts" it
-        # (an op marked as a view): that output is new although it is an input's storage.
-        fresh = func in _LIFT_FRESH
-        if func.is_view and not fresh:
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _KINDS[func] = _kind(func)
+        if kind == _VIEW:
             return out  # a view of an input's storage: nothing new
-        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        # Hot path: runs for every aten op while tracking.
+        outputs = out if type(out) in (tuple, list) else (out,)
+        live = self._live
         inputs: set[int] | None = None
         for t in outputs:
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            if not isinstance(t, torch.Tensor):
                 continue
-            if t.layout != torch.strided:
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # sparse, nested: not tracked
                 continue
-            storage = t.untyped_storage()
             key = storage._cdata
-            seen = self._live.get(key)
+            seen = live.get(key)
             if seen is not None and not seen[0].expired():  # type: ignore[no-untyped-call]
                 continue
-            if inputs is None:  # in-place and out= ops return an input's storage
-                inputs = set() if fresh else _storages_of(args, kwargs)
-            if key in inputs:
-                continue
-            self._live[key] = (
+            if kind == _MUTATES:  # in-place and out= ops return an input's storage
+                if inputs is None:
+                    inputs = _storages_of(args, kwargs)
+                if key in inputs:
+                    continue
+            live[key] = (
                 StorageWeakRef(storage),  # type: ignore[no-untyped-call]
                 storage.nbytes(),
-                str(t.device),
+                str(t.device),  # meta tensors land under "meta", which no one samples
             )
         return out
 
@@ -158,6 +162,22 @@ class StorageTracker(TorchDispatchMode):
 
 
 _LIFT_FRESH = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+_VIEW, _NEW, _MUTATES = 0, 1, 2
+_KINDS: dict[Any, int] = {}
+
+
+def _kind(func: Any) -> int:
+    """What an op's outputs are: views of inputs, new storages, or maybe an input's.
+
+    torch.tensor(data) builds its storage below the dispatcher and only "lifts" it (an op
+    marked as a view): that output is new although it is an input's storage.
+    """
+    if func in _LIFT_FRESH:
+        return _NEW
+    if func.is_view:
+        return _VIEW
+    schema = getattr(func, "_schema", None)
+    return _MUTATES if schema is None or schema.is_mutable else _NEW
 _from_weak = getattr(torch.UntypedStorage, "_new_with_weak_ptr", None)
 
 
