@@ -178,6 +178,8 @@ def _kind(func: Any) -> int:
         return _VIEW
     schema = getattr(func, "_schema", None)
     return _MUTATES if schema is None or schema.is_mutable else _NEW
+
+
 _from_weak = getattr(torch.UntypedStorage, "_new_with_weak_ptr", None)
 
 
