@@ -191,22 +191,33 @@ class Registry:
                 self._wanted[name] = option
                 self._decide(self.patches[name], option)
 
-    def _decide(self, patch: Patch, option: Any) -> None:
-        record = self.records[patch.name]
+    @staticmethod
+    def _gate(patch: Patch, option: Any) -> tuple[Version | None, str | None, str]:
+        """Installed version, where the target lives (None if the patch does not apply),
+        and the reason it does not apply: "not installed", "not affected" or "no location".
+
+        The one version and location decision, shared by ``request`` and ``plan``.
+        """
         version = installed_version(patch.distributions)
-        record.version = str(version) if version is not None else None
         if version is None:
-            self._skip(record, "skipped", "not installed")
-            return
+            return None, None, "not installed"
         affected = dict(patch.widen).get(option, patch.affected)
         if option != "always" and version not in SpecifierSet(affected):
-            self._skip(
-                record, "skipped", f"version {version} not affected (fixed in {patch.fixed_in})"
-            )
-            return
-        module_name = patch.module_for(version)
+            return version, None, "not affected"
+        module = patch.module_for(version)
+        return version, module, "no location" if module is None else ""
+
+    def _decide(self, patch: Patch, option: Any) -> None:
+        record = self.records[patch.name]
+        version, module_name, blocked = self._gate(patch, option)
+        record.version = str(version) if version is not None else None
         if module_name is None:
-            self._skip(record, "skipped", f"no known location of {patch.target} in {version}")
+            reason = {
+                "not installed": "not installed",
+                "not affected": f"version {version} not affected (fixed in {patch.fixed_in})",
+                "no location": f"no known location of {patch.target} in {version}",
+            }[blocked]
+            self._skip(record, "skipped", reason)
             return
         module = sys.modules.get(module_name)
         if module is not None:
@@ -297,20 +308,18 @@ class Registry:
         out = PatchReport()
         for name, option in chosen.items():
             patch = self.patches[name]
-            version = installed_version(patch.distributions)
+            version, module, blocked = self._gate(patch, option)
             record = PatchRecord(
                 name, patch.integration, patch.target, str(version) if version else None, ""
             )
-            affected = dict(patch.widen).get(option, patch.affected)
             if option is False:
                 record.status, record.reason = "off", "not requested (off by default or disabled)"
-            elif version is None:
+            elif blocked == "not installed":
                 record.status, record.reason = "not installed", ""
-            elif option != "always" and version not in SpecifierSet(affected):
-                record.status = "not affected"
-                record.reason = f"fixed in {patch.fixed_in}"
+            elif blocked:
+                record.status = blocked
+                record.reason = f"fixed in {patch.fixed_in}" if blocked == "not affected" else ""
             else:
-                module = patch.module_for(version)
                 current = self.records[name].status
                 record.status = "applied" if current == "applied" else "would apply"
                 record.reason = f"{patch.description} ({module}.{patch.target})"
