@@ -12,25 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def median_us(fn: Callable[[], Any], *, repeat: int, number: int, warmup: int = 3) -> float:
-    """Median over ``repeat`` samples of the mean time of ``number`` calls, in microseconds.
-
-    Samples of the two sides of a comparison should be interleaved by the caller (see
-    :func:`compare`) so that drift in machine load hits both alike.
-    """
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        samples.append((time.perf_counter() - t0) / number * 1e6)
-    return statistics.median(samples)
 
 
 def compare(
@@ -48,6 +32,21 @@ def compare(
                 fn()
             samples[name].append((time.perf_counter() - t0) / number * 1e6)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+class StorageWatch:
+    """Bytes of the watched tensors' storages that are still alive (weak references)."""
+
+    def __init__(self) -> None:
+        self._refs: list[tuple[StorageWeakRef, int]] = []
+
+    def watch(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        self._refs.append((StorageWeakRef(storage), storage.nbytes()))
+
+    def live_bytes(self) -> int:
+        self._refs = [(r, n) for r, n in self._refs if not r.expired()]
+        return sum(n for _, n in self._refs)
 
 
 def environment() -> dict[str, Any]:

@@ -23,10 +23,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import compare, print_table, write_json
+from _common import StorageWatch, compare, print_table, write_json
 
 import leakfree
-from leakfree._demo import StorageWatch
 from leakfree.diagnostics import count_host_syncs
 
 KEYS = ("lm", "z_loss", "aux", "total")

@@ -22,10 +22,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import compare, print_table, write_json
+from _common import StorageWatch, compare, print_table, write_json
 
 import leakfree
-from leakfree._demo import StorageWatch
 
 
 def make_model(d: int, layers: int, device: torch.device) -> nn.Module:

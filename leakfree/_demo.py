@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.multiprocessing.reductions import StorageWeakRef
 
 import leakfree
-from leakfree.diagnostics.memory import Growth, MemoryTracker, _fmt_bytes, fit_growth
+from leakfree._text import format_bytes, format_table
+from leakfree.diagnostics.memory import Growth, MemoryTracker, fit_growth
+from leakfree.offload import _accelerator
 from leakfree.pipeline import RecvBufferPool
 
 Step = Callable[[], None]
@@ -38,21 +39,6 @@ class ShapeResult:
     @property
     def fixed_growth(self) -> Growth:
         return fit_growth(self.fixed[1:])
-
-
-class StorageWatch:
-    """Bytes of watched storages that are still alive (used by the benchmarks)."""
-
-    def __init__(self) -> None:
-        self._refs: list[tuple[StorageWeakRef, int]] = []
-
-    def watch(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        self._refs.append((StorageWeakRef(storage), storage.nbytes()))  # type: ignore[no-untyped-call]
-
-    def live_bytes(self) -> int:
-        self._refs = [(r, n) for r, n in self._refs if not r.expired()]  # type: ignore[no-untyped-call]
-        return sum(n for _, n in self._refs)
 
 
 # --- 1. loss dict ------------------------------------------------------------------------------
@@ -239,11 +225,7 @@ SHAPES: list[tuple[str, str, Callable[[bool, torch.device], Step]]] = [
 
 
 def _device() -> torch.device:
-    if torch.accelerator.is_available():
-        acc = torch.accelerator.current_accelerator()
-        if acc is not None:
-            return acc
-    return torch.device("cpu")
+    return _accelerator() or torch.device("cpu")
 
 
 def measure(
@@ -284,26 +266,18 @@ def run_demo(steps: int = 30, plot: str | None = "leakfree-demo.png") -> int:
         f"naive after {steps}",
         f"leakfree after {steps}",
     )
-    rows = [header] + [
+    rows = [
         (
             r.name,
             r.where,
-            _fmt_bytes(r.naive_growth.bytes_per_step),
-            _fmt_bytes(r.fixed_growth.bytes_per_step),
-            _fmt_bytes(r.naive[-1]),
-            _fmt_bytes(r.fixed[-1]),
+            format_bytes(r.naive_growth.bytes_per_step),
+            format_bytes(r.fixed_growth.bytes_per_step),
+            format_bytes(r.naive[-1]),
+            format_bytes(r.fixed[-1]),
         )
         for r in results
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for i, row in enumerate(rows):
-        print(
-            "  ".join(
-                c.ljust(w) if k < 2 else c.rjust(w) for k, (c, w) in enumerate(zip(row, widths))
-            ).rstrip()
-        )
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print(format_table(header, rows, right=range(2, len(header))))
     print(
         f"\nper step: least-squares growth of live bytes on {device}. Every loop keeps what "
         "users keep (a logged loss, an output, a received input); with leakfree only those "

@@ -4,22 +4,12 @@
 from __future__ import annotations
 
 import platform
-from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
 import leakfree
 from leakfree.patches import REGISTRY
 from leakfree.patches._registry import installed_version
-
-
-def _version(*names: str) -> str:
-    for name in names:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            continue
-    return "not installed"
 
 
 def run_doctor() -> int:
@@ -36,7 +26,8 @@ def run_doctor() -> int:
         )
     te = installed_version(("transformer_engine", "transformer-engine", "transformer_engine_torch"))
     print(f"transformer_engine: {te if te is not None else 'not installed'}")
-    print(f"trl: {_version('trl')}")
+    trl = installed_version(("trl",))
+    print(f"trl: {trl if trl is not None else 'not installed'}")
     print()
     plan = REGISTRY.plan(REGISTRY.select({}))
     affecting = [r for r in plan if r.status in ("would apply", "applied")]

@@ -456,7 +456,7 @@ def _refers_to(value: Any, targets: dict[int, int], depth: int = 0) -> int | Non
     elif isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType)):
         return None
     else:
-        items = _object_fields(value)
+        items = _object_fields(value).values()
     for count, item in enumerate(items):
         if count >= _SCAN_ITEMS:
             break
@@ -481,16 +481,19 @@ def _never_holds_outputs(cls: type) -> type:
     return cls
 
 
-def _object_fields(obj: Any) -> list[Any]:
-    fields = list(getattr(obj, "__dict__", {}).values())
+def _object_fields(obj: Any) -> dict[str, Any]:
+    """An object's instance attributes and slots, read without running properties (also
+    used by :func:`leakfree.diagnostics.find_retained`)."""
+    try:
+        fields = dict(object.__getattribute__(obj, "__dict__"))
+    except Exception:
+        fields = {}
     for name in _slot_names(type(obj)):
-        value = getattr(obj, name, _MISSING)
-        if value is not _MISSING:
-            fields.append(value)
+        try:
+            fields[name] = object.__getattribute__(obj, name)
+        except Exception:  # unset slot, or a descriptor that raises
+            continue
     return fields
-
-
-_MISSING = object()
 
 
 _slot_cache: dict[type, tuple[str, ...]] = {}

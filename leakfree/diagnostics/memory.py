@@ -24,6 +24,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from leakfree._text import format_bytes, format_table
+
 __all__ = ["Growth", "MemoryTracker", "StorageTracker", "fit_growth"]
 
 
@@ -45,7 +47,7 @@ class Growth:
         return self.bytes_per_step - self.noise > tolerance and min(self.halves) > tolerance
 
     def __str__(self) -> str:
-        return f"{_fmt_bytes(self.bytes_per_step)}/step +- {_fmt_bytes(self.noise)}"
+        return f"{format_bytes(self.bytes_per_step)}/step +- {format_bytes(self.noise)}"
 
 
 def fit_growth(values: Sequence[float]) -> Growth:
@@ -77,15 +79,6 @@ def _slope(values: Sequence[float]) -> float:
     mean_x, mean_y = (n - 1) / 2, sum(values) / n
     sxx = sum((x - mean_x) ** 2 for x in range(n))
     return sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / sxx
-
-
-def _fmt_bytes(n: float) -> str:
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{sign}{n / size:.1f} {unit}"
-    return f"{sign}{n:.0f} B"
 
 
 class StorageTracker(TorchDispatchMode):
@@ -296,7 +289,7 @@ class MemoryTracker:
 
     def report(self, *, skip: int = 1) -> str:
         """A table: per device, steps, first and last live bytes, growth per step."""
-        rows = [("device", "steps", "first", "last", "growth per step")]
+        rows = []
         for key, values in self.series.items():
             if not values:
                 continue
@@ -306,12 +299,9 @@ class MemoryTracker:
                 (
                     key,
                     str(len(values)),
-                    _fmt_bytes(values[0]),
-                    _fmt_bytes(values[-1]),
+                    format_bytes(values[0]),
+                    format_bytes(values[-1]),
                     f"{g}{verdict}",
                 )
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return format_table(("device", "steps", "first", "last", "growth per step"), rows)

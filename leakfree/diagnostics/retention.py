@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from leakfree.function import RELEASED
+from leakfree._text import format_bytes, format_table
+from leakfree.function import _SCALARS, RELEASED, _object_fields
 
 __all__ = ["Retained", "RetentionReport", "find_retained", "tensor_bytes"]
 
@@ -34,7 +35,6 @@ _MAX_NODES = 20000  #: per graph
 _MAX_TOTAL_NODES = 200000  #: per call, over all graphs
 _MAX_ITEMS = 100000  #: per list or tuple
 _ROWS = 20
-_SKIP = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
 
 
 @dataclass(frozen=True)
@@ -70,24 +70,14 @@ class RetentionReport:
     def __str__(self) -> str:
         if not self.items:
             return "nothing retained: no backpropagated graph or released-too-late ctx state found"
-        rows = [("kind", "where", "bytes", "detail")]
+        rows = []
         ordered = sorted(self.items, key=lambda i: -i.nbytes)
         for i in ordered[:_ROWS]:
-            rows.append((i.kind, i.where, _fmt(i.nbytes), i.detail))
+            rows.append((i.kind, i.where, format_bytes(i.nbytes), i.detail))
         if len(ordered) > _ROWS:
             rest = ordered[_ROWS:]
-            rows.append(("...", f"{len(rest)} more", _fmt(sum(i.nbytes for i in rest)), ""))
-        widths = [max(len(r[k]) for r in rows) for k in range(4)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
-
-
-def _fmt(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+            rows.append(("...", f"{len(rest)} more", format_bytes(sum(i.nbytes for i in rest)), ""))
+        return format_table(("kind", "where", "bytes", "detail"), rows)
 
 
 def tensor_bytes(value: Any, seen: set[int] | None = None, depth: int = 0) -> int:
@@ -103,7 +93,7 @@ def tensor_bytes(value: Any, seen: set[int] | None = None, depth: int = 0) -> in
             return 0
         seen.add(key)
         return int(storage.nbytes())
-    if depth >= 3 or isinstance(value, _SKIP):
+    if depth >= 3 or isinstance(value, _SCALARS):
         return 0
     if isinstance(value, dict):
         items: Any = value.values()
@@ -178,7 +168,7 @@ def _walk(obj: Any, path: str, depth: int, visited: set[int]) -> Iterator[tuple[
         if obj.grad_fn is not None:
             yield path, obj
         return
-    if depth <= 0 or isinstance(obj, _SKIP) or id(obj) in visited:
+    if depth <= 0 or isinstance(obj, _SCALARS) or id(obj) in visited:
         return
     if inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isroutine(obj):
         return
@@ -195,27 +185,9 @@ def _walk(obj: Any, path: str, depth: int, visited: set[int]) -> Iterator[tuple[
         for v in obj:
             yield from _walk(v, f"{path}{{...}}", depth - 1, visited)
     else:
-        for name, v in _fields(obj).items():
+        for name, v in _object_fields(obj).items():
             if not name.startswith("__"):
                 yield from _walk(v, f"{path}.{name}", depth - 1, visited)
-
-
-def _fields(obj: Any) -> dict[str, Any]:
-    """An object's instance attributes and slots, read without running properties."""
-    try:
-        fields = dict(object.__getattribute__(obj, "__dict__"))
-    except Exception:
-        fields = {}
-    for klass in type(obj).__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name in ("__dict__", "__weakref__"):
-                continue
-            try:
-                fields[name] = object.__getattribute__(obj, name)
-            except Exception:  # unset slot, or a descriptor that raises
-                continue
-    return fields
 
 
 def find_retained(*roots: Any, names: list[str] | None = None, depth: int = 8) -> RetentionReport:

@@ -23,6 +23,7 @@ import wrapt
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from leakfree._text import format_table
 from leakfree._warnings import PatchWarning
 
 __all__ = ["Patch", "PatchRecord", "PatchReport", "Registry", "installed_version"]
@@ -101,12 +102,10 @@ class PatchReport(list[PatchRecord]):
         return super().__getitem__(key)
 
     def __str__(self) -> str:
-        rows = [("patch", "target", "version", "status", "reason")]
-        rows += [(r.name, r.target, r.version or "-", r.status, r.reason) for r in self]
-        widths = [max(len(row[i]) for row in rows) for i in range(5)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return format_table(
+            ("patch", "target", "version", "status", "reason"),
+            [(r.name, r.target, r.version or "-", r.status, r.reason) for r in self],
+        )
 
 
 def installed_version(distributions: Iterable[str]) -> Version | None:
