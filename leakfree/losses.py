@@ -79,8 +79,19 @@ def _check(key: str, value: Any, device: torch.device | None) -> Any:
     return float(value)
 
 
-def _check_many(key: str, values: Iterable[Any], owner: _Owner) -> list[Any]:
-    """Validate a batch as a whole (one device across it) before storing any of it."""
+def _admit(key: str, value: Any, owner: _Owner) -> Any:
+    """What to store for one value (validated), making its device the log's if unset."""
+    if _plain_scalar(value, owner):  # the per-microbatch fast path
+        return value.detach()
+    item = _check(key, value, owner.device)
+    if owner.device is None and isinstance(item, torch.Tensor):
+        owner.device = item.device
+    return item
+
+
+def _admit_many(key: str, values: Iterable[Any], owner: _Owner) -> list[Any]:
+    """Validate a batch as a whole (one device across it) before storing any of it; then
+    its device becomes the log's if unset."""
     if isinstance(values, (torch.Tensor, str, bytes)) or not isinstance(values, Iterable):
         raise TypeError(
             f"LossLog[{key!r}]: expected an iterable of values, got {type(values).__name__}; "
@@ -93,6 +104,8 @@ def _check_many(key: str, values: Iterable[Any], owner: _Owner) -> list[Any]:
         if device is None and isinstance(item, torch.Tensor):
             device = item.device
         out.append(item)
+    if owner.device is None:
+        owner.device = device
     return out
 
 
@@ -106,14 +119,6 @@ def _plain_scalar(value: Any, owner: _Owner) -> bool:
         and value.device == owner.device
         and not value.is_complex()
     )
-
-
-def _adopt_device(owner: _Owner, items: Iterable[Any]) -> None:
-    if owner.device is None:
-        for item in items:
-            if isinstance(item, torch.Tensor):
-                owner.device = item.device
-                return
 
 
 _list_append = list.append
@@ -132,29 +137,16 @@ class LossList(list[Any]):
     def __init__(self, key: str, owner: _Owner, values: Iterable[Any] = ()) -> None:
         self._key = key
         self._owner = owner
-        items = _check_many(key, values, owner)
-        _adopt_device(owner, items)
-        super().__init__(items)
+        super().__init__(_admit_many(key, values, owner))
 
     def append(self, value: Any) -> None:
-        owner = self._owner
-        if _plain_scalar(value, owner):
-            _list_append(self, value.detach())
-            return
-        item = _check(self._key, value, owner.device)
-        if owner.device is None and isinstance(item, torch.Tensor):
-            owner.device = item.device
-        _list_append(self, item)
+        _list_append(self, _admit(self._key, value, self._owner))
 
     def extend(self, values: Iterable[Any]) -> None:
-        items = _check_many(self._key, values, self._owner)
-        _adopt_device(self._owner, items)
-        super().extend(items)
+        super().extend(_admit_many(self._key, values, self._owner))
 
     def insert(self, index: SupportsIndex, value: Any) -> None:
-        item = _check(self._key, value, self._owner.device)
-        _adopt_device(self._owner, (item,))
-        super().insert(index, item)
+        super().insert(index, _admit(self._key, value, self._owner))
 
     def __iadd__(self, values: Iterable[Any]) -> LossList:  # type: ignore[override, misc]
         self.extend(values)
@@ -166,13 +158,9 @@ class LossList(list[Any]):
     def __setitem__(self, index: slice, value: Iterable[Any]) -> None: ...
     def __setitem__(self, index: Any, value: Any) -> None:
         if isinstance(index, slice):
-            items = _check_many(self._key, value, self._owner)
-            _adopt_device(self._owner, items)
-            super().__setitem__(index, items)
+            super().__setitem__(index, _admit_many(self._key, value, self._owner))
         else:
-            item = _check(self._key, value, self._owner.device)
-            _adopt_device(self._owner, (item,))
-            super().__setitem__(index, item)
+            super().__setitem__(index, _admit(self._key, value, self._owner))
 
     def copy(self) -> list[Any]:  # a plain list of the (already detached) values
         return list(self)
@@ -205,21 +193,13 @@ class RunningLoss:
         self.extend(values)
 
     def append(self, value: Any) -> None:
-        owner = self._owner
-        if _plain_scalar(value, owner):
-            item = value.detach()
-        else:
-            item = _check(self._key, value, owner.device)
-            if owner.device is None and isinstance(item, torch.Tensor):
-                owner.device = item.device
-        self._pending.append(item)
+        self._pending.append(_admit(self._key, value, self._owner))
         self.count += 1
         if len(self._pending) >= self.FOLD:
             self._fold()
 
     def extend(self, values: Iterable[Any]) -> None:
-        items = _check_many(self._key, values, self._owner)
-        _adopt_device(self._owner, items)
+        items = _admit_many(self._key, values, self._owner)
         self._pending.extend(items)
         self.count += len(items)
         if len(self._pending) >= self.FOLD:
