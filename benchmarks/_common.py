@@ -8,6 +8,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,57 @@ from torch.multiprocessing.reductions import StorageWeakRef
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+@dataclass(frozen=True)
+class Spread:
+    """Median and spread of repeated samples (of a time or of a ratio)."""
+
+    median: float
+    q1: float
+    q3: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+        return cls(statistics.median(values), q1, q3, min(values), max(values))
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "median": self.median,
+            "q1": self.q1,
+            "q3": self.q3,
+            "min": self.low,
+            "max": self.high,
+        }
+
+    def __str__(self) -> str:
+        return f"{self.median:.3f} (IQR {self.q1:.3f}-{self.q3:.3f})"
+
+
+class Timings(dict[str, float]):
+    """Median microseconds per call of each function, with every sample kept.
+
+    Samples are taken round-robin, so sample ``i`` of every function comes from the same
+    stretch of time: :meth:`ratio` divides them round by round, which cancels most of the
+    noise a shared machine adds.
+    """
+
+    def __init__(self, samples: dict[str, list[float]]) -> None:
+        super().__init__({k: statistics.median(v) for k, v in samples.items()})
+        self.samples = samples
+
+    def ratio(self, num: str, den: str) -> Spread:
+        return Spread.of([a / b for a, b in zip(self.samples[num], self.samples[den])])
+
+    def spread(self, name: str) -> Spread:
+        return Spread.of(self.samples[name])
+
+
 def compare(
     fns: dict[str, Callable[[], Any]], *, repeat: int, number: int, warmup: int = 5
-) -> dict[str, float]:
-    """Median microseconds per call of each function, samples interleaved round-robin."""
+) -> Timings:
+    """Time each function ``number`` calls at a time, ``repeat`` rounds, interleaved."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -31,7 +79,7 @@ def compare(
             for _ in range(number):
                 fn()
             samples[name].append((time.perf_counter() - t0) / number * 1e6)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return Timings(samples)
 
 
 class StorageWatch:

@@ -15,17 +15,26 @@ This module holds the one mechanism leakfree uses to fix that, and two ways to a
 
 Lifetime contract
 -----------------
-*Released*: the attributes that ``forward`` / ``setup_context`` (or ``backward`` itself)
-set on ``ctx``, right after the last backward through the node, i.e. at the end of the
-first backward pass whose graph task does not keep the graph (a plain ``backward()`` or
+*Released*: the attributes that ``forward`` / ``setup_context`` / ``jvp`` (or ``backward``
+itself) set on ``ctx``, at the node's last backward: the first backward pass through it
+whose graph task does not keep the graph (a plain ``backward()`` or
 ``torch.autograd.grad()``; not ``retain_graph=True`` nor ``create_graph=True``). The
-release is queued to run when that backward pass finishes, so hooks registered on the
-node still see the state during the pass.
+release happens right after the node's backward returns, inside the pass, so each node's
+state goes as the pass moves on. What the node's hooks see follows from that: pre-hooks
+and ``backward`` see the whole state; node post-hooks (``grad_fn.register_hook``) and
+everything after see the released node. When several threads run backward through the
+same node at once, the release waits for the last of them to return, and happens once.
 
 *Kept*: everything autograd manages itself (``saved_tensors``, ``needs_input_grad``,
-``materialize_grads``, ``metadata``...), attributes named in the class's ``keep``, and all
-state of nodes that a backward never reached: those live until the graph is dropped, as
-in plain PyTorch, and then everything is freed together.
+``materialize_grads``, ``metadata``...); attributes named in the class's ``keep``;
+metadata that holds no memory (numbers, strings, ``None``, dtypes, devices, shapes, enum
+members and tuples of these), so a backward that reads only such values can run again, as
+in plain PyTorch; and all state of nodes that a backward never reached: those live until
+the graph is dropped, as in plain PyTorch, and then everything is freed together.
+
+*After the release*, another backward through the node raises a ``RuntimeError`` that
+names the released attributes, where plain PyTorch would let a node that saved no tensors
+run again: retain the graph in every pass but the last, or list the attributes in ``keep``.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch.autograd.function import BackwardCFunction
+
+from leakfree._walk import holds_no_memory, is_scalar, search
 
 __all__ = [
     "Function",
@@ -87,22 +98,70 @@ class ReferenceCycleError(RuntimeError):
 
 
 # --- the mechanism ----------------------------------------------------------------------
+# One record per node whose backward is running, so that a release never happens under a
+# backward that is still reading ctx (several threads can run backward through one shared
+# node at once), and so that it happens exactly once. Keyed by id(ctx): an entry exists only
+# while a backward through that live node is on some thread's stack.
+
+_state_lock = threading.Lock()
+#: id(ctx) -> how many backward calls through it are running now.
+_running: dict[int, int] = {}
+#: ids of running nodes whose release is due when the last of those calls returns.
+_due: set[int] = set()
+
+
+def _take(ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozenset[str]) -> list[Any]:
+    """Remove the releasable state from ``ctx`` (under ``_state_lock``); return the values so
+    that the caller drops them outside the lock (a destructor may run arbitrary code)."""
+    state = ctx.__dict__
+    if names is not None:
+        # Named attributes (third-party classes) are set to None, exactly as upstream fixes
+        # do, so library code that tests `ctx.attr is None` keeps working.
+        taken = [state[n] for n in names if state.get(n) is not None]
+        for n in names:
+            if n in state:
+                state[n] = None
+        return taken
+    gone = [
+        n for n, v in state.items() if n not in keep and n != RELEASED and not holds_no_memory(v)
+    ]
+    if not gone:
+        return []
+    taken = [state.pop(n) for n in gone]
+    # Remembered so that another backward through this node fails with a clear error.
+    state[RELEASED] = state.get(RELEASED, ()) + tuple(gone)
+    return taken
 
 
 def _release(ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozenset[str]) -> None:
-    state = ctx.__dict__
-    if names is None:
-        released = tuple(n for n in state if n not in keep)
-        for name in released:
-            del state[name]
-        # Remembered so that another backward through this node fails with a clear error.
-        state[RELEASED] = released
-    else:
-        # Named attributes (third-party classes) are set to None, exactly as upstream fixes
-        # do, so library code that tests `ctx.attr is None` keeps working.
-        for name in names:
-            if name in state:
-                state[name] = None
+    """Release now, or as soon as the backward calls running through ``ctx`` return."""
+    with _state_lock:
+        if id(ctx) in _running:
+            _due.add(id(ctx))
+            return
+        taken = _take(ctx, names, keep)
+    del taken
+
+
+def _leave(
+    ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozenset[str], last: bool
+) -> None:
+    """A backward call through ``ctx`` returned. ``last``: it ended the node's use (see
+    :func:`_is_last_backward`). The release happens when the last running call returns."""
+    key = id(ctx)
+    taken = None
+    with _state_lock:
+        count = _running[key] - 1
+        if count:
+            _running[key] = count
+            if last:
+                _due.add(key)
+            return
+        del _running[key]
+        if last or key in _due:
+            _due.discard(key)
+            taken = _take(ctx, names, keep)
+    del taken
 
 
 def _release_if_saved_freed(
@@ -151,87 +210,105 @@ def _dispatched(node: BackwardCFunction, method: str, wrapper: Callable[..., Any
     return fn is wrapper
 
 
-def _after_backward(
+def _raise_released(ctx: Any) -> None:
+    cls = ctx._forward_cls
+    names = ", ".join(ctx.__dict__.get(RELEASED, ())) or "none"
+    raise RuntimeError(
+        f"Trying to backward through {cls.__qualname__} a second time, but leakfree "
+        f"released its ctx state ({names}) after the first backward. Pass "
+        "retain_graph=True to every backward except the last, or list the attributes "
+        f"in {cls.__qualname__}.keep."
+    )
+
+
+def _run_backward(
+    backward: Callable[..., Any],
     ctx: Any,
+    grads: tuple[Any, ...],
     names: frozenset[str] | None,
     keep: frozenset[str],
     method: str,
     wrapper: Callable[..., Any],
-) -> None:
+) -> Any:
+    """Run the user's ``backward(ctx, *grads)`` inside the node lifecycle: count the call as
+    running (refusing it after a release), then decide whether it was the node's last and
+    release. Every installed wrapper runs exactly this. It runs once per node per backward,
+    so the count and the release of :func:`_leave` are written out inline on the path
+    taken by every supported torch."""
     if not isinstance(ctx, BackwardCFunction):
-        return  # e.g. compiled autograd's proxy ctx: not ours to touch
-    last = _is_last_backward(ctx)
-    if last is None:
-        # No keep-graph flag: let the end of the pass tell whether saved tensors were freed.
+        return backward(ctx, *grads)  # compiled autograd's proxy ctx: not ours to touch
+    state = ctx.__dict__
+    key = id(ctx)
+    with _state_lock:  # count this call as running, unless the node was released
+        if RELEASED not in state:
+            _running[key] = _running.get(key, 0) + 1
+            entered = True
+        else:
+            entered = False
+    if not entered:
+        _raise_released(ctx)
+    try:
+        result = backward(ctx, *grads)
+    except BaseException:
+        _leave(ctx, names, keep, False)
+        raise
+    if _keep_graph is not None:
+        # _is_last_backward, then _dispatched; release right away, as upstream fixes do
+        # (`ctx.x = None` in backward): each node's state goes as the pass moves on.
+        last = (
+            not _keep_graph()
+            and not _grad_enabled()
+            and (_current_node is None or _current_node() is ctx)
+            and _dispatched(ctx, method, wrapper)
+        )
+        taken = None
+        with _state_lock:  # _leave
+            count = _running[key] - 1
+            if count:
+                _running[key] = count
+                if last:
+                    _due.add(key)
+            else:
+                del _running[key]
+                if (last or key in _due) and state:
+                    _due.discard(key)
+                    taken = _take(ctx, names, keep)
+        del taken
+    else:
+        _leave(ctx, names, keep, False)
         if _queue_callback is not None and _dispatched(ctx, method, wrapper):
             _queue_callback(functools.partial(_release_if_saved_freed, ctx, names, keep))
-    elif last and _dispatched(ctx, method, wrapper):
-        # Right away, as upstream fixes do (`ctx.x = None` in backward): each node's state is
-        # freed as the pass moves on, so peak memory during backward drops too.
-        _release(ctx, names, keep)
-
-
-def _check_not_released(ctx: Any) -> None:
-    state = getattr(ctx, "__dict__", _NO_STATE)
-    if RELEASED in state and isinstance(ctx, BackwardCFunction):
-        cls = ctx._forward_cls  # type: ignore[attr-defined]
-        names = ", ".join(state[RELEASED]) or "none"
-        raise RuntimeError(
-            f"Trying to backward through {cls.__qualname__} a second time, but leakfree "
-            f"released its ctx state ({names}) after the first backward. Pass "
-            "retain_graph=True to every backward except the last, or list the attributes "
-            f"in {cls.__qualname__}.keep."
-        )
-
-
-_NO_STATE: dict[str, Any] = {}
+    return result
 
 
 def _make_backward(
     raw: Any, method: str, names: frozenset[str] | None, keep: frozenset[str]
 ) -> Any:
-    """A descriptor like ``raw`` (staticmethod, classmethod or function) that releases."""
-    if isinstance(raw, classmethod):
-        user_cm = raw.__func__
+    """A descriptor like ``raw`` (staticmethod, classmethod or function) whose function
+    runs the user's backward through :func:`_run_backward`."""
+    user = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+    # The closures hold only what dynamo can wrap (it traces these wrappers).
 
-        @functools.wraps(user_cm)
+    if isinstance(raw, classmethod):
+
+        @functools.wraps(user)
         def backward_cm(cls: type, ctx: Any, *grad_outputs: Any) -> Any:
-            if _is_compiling():
-                return user_cm(cls, ctx, *grad_outputs)
-            _check_not_released(ctx)
-            grads = user_cm(cls, ctx, *grad_outputs)
-            _after_backward(ctx, names, keep, method, backward_cm)
-            return grads
+            if _is_compiling():  # see backward below
+                return user(cls, ctx, *grad_outputs)
+            return _run_backward(
+                types.MethodType(user, cls), ctx, grad_outputs, names, keep, method, backward_cm
+            )
 
         setattr(backward_cm, _ORIGINAL, raw)
         return classmethod(backward_cm)
 
-    user_fn = raw.__func__ if isinstance(raw, staticmethod) else raw
-
-    fast = _keep_graph is not None and _current_node is not None
-    keep_graph, grad_enabled, current_node = _keep_graph, _grad_enabled, _current_node
-
-    @functools.wraps(user_fn)
+    @functools.wraps(user)
     def backward(ctx: Any, *grad_outputs: Any) -> Any:
         if _is_compiling():
-            # Traced by dynamo: AOTAutograd owns lifetimes in compiled regions, and the
-            # engine queries below are not traceable.
-            return user_fn(ctx, *grad_outputs)
-        if RELEASED in getattr(ctx, "__dict__", _NO_STATE):
-            _check_not_released(ctx)
-        grads = user_fn(ctx, *grad_outputs)
-        if fast:
-            # _after_backward, inlined: this runs once per node per backward.
-            if (
-                not keep_graph()  # type: ignore[misc]
-                and not grad_enabled()
-                and current_node() is ctx  # type: ignore[misc]
-                and _dispatched(ctx, method, backward)
-            ):
-                _release(ctx, names, keep)
-        else:
-            _after_backward(ctx, names, keep, method, backward)
-        return grads
+            # Traced by dynamo: AOTAutograd owns lifetimes in compiled regions, and neither
+            # the engine queries nor the spec object are traceable.
+            return user(ctx, *grad_outputs)
+        return _run_backward(user, ctx, grad_outputs, names, keep, method, backward)
 
     setattr(backward, _ORIGINAL, raw)
     return staticmethod(backward)
@@ -356,8 +433,11 @@ def release_after_backward(
         choice replaces the old one (the original is still what ``restore()`` puts back).
 
     The release happens when the engine runs the node in a backward pass that does not keep
-    the graph, right after the node's backward returns. Subclasses that inherit the patched
-    method inherit the release; a subclass that defines its own backward is not patched.
+    the graph, right after the node's backward returns (before node post-hooks; after the
+    last of several concurrent backward calls through the node). With ``attrs=None``,
+    metadata that holds no memory (numbers, strings, dtypes, shapes) stays. Subclasses
+    that inherit the patched method inherit the release; a subclass that defines its own
+    backward is not patched.
     """
     if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
         raise TypeError(
@@ -430,90 +510,30 @@ def _keep_of(cls: type) -> frozenset[str]:
     return frozenset(keep)
 
 
-#: How deep and how wide the output-on-ctx check looks inside containers and objects.
-_SCAN_DEPTH = 3
-_SCAN_ITEMS = 256
-_SCALARS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+def _find_output(value: Any, targets: dict[int, int]) -> tuple[int, str] | None:
+    """Index of the output that ``value`` is, views, or holds (see :mod:`leakfree._walk`
+    for what is searched), and the path to it inside ``value``."""
 
-
-def _refers_to(value: Any, targets: dict[int, int], depth: int = 0) -> int | None:
-    """Index of the output that ``value`` is, or views, or holds within ``_SCAN_DEPTH``
-    levels of lists, tuples, sets, dicts and plain objects (their ``__dict__`` / slots)."""
-    kind = type(value)
-    if kind in _SKIP_TYPES:
-        return None
-    if isinstance(value, torch.Tensor):
-        hit = targets.get(id(value))
-        if hit is None and value._base is not None:
-            hit = targets.get(id(value._base))
+    def match(t: torch.Tensor) -> int | None:
+        hit = targets.get(id(t))
+        if hit is None:
+            base = t._base
+            if base is not None:
+                hit = targets.get(id(base))
         return hit
-    if depth >= _SCAN_DEPTH or isinstance(value, _SCALARS):
-        return None
-    if kind in (list, tuple, set, frozenset) or isinstance(value, (list, tuple, set, frozenset)):
-        items: Iterable[Any] = value
-    elif isinstance(value, dict):
-        items = value.values()
-    elif isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType)):
-        return None
-    else:
-        items = _object_fields(value).values()
-    for count, item in enumerate(items):
-        if count >= _SCAN_ITEMS:
-            break
-        if type(item) in _SKIP_TYPES:
-            continue
-        hit = _refers_to(item, targets, depth + 1)
+
+    if isinstance(value, torch.Tensor):
+        # The common case, a tensor directly on ctx: no walk unless it carries attributes.
+        hit = match(value)
         if hit is not None:
-            return hit
-    return None
-
-
-#: Exact types never scanned: scalars, and objects known not to hold outputs.
-_SKIP_TYPES: set[type] = {str, bytes, int, float, complex, bool, type(None), torch.dtype}
-
-
-def _never_holds_outputs(cls: type) -> type:
-    """Mark a class whose instances, stored on ctx, never hold a Function's outputs.
-
-    The output-on-ctx check skips them (it is on the hot path of every ``apply``).
-    """
-    _SKIP_TYPES.add(cls)
-    return cls
-
-
-def _object_fields(obj: Any) -> dict[str, Any]:
-    """An object's instance attributes and slots, read without running properties (also
-    used by :func:`leakfree.diagnostics.find_retained`)."""
-    try:
-        fields = dict(object.__getattribute__(obj, "__dict__"))
-    except Exception:
-        fields = {}
-    for name in _slot_names(type(obj)):
-        try:
-            fields[name] = object.__getattribute__(obj, name)
-        except Exception:  # unset slot, or a descriptor that raises
-            continue
-    return fields
-
-
-_slot_cache: dict[type, tuple[str, ...]] = {}
-
-
-def _slot_names(cls: type) -> tuple[str, ...]:
-    names = _slot_cache.get(cls)
-    if names is None:
-        found: list[str] = []
-        for klass in cls.__mro__:
-            slots = klass.__dict__.get("__slots__", ())
-            for name in (slots,) if isinstance(slots, str) else slots:
-                if name not in ("__dict__", "__weakref__"):
-                    found.append(name)
-        names = _slot_cache[cls] = tuple(found)
-    return names
+            return hit, ""
+        if not value.__dict__:
+            return None
+    return search(value, match)
 
 
 def _check_no_output_on_ctx(cls: type, result: Any) -> None:
-    # Hot path (every apply): one grad_fn lookup and, usually, a ctx.__dict__ without tensors.
+    # Hot path (every apply): one grad_fn lookup and, usually, a ctx.__dict__ of scalars.
     outputs = result if type(result) is tuple else (result,)
     node = None
     for out in outputs:
@@ -528,19 +548,29 @@ def _check_no_output_on_ctx(cls: type, result: Any) -> None:
         return
     targets = None
     for name, value in state.items():
-        if isinstance(value, _SCALARS):
+        if is_scalar(value):
             continue
         if targets is None:
-            targets = {id(o): i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)}
-        index = _refers_to(value, targets)
-        if index is not None:
+            if _is_compiling():
+                return  # traced by dynamo: the node it sees is not one that will run
+            # Only outputs whose grad_fn is this node close a cycle through ctx: a
+            # non-differentiable output (indices, argmax) has no grad_fn and is fine on ctx.
+            targets = {
+                id(o): i
+                for i, o in enumerate(outputs)
+                if isinstance(o, torch.Tensor) and o.grad_fn is node
+            }
+        found = _find_output(value, targets)
+        if found is not None:
+            index, path = found
             state.clear()  # break the cycle before reporting it
             raise ReferenceCycleError(
-                f"{cls.__qualname__} stored output {index} (or a view of it) on ctx.{name}. "
-                "That output's grad_fn is this ctx, so output -> ctx -> output is a "
-                "reference cycle that outlives the graph (for a view, even gc cannot free "
-                "it). Save it with ctx.save_for_backward(...) and read it from "
-                "ctx.saved_tensors in backward: autograd saves outputs without the cycle."
+                f"{cls.__qualname__} stored output {index} (or a view of it) on "
+                f"ctx.{name}{path}. That output's grad_fn is this ctx, so output -> ctx -> "
+                "output is a reference cycle that outlives the graph (for a view, even gc "
+                "cannot free it). Save it with ctx.save_for_backward(...) and read it from "
+                "ctx.saved_tensors in backward: autograd saves outputs without the cycle. "
+                "(Non-differentiable outputs, and .detach()ed copies, may stay on ctx.)"
             )
 
 
@@ -554,18 +584,25 @@ class Function(torch.autograd.Function):
     ``torch.autograd.Function``. On top of PyTorch's behaviour:
 
     * **Released after the last backward**: every attribute set on ``ctx`` (by forward,
-      setup_context, jvp or backward), right after the node's backward returns in a pass
-      that does not keep the graph. ``backward(retain_graph=True)`` and ``create_graph=True``
-      keep it for the next pass. Reading a released attribute raises ``AttributeError``;
-      another backward through the node raises a ``RuntimeError`` that says what happened
-      (as PyTorch does for freed saved tensors). Node post-hooks run after the release.
+      setup_context, jvp or backward) that can hold memory, right after the node's backward
+      returns in a pass that does not keep the graph. ``backward(retain_graph=True)`` and
+      ``create_graph=True`` keep it for the next pass. Reading a released attribute raises
+      ``AttributeError``; another backward through the node raises a ``RuntimeError`` that
+      says what happened. Node post-hooks run after the release. Backward calls that run
+      through one node concurrently (threads) all see the whole state; the last one out
+      releases it.
     * **Kept**: autograd-managed state (``saved_tensors``, ``needs_input_grad``, ...);
       attributes listed in the class attribute ``keep`` (``keep = ("cache",)``), which then
-      live as long as the node, as in plain PyTorch; and all state of a node that no
-      backward reached, until the graph is dropped.
-    * **Refused**: storing an output (or a view of one) on ``ctx``, directly or inside
-      containers and plain objects up to three levels deep: :class:`ReferenceCycleError` is
-      raised when ``apply`` returns, naming the attribute. Use ``ctx.save_for_backward``.
+      live as long as the node, as in plain PyTorch; metadata that holds no memory
+      (numbers, strings, ``None``, dtypes, devices, shapes, enums, tuples of these); and all
+      state of a node that no backward reached, until the graph is dropped.
+    * **Refused**: storing on ``ctx`` an output whose ``grad_fn`` is this node, or a view of
+      one, anywhere a Python walk from ``ctx`` reaches (containers, dict keys, deques,
+      closures, ``functools.partial``, object attributes and slots; see
+      :mod:`leakfree._walk` for exactly what is and is not searched):
+      :class:`ReferenceCycleError` is raised when ``apply`` returns, naming the attribute
+      and the path. Use ``ctx.save_for_backward``. Non-differentiable outputs (marked, or
+      integer, such as top-k indices) have no ``grad_fn``, make no cycle, and may stay.
 
     ``keep`` is read when the class is created; subclasses inherit it and may override it.
 

@@ -36,7 +36,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from leakfree._warnings import LeakfreeWarning
-from leakfree.function import Function, _never_holds_outputs
+from leakfree.function import Function
 
 __all__ = [
     "GradSlot",
@@ -63,7 +63,6 @@ class PipelineWarning(LeakfreeWarning):
 # --- gradient slots and non-leaf receive ------------------------------------------------------
 
 
-@_never_holds_outputs  # it holds gradients, never the activation it was made for
 class GradSlot:
     """Where the gradient of a received activation goes.
 
@@ -76,6 +75,9 @@ class GradSlot:
     """
 
     __slots__ = ("__weakref__", "_grad", "accumulate", "callback", "deliveries", "on_delivered")
+    # It sits on an as_nonleaf ctx and holds gradients, never that node's output: the
+    # output-on-ctx walk (leakfree._walk.OPAQUE) need not follow its callbacks.
+    __leakfree_opaque__ = True
 
     def __init__(
         self,

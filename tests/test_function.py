@@ -6,10 +6,15 @@ and freed with leakfree.Function. Gradients are compared with torch.equal.
 
 from __future__ import annotations
 
+import collections
+import functools
 import gc
 import threading
+import time
+import types
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -111,7 +116,8 @@ def test_autograd_managed_state_still_works_after_release() -> None:
         @staticmethod
         def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             ctx.save_for_backward(x)
-            ctx.scale = 2.0
+            ctx.scale = torch.tensor(2.0)
+            ctx.name = "scale"
             return x * w * 2
 
         @staticmethod
@@ -126,7 +132,8 @@ def test_autograd_managed_state_still_works_after_release() -> None:
     assert seen["needs"] == (True, False)
     assert y.grad_fn.needs_input_grad == (True, False)
     assert y.grad_fn.metadata == {}
-    assert "scale" not in y.grad_fn.__dict__
+    # Metadata that holds no memory stays; the tensor went.
+    assert y.grad_fn.__dict__ == {"name": "scale", lf_function.RELEASED: ("scale",)}
     with pytest.raises(AttributeError, match="scale"):
         y.grad_fn.scale
     with pytest.raises(RuntimeError, match=r"Op a second time.*\(scale\)"):
@@ -254,17 +261,21 @@ def test_node_not_reached_keeps_state_until_graph_dropped(no_gc: None) -> None:
     assert not any(alive(first).values())  # graph dropped: freed by refcounting, no cycle
 
 
-def test_node_post_hook_reads_kept_state_only() -> None:
-    """The release happens when backward returns, before node post-hooks (as upstream fixes)."""
+def test_node_hooks_see_what_the_docs_say() -> None:
+    """As function.py's docstring and docs/function.md say: pre-hooks and backward see the
+    whole state; the release happens when backward returns, before node post-hooks."""
     op = make_matmul(leakfree.Function, keep=("cache",))
     x, w = inputs()
     y = op.apply(x, w)
     seen = []
+    y.grad_fn.register_prehook(lambda go: seen.append(("pre", hasattr(y.grad_fn, "meta"))))
     y.grad_fn.register_hook(
-        lambda gi, go: seen.append((hasattr(y.grad_fn, "meta"), y.grad_fn.cache.numel()))
+        lambda gi, go: seen.append(("post", hasattr(y.grad_fn, "meta"), y.grad_fn.cache.numel()))
     )
     y.sum().backward()
-    assert seen == [(False, 8)]
+    assert seen == [("pre", True), ("post", False, 8)]
+    doc = " ".join((lf_function.__doc__ or "").split())
+    assert "post-hooks (``grad_fn.register_hook``) and everything after see the released" in doc
 
 
 def test_state_released_node_by_node_during_the_pass(no_gc: None) -> None:
@@ -346,6 +357,31 @@ def _stores_output(base: type, how: str) -> Any:
                 ctx.out = out[:2]
             elif how == "container":
                 ctx.out = {"pair": [x, out]}
+            elif how == "dict-key":
+                ctx.out = {out[:2]: "routing"}
+            elif how == "deque":
+                ctx.out = collections.deque([x, out[1:]])
+            elif how == "closure":
+                view = out[:2]
+                ctx.out = lambda: view
+            elif how == "partial-args":
+                ctx.out = functools.partial(torch.add, out[:2])
+            elif how == "partial-keywords":
+                ctx.out = functools.partial(torch.add, other=out[:2])
+            elif how == "bound-method":
+                ctx.out = _Box(out[:2]).__init__
+            elif how == "mapping-proxy":
+                ctx.out = types.MappingProxyType({"v": out[:2]})
+            elif how == "namedtuple":
+                ctx.out = _Pair(x, out[:2])
+            elif how == "tensor-attribute":
+                holder = x.detach()
+                holder.extra = out[:2]
+                ctx.out = holder
+            elif how == "view-of-view":
+                ctx.out = out[1:][:1]
+            elif how == "deep":  # deeper than the first version's three levels
+                ctx.out = [[[[[_Box(out[:2])]]]]]
             return out
 
         @staticmethod
@@ -358,7 +394,30 @@ def _stores_output(base: type, how: str) -> Any:
 _stores_output.last_output = lambda: _stores_output.last()  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("how", ["output", "view", "container", "object", "slots", "set"])
+_HOLDERS = ["output", "view", "container", "object", "slots", "set"]
+# Missed by the first version (its walk saw only dict values, lists, tuples, sets and
+# objects three levels deep): each of these leaked for good.
+_MORE_HOLDERS = [
+    "dict-key",
+    "deque",
+    "closure",
+    "partial-args",
+    "partial-keywords",
+    "bound-method",
+    "mapping-proxy",
+    "namedtuple",
+    "tensor-attribute",
+    "view-of-view",
+    "deep",
+]
+
+
+class _Pair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@pytest.mark.parametrize("how", _HOLDERS + _MORE_HOLDERS)
 def test_output_on_ctx_raises_naming_the_attribute(how: str, no_gc: None) -> None:
     op = _stores_output(leakfree.Function, how)
     x = torch.randn(4, requires_grad=True)
@@ -381,6 +440,69 @@ def test_plain_function_output_view_on_ctx_is_uncollectable(no_gc: None) -> None
     assert s() is not None
     r().__dict__.clear()  # break it by hand so the test process does not keep it
     assert r() is None
+
+
+@pytest.mark.parametrize("how", ["dict-key", "deque", "closure", "partial-keywords"])
+def test_plain_function_output_view_in_any_holder_is_uncollectable(how: str, no_gc: None) -> None:
+    """The holders the first version missed leak for good with plain PyTorch too."""
+    op = _stores_output(torch.autograd.Function, how)
+    y = op.apply(torch.randn(4, requires_grad=True))
+    r = weakref.ref(y.grad_fn)
+    del y
+    gc.collect()
+    assert r() is not None
+    r().__dict__.clear()
+    assert r() is None
+
+
+def test_output_on_ctx_error_names_the_path(no_gc: None) -> None:
+    op = _stores_output(leakfree.Function, "partial-keywords")
+    with pytest.raises(leakfree.ReferenceCycleError, match=r"ctx\.out\.keywords\['other'\]"):
+        op.apply(torch.randn(4, requires_grad=True))
+    op = _stores_output(leakfree.Function, "deep")
+    with pytest.raises(leakfree.ReferenceCycleError, match=r"ctx\.out\[0\]\[0\]\[0\]\[0\]\[0\]\.t"):
+        op.apply(torch.randn(4, requires_grad=True))
+
+
+# --- non-differentiable outputs may stay on ctx -----------------------------------------------
+
+
+def _router(base: type) -> Any:
+    """Mixture-of-experts routing: top-k indices (marked non-differentiable) and an argmax
+    (an integer output, never differentiable) kept on ctx for backward."""
+
+    class Route(base):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            vals, idx = x.topk(2, dim=-1)
+            best = x.argmax(dim=-1)
+            ctx.mark_non_differentiable(idx)
+            ctx.idx, ctx.best, ctx.first = idx, best, idx[:, :1]  # a view of one, too
+            ctx.routing = {"experts": [idx], best: "argmax"}
+            ctx.shape = x.shape
+            return vals, idx, best
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor, *_: Any) -> torch.Tensor:
+            grad = g.new_zeros(ctx.shape)
+            assert torch.equal(ctx.first, ctx.idx[:, :1])
+            return grad.scatter_(-1, ctx.idx, g)
+
+    return Route
+
+
+def test_non_differentiable_outputs_on_ctx_run_as_in_plain_pytorch(no_gc: None) -> None:
+    grads, nodes = [], []
+    for base in BASES:
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        vals, idx, best = _router(base).apply(x)
+        assert idx.grad_fn is None and best.grad_fn is None and not best.requires_grad
+        nodes.append(weakref.ref(vals.grad_fn))
+        (vals * torch.arange(2.0)).sum().backward()
+        grads.append(x.grad)
+        del vals, idx, best
+    assert torch.equal(grads[0], grads[1])
+    assert [n() for n in nodes] == [None, None]  # no cycle either way: freed by refcounting
 
 
 def test_plain_function_output_on_ctx_needs_gc(no_gc: None) -> None:
@@ -794,6 +916,109 @@ def test_two_threads_backward_separate_graphs() -> None:
     assert not any(t.is_alive() for t in threads)
 
 
+def _shared_node_op(base: type, arrived: threading.Barrier | None) -> Any:
+    """A node that saved nothing (so plain PyTorch allows any number of backward calls
+    through it) and keeps a tensor on ctx, which backward reads."""
+
+    class Scale(base):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.scale = torch.tensor(3.0)
+            return x * 3.0
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            if arrived is not None:
+                arrived.wait(timeout=30)  # every thread is inside this backward now
+                if threading.current_thread().name != "first":
+                    time.sleep(0.05)  # ...and "first" returns before the others read ctx
+            return g * ctx.scale
+
+    return Scale
+
+
+def _run_threads(n: int, target: Callable[[], None]) -> list[BaseException]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            target()
+        except BaseException as e:  # reported in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, name="first" if i == 0 else f"t{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    return errors
+
+
+@pytest.mark.parametrize("base", BASES, ids=["plain", "leakfree"])
+def test_concurrent_backward_through_a_shared_node_sees_the_whole_ctx(
+    base: type, no_gc: None
+) -> None:
+    """Backward calls that overlap in time all see the state; it goes when the last returns."""
+    n = 4
+    op = _shared_node_op(base, threading.Barrier(n))
+    x = torch.ones(3, requires_grad=True)
+    y = op.apply(x)
+    scale = weakref.ref(y.grad_fn.scale)
+    errors = _run_threads(n, lambda: torch.autograd.grad(y.sum(), x))
+    assert not errors, errors
+    if base is leakfree.Function:
+        assert scale() is None  # released once, after the last of the four returned
+        assert y.grad_fn.__dict__ == {lf_function.RELEASED: ("scale",)}
+        assert not lf_function._running and not lf_function._due
+    else:
+        assert scale() is not None
+
+
+def test_concurrent_backward_release_is_atomic(no_gc: None) -> None:
+    """No barrier: 8 threads race through one node, 50 times. A call that starts after the
+    release gets leakfree's second-backward error; nothing else ever escapes (the first
+    version raised KeyError in its own release, or AttributeError in the user's backward)."""
+    op = _shared_node_op(leakfree.Function, None)
+    for _ in range(50):
+        x = torch.ones(3, requires_grad=True)
+        y = op.apply(x)
+        results: list[Any] = []
+
+        def backward(y: torch.Tensor = y, x: torch.Tensor = x, out: list[Any] = results) -> None:
+            out.append(torch.autograd.grad(y.sum(), x)[0])
+
+        errors = _run_threads(8, backward)
+        assert all(isinstance(e, RuntimeError) and "a second time" in str(e) for e in errors), (
+            errors
+        )
+        assert len(results) + len(errors) == 8 and results
+        assert all(torch.equal(r, torch.full((3,), 3.0)) for r in results)
+        assert y.grad_fn.__dict__ == {lf_function.RELEASED: ("scale",)}
+    assert not lf_function._running and not lf_function._due
+
+
+def test_backward_that_raises_does_not_pin_the_node(no_gc: None) -> None:
+    """An exception in the user's backward leaves no record behind, and the state stays
+    (that pass did not finish, so the node was not used up)."""
+
+    class Fails(leakfree.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.buf = torch.zeros(4)
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            raise ValueError("boom")
+
+    y = Fails.apply(torch.ones(2, requires_grad=True))
+    with pytest.raises(ValueError, match="boom"):
+        y.sum().backward()
+    assert "buf" in y.grad_fn.__dict__
+    assert not lf_function._running and not lf_function._due
+
+
 # --- release_after_backward -------------------------------------------------------------------
 
 
@@ -969,25 +1194,54 @@ def test_compiled_autograd_gradients_match() -> None:
 # --- regressions from review: dispatch, delegation, classmethods, second backward -------------
 
 
-def test_second_backward_without_retain_graph_is_a_clear_error() -> None:
-    """A node that saved nothing: PyTorch would allow a second backward; leakfree says why not."""
-
-    class GradReverse(leakfree.Function):
+def _grad_reverse(base: type, alpha: Any) -> Any:
+    class GradReverse(base):  # type: ignore[misc, valid-type]
         @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
             ctx.alpha = alpha
             return x.view_as(x)
 
         @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-            return -ctx.alpha * g, None
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return -ctx.alpha * g
 
-    x = torch.randn(3, requires_grad=True)
-    y = GradReverse.apply(x, 0.5)
+    return GradReverse
+
+
+def _forward_with_metadata(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    ctx.alpha = 0.5
+    ctx.dtype, ctx.device, ctx.shape, ctx.dims = x.dtype, x.device, x.shape, (0, 1)
+    ctx.mode, ctx.flag, ctx.nothing = "reverse", True, None
+    return x.view_as(x)
+
+
+def test_second_backward_reading_only_metadata_runs_as_in_plain_pytorch() -> None:
+    """Metadata (numbers, strings, dtypes, shapes, tuples of them) holds no memory, so it
+    stays: a node that saved nothing can be backwarded twice, as plain PyTorch allows."""
+    grads = []
+    for base in BASES:
+        op = _grad_reverse(base, 0.5)
+        op.forward = staticmethod(_forward_with_metadata)  # type: ignore[method-assign]
+        x = torch.ones(3, requires_grad=True)
+        y = op.apply(x)
+        y.sum().backward()
+        y.sum().backward()  # no retain_graph: the node saved no tensors
+        assert lf_function.RELEASED not in y.grad_fn.__dict__
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+    assert torch.equal(grads[1], torch.full((3,), -1.0))
+
+
+def test_second_backward_after_tensor_state_was_released_is_a_clear_error() -> None:
+    """A node that saved nothing but kept a tensor on ctx: PyTorch would allow a second
+    backward; leakfree released the tensor, and says so instead of a bare AttributeError."""
+    op = _grad_reverse(leakfree.Function, torch.tensor(0.5))
+    x = torch.ones(3, requires_grad=True)
+    y = op.apply(x)
     y.sum().backward()
     with pytest.raises(RuntimeError, match=r"GradReverse a second time.*\(alpha\).*retain_graph"):
         y.sum().backward()
-    y = GradReverse.apply(x, 0.5)  # the documented way: retain every pass but the last
+    y = op.apply(x)  # the documented way: retain every pass but the last
     y.sum().backward(retain_graph=True)
     y.sum().backward()
     assert torch.equal(x.grad, torch.full((3,), -1.5))

@@ -27,7 +27,9 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from leakfree._text import format_bytes, format_table
-from leakfree.function import _SCALARS, RELEASED, _object_fields
+from leakfree._walk import SCALARS as _SCALARS
+from leakfree._walk import object_fields as _object_fields
+from leakfree.function import RELEASED
 
 __all__ = ["Retained", "RetentionReport", "find_retained", "tensor_bytes"]
 

@@ -1,0 +1,318 @@
+"""Walk the Python objects reachable from a value, down to the tensors they hold.
+
+One walker serves every "what does this object keep alive?" question leakfree asks: the
+output-on-ctx check of :class:`leakfree.Function` (on the hot path of every ``apply``) and
+:func:`leakfree.diagnostics.find_retained`.
+
+What is searched
+----------------
+From a value, the walk follows strong references a Python program can create:
+
+* tensors themselves, and the attributes set on them (``t.__dict__``, tensor subclasses);
+* the keys *and* values of every ``dict`` (``OrderedDict``, ``defaultdict``, ``Counter``...)
+  and of ``types.MappingProxyType``;
+* the items of lists, tuples (named tuples too), sets, frozensets and ``collections.deque``,
+  and of their subclasses, plus the subclass instance's own attributes;
+* functions: closure cells, ``__defaults__``, ``__kwdefaults__`` and function attributes;
+  bound methods (``__self__`` and the function); ``functools.partial`` (``func``, ``args``,
+  ``keywords``); ``lambda: v`` is a function with a closure cell;
+* any other object: its ``__dict__`` and ``__slots__`` (read without running properties;
+  a ``collections.ChainMap`` is walked through its ``maps``), and, for a C-level object
+  with neither, what ``gc.get_referents`` reports.
+
+What is not searched
+--------------------
+Instances of classes that declare themselves opaque (:data:`OPAQUE`), classes, modules,
+code objects, builtin functions, a function's ``__globals__``,
+``torch.nn.Module`` instances (model state that lives anyway; walking it would visit
+every parameter on every ``apply``), weak references (they keep nothing alive), and what
+lives only in C++ (an autograd node's saved tensors, a C extension's fields that
+``gc.get_referents`` does not report). Each object is visited once; a walk stops after
+:data:`MAX_OBJECTS` objects, so a pathological structure cannot stall the caller.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import functools
+import gc
+import itertools
+import types
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = [
+    "MAX_OBJECTS",
+    "OPAQUE",
+    "SCALARS",
+    "holds_no_memory",
+    "is_scalar",
+    "object_fields",
+    "search",
+]
+
+#: Types whose instances hold no tensor and no other object: never walked into.
+SCALARS: tuple[type, ...] = (
+    str,
+    bytes,
+    int,
+    float,
+    complex,
+    bool,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.Size,
+)
+_SCALAR_TYPES: frozenset[type] = frozenset(SCALARS)
+
+#: A class that sets this attribute to True in its own body is not walked into: its
+#: instances declare that they never hold what a walk looks for (pipeline's GradSlot holds
+#: gradients, never the activation whose node it sits on).
+OPAQUE = "__leakfree_opaque__"
+
+#: A walk visits at most this many objects.
+MAX_OBJECTS = 10_000
+
+
+def is_scalar(value: Any) -> bool:
+    """True for values that cannot hold a tensor: numbers, strings, dtypes, enum members."""
+    return type(value) in _SCALAR_TYPES or isinstance(value, (*SCALARS, enum.Enum))
+
+
+def holds_no_memory(value: Any) -> bool:
+    """True for small immutable metadata: a scalar, or a tuple of scalars (a shape, dims).
+
+    These are what :class:`leakfree.Function` leaves on ``ctx`` after the release: they
+    cost nothing to keep, and a backward that reads only them can run again.
+    """
+    if type(value) in _SCALAR_TYPES:
+        return bytes is not type(value)  # bytes can be a payload; everything else is small
+    if type(value) is tuple:
+        return all(type(v) in _SCALAR_TYPES and type(v) is not bytes for v in value)
+    return isinstance(value, enum.Enum)
+
+
+def object_fields(obj: Any) -> dict[str, Any]:
+    """An object's instance attributes and slots, read without running properties."""
+    try:
+        fields = dict(object.__getattribute__(obj, "__dict__"))
+    except Exception:
+        fields = {}
+    for name in _slot_names(type(obj)):
+        try:
+            fields[name] = object.__getattribute__(obj, name)
+        except Exception:  # an unset slot, or a descriptor that raises
+            continue
+    return fields
+
+
+_slot_cache: dict[type, tuple[str, ...]] = {}
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    names = _slot_cache.get(cls)
+    if names is None:
+        found: list[str] = []
+        for klass in cls.__mro__:
+            slots = klass.__dict__.get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if name not in ("__dict__", "__weakref__"):
+                    found.append(name)
+        names = _slot_cache[cls] = tuple(found)
+    return names
+
+
+# --- children of one object, by type --------------------------------------------------------
+# Each handler yields (label, child): the label is only formatted into a path on a hit.
+
+Edge = tuple[str, Any]
+
+
+def _no_children(obj: Any) -> Iterable[Edge]:
+    return ()
+
+
+def _mapping(obj: Any) -> Iterator[Edge]:
+    for k, v in list(obj.items()):
+        yield "key", k
+        yield f"[{k!r}]", v
+
+
+def _sequence(obj: Any) -> Iterator[Edge]:
+    for i, v in enumerate(list(obj)):
+        yield f"[{i}]", v
+
+
+def _unordered(obj: Any) -> Iterator[Edge]:
+    for v in list(obj):
+        yield "{...}", v
+
+
+def _fields(obj: Any) -> Iterator[Edge]:
+    for name, v in object_fields(obj).items():
+        yield f".{name}", v
+
+
+def _subclass_of(handler: Callable[[Any], Iterable[Edge]]) -> Callable[[Any], Iterator[Edge]]:
+    def walk(obj: Any) -> Iterator[Edge]:
+        yield from handler(obj)
+        yield from _fields(obj)
+
+    return walk
+
+
+def _function(fn: types.FunctionType) -> Iterator[Edge]:
+    for cell in fn.__closure__ or ():
+        try:
+            yield "<closure>", cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    for i, v in enumerate(fn.__defaults__ or ()):
+        yield f"<default {i}>", v
+    for k, v in (fn.__kwdefaults__ or {}).items():
+        yield f"<default {k}>", v
+    yield from _fields(fn)
+
+
+def _method(m: types.MethodType) -> Iterator[Edge]:
+    yield ".__self__", m.__self__
+    yield ".__func__", m.__func__
+
+
+def _partial(p: functools.partial[Any]) -> Iterator[Edge]:
+    yield ".func", p.func
+    for i, v in enumerate(p.args):
+        yield f".args[{i}]", v
+    for k, v in p.keywords.items():
+        yield f".keywords[{k!r}]", v
+    yield from _fields(p)
+
+
+def _cell(c: types.CellType) -> Iterator[Edge]:
+    try:
+        yield ".cell_contents", c.cell_contents
+    except ValueError:
+        return
+
+
+def _tensor(t: torch.Tensor) -> Iterator[Edge]:
+    # Attributes set on a tensor (or a subclass's fields) can hold other tensors.
+    try:
+        fields = object.__getattribute__(t, "__dict__")
+    except Exception:
+        return
+    for name, v in list(fields.items()):
+        yield f".{name}", v
+
+
+def _other(obj: Any) -> Iterator[Edge]:
+    kind = type(obj)
+    if kind.__dictoffset__ or _slot_names(kind):
+        yield from _fields(obj)
+        return
+    # A C-level object without __dict__ or slots: what the collector knows it holds.
+    for i, v in enumerate(gc.get_referents(obj)):
+        if not isinstance(v, type):
+            yield f"<ref {i}>", v
+
+
+_SKIP: tuple[type, ...] = (
+    *SCALARS,
+    enum.Enum,
+    type,
+    types.ModuleType,
+    types.CodeType,
+    types.BuiltinFunctionType,
+    types.FrameType,
+    weakref.ReferenceType,
+    weakref.ProxyType,
+    weakref.CallableProxyType,
+    torch.nn.Module,
+)
+
+# isinstance order matters: the first match decides.
+_BY_BASE: tuple[tuple[type | tuple[type, ...], Callable[[Any], Iterable[Edge]]], ...] = (
+    (_SKIP, _no_children),
+    (torch.Tensor, _tensor),
+    ((dict, types.MappingProxyType), _mapping),
+    ((list, tuple, collections.deque), _sequence),
+    ((set, frozenset), _unordered),
+    (types.FunctionType, _function),
+    (types.MethodType, _method),
+    (functools.partial, _partial),
+    (types.CellType, _cell),
+)
+_EXACT = {dict, list, tuple, set, frozenset, collections.deque, types.MappingProxyType}
+
+#: type -> its handler, resolved once per type.
+_handlers: dict[type, Callable[[Any], Iterable[Edge]]] = {}
+
+
+def _handler(kind: type) -> Callable[[Any], Iterable[Edge]]:
+    handler = _handlers.get(kind)
+    if handler is None:
+        if kind.__dict__.get(OPAQUE, False):
+            handler = _handlers[kind] = _no_children
+            return handler
+        for base, candidate in _BY_BASE:
+            if issubclass(kind, base):
+                handler = candidate
+                if candidate in (_mapping, _sequence, _unordered) and kind not in _EXACT:
+                    handler = _subclass_of(candidate)  # named tuples, list subclasses...
+                break
+        else:
+            handler = _other
+        _handlers[kind] = handler
+    return handler
+
+
+R = TypeVar("R")
+
+
+def search(
+    root: Any, match: Callable[[Any], R | None], *, limit: int = MAX_OBJECTS
+) -> tuple[R, str] | None:
+    """The first object reachable from ``root`` for which ``match`` returns non-None.
+
+    ``match`` is called on every reachable tensor (and only on tensors). Returns its result
+    and the path from ``root`` (``"[0].data"``, ``"key"``...), or None when nothing matched
+    within ``limit`` visited objects.
+    """
+    # Depth-first, with parent links so the path is built only on a hit.
+    stack: list[tuple[Any, int, str]] = [(root, -1, "")]
+    trail: list[tuple[int, str]] = []
+    visited: set[int] = set()
+    while stack:
+        obj, parent, label = stack.pop()
+        key = id(obj)
+        if key in visited:
+            continue
+        visited.add(key)
+        if len(visited) > limit:
+            return None
+        trail.append((parent, label))
+        if isinstance(obj, torch.Tensor):
+            found = match(obj)
+            if found is not None:
+                return found, _path(trail, len(trail) - 1)
+        here = len(trail) - 1
+        for edge, child in itertools.islice(_handler(type(obj))(obj), limit):
+            if type(child) not in _SCALAR_TYPES:
+                stack.append((child, here, edge))
+    return None
+
+
+def _path(trail: list[tuple[int, str]], at: int) -> str:
+    parts = []
+    while at >= 0:
+        parent, label = trail[at]
+        parts.append(label)
+        at = parent
+    return "".join(reversed(parts))
