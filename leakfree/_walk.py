@@ -49,6 +49,7 @@ __all__ = [
     "MAX_OBJECTS",
     "OPAQUE",
     "SCALARS",
+    "SCALAR_TYPES",
     "holds_no_memory",
     "is_scalar",
     "object_fields",
@@ -70,7 +71,9 @@ SCALARS: tuple[type, ...] = (
     torch.memory_format,
     torch.Size,
 )
-_SCALAR_TYPES: frozenset[type] = frozenset(SCALARS)
+#: The same, for exact-type membership tests on hot paths.
+SCALAR_TYPES: frozenset[type] = frozenset(SCALARS)
+_SCALAR_TYPES = SCALAR_TYPES
 
 #: A class that sets this attribute to True in its own body is not walked into: its
 #: instances declare that they never hold what a walk looks for (pipeline's GradSlot holds

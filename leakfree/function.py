@@ -48,6 +48,7 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd.function import BackwardCFunction
 
+from leakfree._walk import SCALAR_TYPES as _SCALAR_TYPES
 from leakfree._walk import holds_no_memory, is_scalar, search
 
 __all__ = [
@@ -98,70 +99,94 @@ class ReferenceCycleError(RuntimeError):
 
 
 # --- the mechanism ----------------------------------------------------------------------
-# One record per node whose backward is running, so that a release never happens under a
-# backward that is still reading ctx (several threads can run backward through one shared
-# node at once), and so that it happens exactly once. Keyed by id(ctx): an entry exists only
-# while a backward through that live node is on some thread's stack.
+# Several threads may run backward through one node at once (they share part of a graph);
+# plain PyTorch lets them, so a release must never happen under a call that is still
+# reading ctx, and must happen once. The protocol costs the common path no lock:
+#
+# * a call registers in `_running` (a list append, atomic) *before* it looks at ctx, and
+#   unregisters when its backward returns;
+# * a release runs under `_state_lock`: it marks the node due, publishes `RELEASED` in
+#   ctx.__dict__, *then* looks in `_running`; if a call is registered, it withdraws the
+#   marker and leaves the node due for that call to release when it returns;
+# * a call that finds `RELEASED` on entry takes the lock, so it sees the release decided.
+#
+# Whichever of "register" and "publish" comes first, the other side sees it: either the
+# release withdraws, or the call sees a released node. Python's atomic list and dict
+# operations make each step indivisible.
 
 _state_lock = threading.Lock()
-#: id(ctx) -> how many backward calls through it are running now.
-_running: dict[int, int] = {}
-#: ids of running nodes whose release is due when the last of those calls returns.
+#: The nodes whose backward is running now, one entry per call.
+_running: list[BackwardCFunction] = []
+#: ids of nodes whose release waits for the calls still running through them.
 _due: set[int] = set()
-
-
-def _take(ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozenset[str]) -> list[Any]:
-    """Remove the releasable state from ``ctx`` (under ``_state_lock``); return the values so
-    that the caller drops them outside the lock (a destructor may run arbitrary code)."""
-    state = ctx.__dict__
-    if names is not None:
-        # Named attributes (third-party classes) are set to None, exactly as upstream fixes
-        # do, so library code that tests `ctx.attr is None` keeps working.
-        taken = [state[n] for n in names if state.get(n) is not None]
-        for n in names:
-            if n in state:
-                state[n] = None
-        return taken
-    gone = [
-        n for n, v in state.items() if n not in keep and n != RELEASED and not holds_no_memory(v)
-    ]
-    if not gone:
-        return []
-    taken = [state.pop(n) for n in gone]
-    # Remembered so that another backward through this node fails with a clear error.
-    state[RELEASED] = state.get(RELEASED, ()) + tuple(gone)
-    return taken
+#: Values of these exact types are metadata that holds no memory (see holds_no_memory).
+_METADATA_TYPES = _SCALAR_TYPES - {bytes}
+#: Stands in ctx.__dict__[RELEASED] while a release decides.
+_DECIDING: tuple[str, ...] = ()
 
 
 def _release(ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozenset[str]) -> None:
-    """Release now, or as soon as the backward calls running through ``ctx`` return."""
+    """Release ``ctx``'s state now, or leave it due to the last call still running through it.
+
+    ``names=None`` deletes every attribute but ``keep`` and metadata, and leaves the
+    ``RELEASED`` marker; named attributes (third-party classes) are set to None, exactly as
+    upstream fixes do, so library code that tests ``ctx.attr is None`` keeps working.
+    """
+    state = ctx.__dict__
+    if names is None:
+        gone = [
+            n
+            for n, v in state.items()
+            if type(v) not in _METADATA_TYPES and n not in keep and not holds_no_memory(v)
+        ]
+    else:
+        gone = [n for n in names if state.get(n) is not None]
+    key = id(ctx)
+    if not gone:
+        # Metadata only (a common case): nothing to free, nothing to race with. A due
+        # entry must not outlive the node: a later node may reuse its id.
+        if _due:
+            _due.discard(key)
+        return
     with _state_lock:
-        if id(ctx) in _running:
-            _due.add(id(ctx))
+        if state.get(RELEASED):
+            _due.discard(key)
+            return  # another thread's release got here first
+        _due.add(key)
+        state[RELEASED] = _DECIDING  # publish, then look
+        if ctx in _running:
+            del state[RELEASED]  # withdraw: the call still running releases when it returns
             return
-        taken = _take(ctx, names, keep)
-    del taken
+        _due.discard(key)
+        if names is None:
+            taken = [state.pop(n, None) for n in gone]
+            state[RELEASED] = tuple(gone)
+        else:
+            taken = [state.get(n) for n in gone]
+            for n in gone:
+                state[n] = None
+            del state[RELEASED]
+    del taken  # outside the lock: a destructor may run arbitrary code
+
+
+def _enter(ctx: BackwardCFunction) -> None:
+    """Register a backward call through ``ctx``; refuse it if ``ctx`` was released."""
+    _running.append(ctx)
+    if RELEASED in ctx.__dict__:
+        with _state_lock:  # a release may be deciding: wait for its decision
+            if ctx.__dict__.get(RELEASED):
+                _running.remove(ctx)
+                _raise_released(ctx)
 
 
 def _leave(
     ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozenset[str], last: bool
 ) -> None:
-    """A backward call through ``ctx`` returned. ``last``: it ended the node's use (see
-    :func:`_is_last_backward`). The release happens when the last running call returns."""
-    key = id(ctx)
-    taken = None
-    with _state_lock:
-        count = _running[key] - 1
-        if count:
-            _running[key] = count
-            if last:
-                _due.add(key)
-            return
-        del _running[key]
-        if last or key in _due:
-            _due.discard(key)
-            taken = _take(ctx, names, keep)
-    del taken
+    """Unregister a call; release if it was the node's last use (see
+    :func:`_is_last_backward`) or if a release waits for it."""
+    _running.remove(ctx)
+    if last or (_due and id(ctx) in _due):
+        _release(ctx, names, keep)
 
 
 def _release_if_saved_freed(
@@ -195,19 +220,20 @@ def _is_last_backward(node: BackwardCFunction) -> bool | None:
 _dispatch_cache: dict[type, Any] = {}
 
 
+def _dispatch_target(node: BackwardCFunction, method: str) -> Any:
+    """The backward function autograd dispatches for ``node`` (cached per node class)."""
+    fn = getattr(node._forward_cls, method, None)  # type: ignore[attr-defined]
+    fn = _dispatch_cache[type(node)] = getattr(fn, "__func__", fn)
+    return fn
+
+
 def _dispatched(node: BackwardCFunction, method: str, wrapper: Callable[..., Any]) -> bool:
     """Is ``wrapper`` the backward autograd dispatched for ``node``?
 
     False when another Function's backward delegates to this one (``B.backward`` calling
     ``A.backward(ctx, g)``): then B's wrapper, with B's ``keep``, does the release.
     """
-    node_cls = type(node)
-    fn = _dispatch_cache.get(node_cls)
-    if fn is None:
-        fn = getattr(node._forward_cls, method, None)  # type: ignore[attr-defined]
-        fn = getattr(fn, "__func__", fn)
-        _dispatch_cache[node_cls] = fn
-    return fn is wrapper
+    return (_dispatch_cache.get(type(node)) or _dispatch_target(node, method)) is wrapper
 
 
 def _raise_released(ctx: Any) -> None:
@@ -230,50 +256,34 @@ def _run_backward(
     method: str,
     wrapper: Callable[..., Any],
 ) -> Any:
-    """Run the user's ``backward(ctx, *grads)`` inside the node lifecycle: count the call as
-    running (refusing it after a release), then decide whether it was the node's last and
-    release. Every installed wrapper runs exactly this. It runs once per node per backward,
-    so the count and the release of :func:`_leave` are written out inline on the path
-    taken by every supported torch."""
+    """Run the user's ``backward(ctx, *grads)`` inside the node lifecycle: :func:`_enter`,
+    the backward, then :func:`_leave` with "was this the node's last use?". Every installed
+    wrapper runs exactly this, once per node per backward pass, so the common path of
+    :func:`_enter`, :func:`_is_last_backward`, :func:`_dispatched` and :func:`_leave` is
+    written out inline here (each Python call costs about as much as the work it does)."""
     if not isinstance(ctx, BackwardCFunction):
         return backward(ctx, *grads)  # compiled autograd's proxy ctx: not ours to touch
-    state = ctx.__dict__
-    key = id(ctx)
-    with _state_lock:  # count this call as running, unless the node was released
-        if RELEASED not in state:
-            _running[key] = _running.get(key, 0) + 1
-            entered = True
-        else:
-            entered = False
-    if not entered:
-        _raise_released(ctx)
+    _running.append(ctx)  # _enter, inline
+    if RELEASED in ctx.__dict__:
+        _running.remove(ctx)
+        _enter(ctx)
     try:
         result = backward(ctx, *grads)
     except BaseException:
-        _leave(ctx, names, keep, False)
+        _leave(ctx, names, keep, False)  # that pass did not finish: the node is not used up
         raise
     if _keep_graph is not None:
-        # _is_last_backward, then _dispatched; release right away, as upstream fixes do
-        # (`ctx.x = None` in backward): each node's state goes as the pass moves on.
+        # Released right away, as upstream fixes do (`ctx.x = None` in backward): each
+        # node's state goes as the pass moves on, so peak memory during backward drops too.
         last = (
             not _keep_graph()
             and not _grad_enabled()
             and (_current_node is None or _current_node() is ctx)
-            and _dispatched(ctx, method, wrapper)
+            and (_dispatch_cache.get(type(ctx)) or _dispatch_target(ctx, method)) is wrapper
         )
-        taken = None
-        with _state_lock:  # _leave
-            count = _running[key] - 1
-            if count:
-                _running[key] = count
-                if last:
-                    _due.add(key)
-            else:
-                del _running[key]
-                if (last or key in _due) and state:
-                    _due.discard(key)
-                    taken = _take(ctx, names, keep)
-        del taken
+        _running.remove(ctx)  # _leave, inline
+        if last or (_due and id(ctx) in _due):
+            _release(ctx, names, keep)
     else:
         _leave(ctx, names, keep, False)
         if _queue_callback is not None and _dispatched(ctx, method, wrapper):
@@ -533,7 +543,7 @@ def _find_output(value: Any, targets: dict[int, int]) -> tuple[int, str] | None:
 
 
 def _check_no_output_on_ctx(cls: type, result: Any) -> None:
-    # Hot path (every apply): one grad_fn lookup and, usually, a ctx.__dict__ of scalars.
+    """Raise :class:`ReferenceCycleError` if this call's ctx holds one of its outputs."""
     outputs = result if type(result) is tuple else (result,)
     node = None
     for out in outputs:
@@ -543,12 +553,28 @@ def _check_no_output_on_ctx(cls: type, result: Any) -> None:
                 break
     if node is None or type(node) is not cls._backward_cls:  # type: ignore[attr-defined]
         return  # no output requires grad: no graph, no cycle
+    # The hot path of every apply ends here: a ctx.__dict__ holding only metadata.
+    for value in node.__dict__.values():
+        if type(value) not in _SCALAR_TYPES:
+            _check_state(cls, outputs, node)
+            return
+
+
+def _check_state(cls: type, outputs: tuple[Any, ...], node: BackwardCFunction) -> None:
     state = node.__dict__
-    if not state:
-        return
     targets = None
     for name, value in state.items():
-        if is_scalar(value):
+        if type(value) is torch.Tensor:
+            # A plain tensor (an input, a buffer): the common case, answered without a
+            # walk. It closes a cycle only if it is an output or a view of one.
+            base = value._base
+            for o in outputs:
+                if value is o or (base is not None and base is o):
+                    break
+            else:
+                if not value.__dict__:
+                    continue
+        elif is_scalar(value):
             continue
         if targets is None:
             if _is_compiling():

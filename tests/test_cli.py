@@ -110,7 +110,16 @@ def run_benchmark(name: str, tmp_path: Path, *args: str) -> Any:
 
 def test_function_overhead_benchmark_runs(tmp_path: Path) -> None:
     data = run_benchmark("function_overhead", tmp_path)
-    assert [r["op"] for r in data["results"]] == ["1-element mul", "1024x1024 matmul"]
+    ops = [r["op"] for r in data["results"]]
+    assert ops == [
+        "1-element mul",
+        "1-element mul, tensor on ctx",
+        "1-element mul, forward only",
+        "1024x1024 matmul",
+    ]
+    assert all(
+        r["ratio_spread"]["q1"] <= r["ratio"] <= r["ratio_spread"]["q3"] for r in data["results"]
+    )
     assert all(r["plain_us"] > 0 and r["leakfree_us"] > 0 for r in data["results"])
 
 
