@@ -560,7 +560,7 @@ def _check_no_output_on_ctx(cls: type, result: Any) -> None:
             return
 
 
-def _check_state(cls: type, outputs: tuple[Any, ...], node: BackwardCFunction) -> None:
+def _check_state(cls: type, outputs: tuple[Any, ...], node: Any) -> None:
     state = node.__dict__
     targets = None
     for name, value in state.items():
