@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import StorageWatch, compare, print_table, write_json
+from _common import StorageWatch, Timings, compare, print_table, write_json
 
 import leakfree
 from leakfree.diagnostics import count_host_syncs
@@ -83,7 +83,7 @@ def host_syncs(microbatches: int, device: torch.device) -> dict[str, int]:
     return {"per-item .item()": per_item.count, "LossLog.reduce": lf.count}
 
 
-def append_cost(microbatches: int, device: torch.device, repeat: int) -> dict[str, float]:
+def append_cost(microbatches: int, device: torch.device, repeat: int) -> Timings:
     values = [torch.rand((), device=device, requires_grad=True) * 1.0 for _ in range(microbatches)]
 
     def plain_list() -> None:
@@ -122,7 +122,7 @@ def append_cost(microbatches: int, device: torch.device, repeat: int) -> dict[st
         repeat=repeat,
         number=1,
     )
-    return {k: v / microbatches for k, v in t.items()}
+    return Timings({k: [x / microbatches for x in v] for k, v in t.samples.items()})
 
 
 def wall_time(microbatches: int, device: torch.device, repeat: int) -> dict[str, float]:
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if torch.accelerator.is_available()
         else torch.device("cpu")
     )
-    repeat = 5 if args.quick else 21
+    repeat = 5 if args.quick else 41
 
     retained = retained_bytes(n, device)
     print_table(
@@ -180,29 +180,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device-to-host syncs for one step's logging", ["pattern", "syncs"], list(syncs.items())
     )
     cost = append_cost(n, device, repeat)
-    rows = [
-        (
-            "list level",
-            cost["plain list"],
-            cost["LossLog list"],
-            cost["LossLog list"] / cost["plain list"],
-        ),
-        (
-            "dict level",
-            cost["plain dict"],
-            cost["LossLog dict"],
-            cost["LossLog dict"] / cost["plain dict"],
-        ),
-        (
-            "dict level, running",
-            cost["plain dict"],
-            cost["LossLog running"],
-            cost["LossLog running"] / cost["plain dict"],
-        ),
+    pairs = [
+        ("list level", "plain list", "LossLog list"),
+        ("dict level", "plain dict", "LossLog dict"),
+        ("dict level, running", "plain dict", "LossLog running"),
     ]
+    rows = []
+    for call, base, ours in pairs:
+        r = cost.ratio(ours, base)
+        rows.append(
+            (
+                call,
+                cost[base],
+                cost[ours],
+                r.median,
+                f"{r.q1:.2f}-{r.q3:.2f}",
+                f"{r.low:.2f}-{r.high:.2f}",
+            )
+        )
     print_table(
-        "append cost, us per append (baseline: .append(t.detach()))",
-        ["call", "baseline us", "LossLog us", "ratio"],
+        "append cost, us per append (baseline: .append(t.detach())); ratio = median of "
+        "per-round ratios",
+        ["call", "baseline us", "LossLog us", "ratio", "IQR", "min-max"],
         rows,
     )
     payload: dict[str, Any] = {
@@ -210,8 +209,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "keys": len(KEYS),
         "retained_bytes": retained,
         "host_syncs": syncs,
-        "append_us": cost,
+        "append_us": dict(cost),
         "append_ratio": {r[0]: r[3] for r in rows},
+        "append_ratio_spread": {c: cost.ratio(o, b).as_dict() for c, b, o in pairs},
+        "goal": {"dict level": "ratio <= 1.3"},
     }
     if device.type != "cpu":
         wt = wall_time(n, device, 5)

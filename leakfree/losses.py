@@ -8,10 +8,14 @@ the step ends: ~164 MiB per microbatch and an OOM at 128 microbatches in one rea
 
 Lifetime contract
 -----------------
-*Stored*: a detached copy of each value's data (a 1-element tensor, or a Python number).
-Never the graph: nothing with ``grad_fn`` or ``requires_grad`` gets in, by any path. A value
-that is a view of a larger tensor is cloned, so logging ``per_sample[0]`` does not pin
-``per_sample``'s storage.
+*Stored*: each value's data, detached (a 1-element tensor, or a Python number). Never the
+graph: nothing with ``grad_fn`` or ``requires_grad`` gets in, by any path. A value whose
+storage is larger than the value itself (``per_sample[3]``, ``per_sample[3].detach()``,
+``.data``) is cloned, so the log never pins the bigger storage; so is a value already
+modified in place (its version counter is not 0). Any other tensor is stored as a
+detached alias, without a copy: if it is modified in place after ``append`` (``total +=
+x``, a parameter after ``optimizer.step()``), its version counter moves, and ``reduce``
+raises naming the key and the position instead of logging the rewritten number.
 *Released*: everything, by :meth:`LossLog.reduce` (unless ``clear=False``) or
 :meth:`LossLog.clear`.
 *Running mode*: only O(1) accumulators per key (sum, count, min, max) on the values'
@@ -20,8 +24,12 @@ device; the appended tensors are not kept at all.
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import math
+import threading
+import types
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, SupportsIndex, TypeVar, overload
 
@@ -67,8 +75,10 @@ def _check(key: str, value: Any, device: torch.device | None) -> Any:
         if value.is_complex():
             raise TypeError(f"LossLog[{key!r}]: complex tensors are not losses")
         stored = value.detach()
-        if value._base is not None:
-            # A view of a bigger tensor: its whole storage would stay pinned by the log.
+        if value._version or _pins_more(value):
+            # Modified in place already (the version check at reduce needs 0 here), or
+            # sharing a bigger storage (a view, or a detach()/.data of one, whose _base is
+            # None): store a copy of the one element.
             stored = stored.clone()
         return stored
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -79,9 +89,29 @@ def _check(key: str, value: Any, device: torch.device | None) -> Any:
     return float(value)
 
 
+def _pins_more(value: torch.Tensor) -> bool:
+    """Does ``value`` (one element) share a storage worth more than a copy of itself?"""
+    try:
+        return bool(value.untyped_storage().nbytes() > max(8, value.itemsize))
+    except (RuntimeError, NotImplementedError):  # no plain storage (sparse, wrappers...)
+        return True
+
+
+_Tensor = torch.Tensor
+
+
 def _admit(key: str, value: Any, owner: _Owner) -> Any:
     """What to store for one value (validated), making its device the log's if unset."""
-    if _plain_scalar(value, owner):  # the per-microbatch fast path
+    if (
+        # The per-microbatch fast path, one step per condition _check would test: a 0-d
+        # tensor, never modified in place, whose storage holds at most 8 bytes (the value,
+        # or a sliver: nothing worth a copy), on the log's device.
+        type(value) is _Tensor
+        and not value._version
+        and not value.dim()
+        and value.untyped_storage().nbytes() <= 8
+        and value.device == owner.device
+    ):
         return value.detach()
     item = _check(key, value, owner.device)
     if owner.device is None and isinstance(item, torch.Tensor):
@@ -107,18 +137,6 @@ def _admit_many(key: str, values: Iterable[Any], owner: _Owner) -> list[Any]:
     if owner.device is None:
         owner.device = device
     return out
-
-
-def _plain_scalar(value: Any, owner: _Owner) -> bool:
-    """The per-microbatch fast path: a 0-d, non-view, real tensor on the log's device,
-    which ``_check`` would accept and store as ``value.detach()``."""
-    return (
-        type(value) is torch.Tensor
-        and not value.dim()
-        and value._base is None
-        and value.device == owner.device
-        and not value.is_complex()
-    )
 
 
 _list_append = list.append
@@ -165,6 +183,13 @@ class LossList(list[Any]):
     def copy(self) -> list[Any]:  # a plain list of the (already detached) values
         return list(self)
 
+    @classmethod
+    def _restore(cls, key: str, owner: _Owner, values: list[Any]) -> LossList:
+        """An entry holding ``values`` as stored by another log (already admitted)."""
+        entry = cls(key, owner)
+        list.extend(entry, _fresh(values))
+        return entry
+
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         return (list, (list(self),))  # pickles/copies as a plain list
 
@@ -178,32 +203,41 @@ class RunningLoss:
     instead of kernels per value), so at most ``FOLD`` detached scalars are held at once.
     ``append``, ``extend``, ``+=`` and ``log[name] = [...]`` add values; order-dependent
     list operations (``insert``, indexing) raise ``TypeError``.
+
+    Thread-safe: appends from several threads are each counted once (a lock guards the
+    pending batch and the count). ``copy.copy``, ``copy.deepcopy`` and ``pickle`` give an
+    independent accumulator with the same totals.
     """
 
     FOLD = 64
 
-    __slots__ = ("_acc", "_key", "_owner", "_pending", "count")
+    __slots__ = ("_acc", "_folded", "_key", "_lock", "_owner", "_pending", "count")
 
     def __init__(self, key: str, owner: _Owner, values: Iterable[Any] = ()) -> None:
         self._key = key
         self._owner = owner
+        self._lock = threading.Lock()
         self.count = 0
+        self._folded = 0  # how many of `count` are in _acc (positions for errors)
         self._pending: list[Any] = []
         self._acc: torch.Tensor | None = None  # [sum, min, max] in the accumulation dtype
         self.extend(values)
 
     def append(self, value: Any) -> None:
-        self._pending.append(_admit(self._key, value, self._owner))
-        self.count += 1
-        if len(self._pending) >= self.FOLD:
-            self._fold()
+        item = _admit(self._key, value, self._owner)
+        with self._lock:
+            self._pending.append(item)
+            self.count += 1
+            if len(self._pending) >= self.FOLD:
+                self._fold_locked()
 
     def extend(self, values: Iterable[Any]) -> None:
         items = _admit_many(self._key, values, self._owner)
-        self._pending.extend(items)
-        self.count += len(items)
-        if len(self._pending) >= self.FOLD:
-            self._fold()
+        with self._lock:
+            self._pending.extend(items)
+            self.count += len(items)
+            if len(self._pending) >= self.FOLD:
+                self._fold_locked()
 
     def __iadd__(self, values: Iterable[Any]) -> RunningLoss:
         self.extend(values)
@@ -211,16 +245,22 @@ class RunningLoss:
 
     def _fold(self) -> torch.Tensor | None:
         """Fold pending values into the accumulators; return ``[sum, min, max]``."""
+        with self._lock:
+            return self._fold_locked()
+
+    def _fold_locked(self) -> torch.Tensor | None:
         if self._pending:
+            pending, self._pending = self._pending, []
+            _check_unmodified(self._key, pending, self._folded)
+            self._folded += len(pending)
             device = self._owner.device or torch.device("cpu")
             if self._acc is None:
-                self._acc = _identity3(device)
-            values = _stack(self._pending, device, self._acc.dtype)
-            self._pending = []
+                self._acc = _identity(device, _acc_dtype(device), 3)
+            total, low, high = _local(self._key, pending, device, self._acc.dtype)
             acc = self._acc
-            acc[0].add_(values.sum())
-            torch.minimum(acc[1], values.min(), out=acc[1])
-            torch.maximum(acc[2], values.max(), out=acc[2])
+            acc[0].add_(total)
+            torch.minimum(acc[1], low, out=acc[1])
+            torch.maximum(acc[2], high, out=acc[2])
         return self._acc
 
     @property
@@ -239,9 +279,30 @@ class RunningLoss:
         return None if acc is None else acc[2]
 
     def clear(self) -> None:
-        self.count = 0
-        self._pending = []
-        self._acc = None
+        with self._lock:
+            self.count = self._folded = 0
+            self._pending = []
+            self._acc = None
+
+    # --- copies: the totals travel, the lock and the owner do not ------------------------
+
+    def _snapshot(self) -> tuple[int, int, list[Any], torch.Tensor | None]:
+        with self._lock:
+            _check_unmodified(self._key, self._pending, self._folded)
+            acc = None if self._acc is None else self._acc.clone()
+            return self.count, self._folded, list(self._pending), acc
+
+    @classmethod
+    def _restore(
+        cls, key: str, owner: _Owner, state: tuple[int, int, list[Any], torch.Tensor | None]
+    ) -> RunningLoss:
+        entry = cls(key, owner)
+        entry.count, entry._folded, pending, entry._acc = state
+        entry._pending = _fresh(pending)
+        return entry
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_running, (self._key, self._owner.device, self._snapshot()))
 
     def __len__(self) -> int:
         return self.count
@@ -273,13 +334,78 @@ class RunningLoss:
         return f"RunningLoss(count={self.count}, sum={s:g}, min={lo:g}, max={hi:g})"
 
 
-def _identity3(device: torch.device) -> torch.Tensor:
-    return torch.tensor([0.0, math.inf, -math.inf], dtype=_acc_dtype(device), device=device)
+def _rebuild_running(
+    key: str, device: torch.device | None, state: tuple[int, int, list[Any], torch.Tensor | None]
+) -> RunningLoss:
+    return RunningLoss._restore(key, _Owner(device), state)
+
+
+def _identity(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """``[0, +inf, -inf, 0][:n]``, made on the device (no host-to-device copy)."""
+    out = torch.zeros(n, dtype=dtype, device=device)
+    out[1].fill_(math.inf)
+    out[2].fill_(-math.inf)
+    return out
 
 
 def _acc_dtype(device: torch.device) -> torch.dtype:
     # float64 keeps thousands of float32/bf16 losses exact enough; MPS has no float64.
     return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _check_unmodified(key: str, values: list[Any], first: int) -> None:
+    """Every stored tensor had version 0 when stored: raise if one moved since."""
+    for i, v in enumerate(values):
+        if type(v) is not float and v._version:
+            raise ValueError(
+                f"LossLog[{key!r}]: the value at position {first + i} was modified in place "
+                "after it was appended (its version counter moved), so the logged history "
+                "is no longer what was appended. The log stores a detached alias, not a copy: "
+                "append a copy of values you keep updating (append(x.clone()), e.g. a "
+                "running total or a parameter before optimizer.step())."
+            )
+
+
+def _listed(key: str, entry: LossList) -> list[Any]:
+    _check_unmodified(key, entry, 0)  # a copy must not launder a rewritten value
+    return list(entry)
+
+
+def _fresh(values: list[Any]) -> list[Any]:
+    """Values restored from a copy, each with version 0 again (unpickling and deepcopy
+    write into new storages, which moves the counter; the source was checked unmodified)."""
+    return [v if type(v) is float or not v._version else v.clone() for v in values]
+
+
+def _local(
+    key: str, values: list[Any], device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sum, min, max)`` of stored values as 0-d tensors on ``device`` (no host sync).
+
+    Tensors are stacked on the device; Python numbers are reduced on the host and merged
+    as scalar arguments, so no host data is uploaded.
+    """
+    tensors = [v for v in values if type(v) is not float]
+    numbers = [v for v in values if type(v) is float] if len(tensors) != len(values) else []
+    if tensors:
+        try:
+            stacked = torch.stack(tensors)  # the common case: all 0-d
+        except RuntimeError:  # mixed 0-d and 1-element shapes
+            stacked = torch.stack([v.reshape(()) for v in tensors])
+        if stacked.is_complex():
+            raise TypeError(f"LossLog[{key!r}]: complex tensors are not losses")
+        flat = stacked.reshape(-1).to(dtype)
+        total, low, high = flat.sum(), flat.min(), flat.max()
+        if numbers:
+            total = total + math.fsum(numbers)
+            low = low.clamp(max=min(numbers))
+            high = high.clamp(min=max(numbers))
+        return total, low, high
+
+    def full(x: float) -> torch.Tensor:
+        return torch.full((), x, dtype=dtype, device=device)
+
+    return full(math.fsum(numbers)), full(min(numbers)), full(max(numbers))
 
 
 Entry = LossList | RunningLoss
@@ -338,7 +464,7 @@ class LossLog(dict[str, Any]):
         super().__init__()
         self._reductions: dict[str, str] = spec
         self._running = bool(running)
-        self._owner = _Owner(torch.device(device) if device is not None else None)
+        self._owner = _Owner(_check_device(device) if device is not None else None)
         for key in spec:
             dict.__setitem__(self, key, self._new_entry(key))
 
@@ -383,12 +509,22 @@ class LossLog(dict[str, Any]):
     pop = _fixed
     popitem = _fixed
 
-    def copy(self) -> dict[str, Any]:  # type: ignore[override]
-        """A plain dict of plain lists (list mode) / the accumulators (running mode)."""
-        return {k: (list(v) if isinstance(v, LossList) else v) for k, v in self.items()}
+    def copy(self) -> LossLog:  # type: ignore[override]
+        """An independent log with the same keys, values and totals (``copy.copy(log)``)."""
+        return copy.copy(self)
 
     def __reduce__(self) -> Any:
-        return (_rebuild, (self._reductions, self._running, self.copy()))
+        # copy.copy, copy.deepcopy and pickle all go through here: the snapshot is new
+        # lists and cloned accumulators, so even a shallow copy shares no mutable state
+        # (the stored tensors are shared, and immutable by contract: see reduce's check).
+        state = {
+            k: v._snapshot() if isinstance(v, RunningLoss) else list(v) for k, v in self.items()
+        }
+        owner = self._owner
+        return (
+            _rebuild,
+            (self._reductions, self._running, owner.device, owner.fixed_device, state),
+        )
 
     @property
     def reductions(self) -> dict[str, str]:
@@ -412,23 +548,28 @@ class LossLog(dict[str, Any]):
 
     # --- reduce ----------------------------------------------------------------------------
 
-    def reduce(self, groups: Iterable[Any] = (), *, clear: bool = True) -> dict[str, float]:
+    def reduce(self, groups: Iterable[Any] | None = (), *, clear: bool = True) -> dict[str, float]:
         """Reduce every key to a float: over microbatches, then over each process group.
 
         For each key, values are reduced locally (sum / mean / min / max), then all-reduced
         over each group in ``groups`` in order (e.g. ``(dp_group, pp_group)``; ``None``
-        means the default group). Keys that share an op are packed into one tensor: at
-        most one collective per op (``SUM``, ``MIN``, ``MAX``) per group, and exactly one
-        device-to-host transfer for the whole call, however many keys and microbatches.
+        means the default group, alone or inside the sequence). Keys that share an op are
+        packed into one tensor: at most one collective per op (``SUM``, ``MIN``, ``MAX``)
+        per group, and exactly one device-to-host transfer for the whole call, however many
+        keys and microbatches. Nothing is uploaded from host memory: identities and counts
+        are made on the device, so that transfer is the call's only host sync.
 
         A rank with no values for a key contributes the op's identity: mean is carried as
         (sum, count), min / max as +inf / -inf, so results are unbiased. A key with no
         values on any rank reduces to ``nan`` (so every rank logs the same keys).
 
+        Raises ``ValueError`` naming the key and position if a stored value was modified in
+        place after it was appended (the number it would log is not the one appended).
+
         Every rank of each group must call ``reduce`` with the same keys and groups.
         Clears the log afterwards unless ``clear=False``.
         """
-        group_list = list(groups)
+        group_list = _group_list(groups)
         if group_list:
             import torch.distributed as dist
 
@@ -441,36 +582,42 @@ class LossLog(dict[str, Any]):
         dtype = _acc_dtype(device)
         keys = list(self)
         n = len(keys)
-        # Local reduction, on device. Row i of [sum, min, max] holds key i's contribution,
-        # with the op's identity where the key has no values or is not that op.
-        identity = _identity3(device).to(dtype)
+        # Row i: key i's [sum, min, max, count], with the op's identity in the columns that
+        # are not its op (0 for sum, +inf for min, -inf for max), all made on the device.
+        identity = _identity(device, dtype, 4)
+        zero, pos_inf, neg_inf = identity[0], identity[1], identity[2]
         rows = []
-        counts = []
         for key in keys:
             entry = self[key]
-            counts.append(float(len(entry)))
-            if len(entry) == 0:
+            op = self._reductions[key]
+            count = len(entry)
+            if count == 0:
                 rows.append(identity)
-            elif isinstance(entry, RunningLoss):
+                continue
+            if isinstance(entry, RunningLoss):
                 acc = entry._fold()
                 assert acc is not None
-                rows.append(acc.to(dtype))
+                total, low, high = acc.to(dtype)
             else:
-                values = _stack(entry, device, dtype)
-                rows.append(torch.stack((values.sum(), values.min(), values.max())))
+                _check_unmodified(key, entry, 0)
+                total, low, high = _local(key, entry, device, dtype)
+            rows.append(
+                torch.stack(
+                    (
+                        total if op in ("sum", "mean") else zero,
+                        low if op == "min" else pos_inf,
+                        high if op == "max" else neg_inf,
+                        torch.full((), float(count), dtype=dtype, device=device),
+                    )
+                )
+            )
         ops = [self._reductions[k] for k in keys]
-        mask = torch.tensor(
-            [[op in ("sum", "mean"), op == "min", op == "max"] for op in ops], device=device
-        )
-        table = torch.where(mask, torch.stack(rows), identity)  # (n, 3)
-        sums, mins, maxs = table.t().contiguous()  # collectives need contiguous packs
-        # Python ints -> device: a host-to-device copy, never a device-to-host sync.
-        count_t = torch.tensor(counts, dtype=dtype, device=device)
-        packs = {"sum": torch.cat([sums, count_t])}
+        sums, mins, maxs, counts = torch.stack(rows).t()
+        packs = {"sum": torch.cat([sums, counts])}  # cat: contiguous, as collectives need
         if "min" in ops:
-            packs["min"] = mins
+            packs["min"] = mins.contiguous()
         if "max" in ops:
-            packs["max"] = maxs
+            packs["max"] = maxs.contiguous()
         if group_list:
             import torch.distributed as dist
 
@@ -480,7 +627,7 @@ class LossLog(dict[str, Any]):
                     dist.all_reduce(pack, op=red[op], group=group)
         flat = torch.cat(list(packs.values()))
         host = flat.to("cpu", copy=True).tolist()  # the one device-to-host transfer
-        total, count_list = host[:n], host[n : 2 * n]
+        total_list, count_list = host[:n], host[n : 2 * n]
         offset = 2 * n
         min_list = host[offset : offset + n] if "min" in packs else None
         offset += n if "min" in packs else 0
@@ -492,9 +639,9 @@ class LossLog(dict[str, Any]):
             if c == 0:
                 out[key] = math.nan
             elif op == "sum":
-                out[key] = total[i]
+                out[key] = total_list[i]
             elif op == "mean":
-                out[key] = total[i] / c
+                out[key] = total_list[i] / c
             elif op == "min":
                 assert min_list is not None
                 out[key] = min_list[i]
@@ -506,27 +653,64 @@ class LossLog(dict[str, Any]):
         return out
 
 
-def _rebuild(reductions: dict[str, str], running: bool, values: dict[str, Any]) -> LossLog:
+def _group_list(groups: Any) -> list[Any]:
+    if groups is None:
+        return [None]  # the default group
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
+        raise TypeError(
+            f"LossLog.reduce(groups={groups!r}): expected a sequence of process groups, "
+            "e.g. groups=(dp_group,) or groups=(dp_group, pp_group); None (alone or in the "
+            "sequence) is the default group, and () reduces on this rank only"
+        )
+    return list(groups)
+
+
+def _rebuild(
+    reductions: dict[str, str],
+    running: bool,
+    device: torch.device | None,
+    fixed_device: bool,
+    state: dict[str, Any],
+) -> LossLog:
     log = LossLog(reductions, running=running)
-    if not running:
-        log.update(values)
+    owner = log._owner
+    owner.device, owner.fixed_device = device, fixed_device
+    for key, values in state.items():
+        entry: Entry
+        if running:
+            entry = RunningLoss._restore(key, owner, values)
+        else:
+            entry = LossList._restore(key, owner, values)
+        dict.__setitem__(log, key, entry)
     return log
 
 
-def _stack(values: list[Any], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The values as one 1-D tensor of ``dtype`` on ``device`` (no host sync)."""
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    parts = []
-    if tensors:
-        try:
-            stacked = torch.stack(tensors)  # the common case: all 0-d
-        except RuntimeError:  # mixed 0-d and 1-element shapes
-            stacked = torch.stack([v.reshape(()) for v in tensors])
-        parts.append(stacked.reshape(-1).to(dtype))
-    if len(tensors) != len(values):
-        numbers = [v for v in values if not isinstance(v, torch.Tensor)]
-        parts.append(torch.tensor(numbers, dtype=dtype, device=device))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+def _check_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device`` that exists on this machine, or a ValueError."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"LossLog(device={device!r}): not a device ({e})") from None
+    if dev.type in ("cpu", "meta"):
+        return dev
+    try:
+        module = torch.get_device_module(dev.type)
+        available, count = module.is_available(), module.device_count()
+    except (AttributeError, RuntimeError) as e:
+        raise ValueError(
+            f"LossLog(device={device!r}): {dev.type} is not usable here ({e})"
+        ) from None
+    if not available or count == 0:
+        raise ValueError(
+            f"LossLog(device={device!r}): there is no {dev.type} device on this machine; "
+            "leave device=None to use the device of the first value logged"
+        )
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(
+            f"LossLog(device={device!r}): this machine has {count} {dev.type} device(s), "
+            f"{dev.type}:0 to {dev.type}:{count - 1}"
+        )
+    return dev
 
 
 # --- detach_tree ------------------------------------------------------------------------------
@@ -537,9 +721,14 @@ T = TypeVar("T")
 def detach_tree(obj: T) -> T:
     """Return ``obj`` with every tensor inside it detached, for outputs handed to logging.
 
-    Walks dicts (and other mappings that can be rebuilt from pairs), lists, tuples,
-    namedtuples, sets and dataclass instances, rebuilding each container with the same type;
-    anything else is returned as is. The detached tensors share storage with the originals
+    Walks mappings, sequences, sets and dataclass instances and rebuilds each container
+    with its own type and its own extra state: ``dict`` and its subclasses
+    (``OrderedDict``, ``defaultdict`` with its ``default_factory``, ``Counter``...),
+    ``ChainMap`` (each of its maps), ``MappingProxyType``, lists and list subclasses,
+    tuples and named tuples, ``deque`` (with its ``maxlen``), sets, frozensets and
+    dataclasses. Anything else is returned as is. A container it cannot rebuild (a custom
+    ``Mapping`` that is not a ``dict``) raises ``TypeError`` naming its type, rather than
+    coming back as something else. The detached tensors share storage with the originals
     (no copy), but carry no ``grad_fn``: holding them never keeps a graph alive.
     """
     return _detach(obj, {})  # type: ignore[no-any-return]
@@ -548,18 +737,43 @@ def detach_tree(obj: T) -> T:
 def _detach(obj: Any, memo: dict[int, Any]) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach()
+    if isinstance(obj, (str, bytes, int, float, type(None))):
+        return obj
     key = id(obj)
     if key in memo:
         return memo[key]
     result: Any
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+    if isinstance(obj, dict):
+        # A shallow copy keeps the subclass and its state (default_factory...), then the
+        # values are replaced in place; keys are hashable and stay as they are.
+        result = dict(obj) if type(obj) is dict else copy.copy(obj)
+        memo[key] = result
+        for k, v in obj.items():
+            result[k] = _detach(v, memo)
+        return result
+    if isinstance(obj, collections.ChainMap):
+        result = copy.copy(obj)
+        memo[key] = result
+        result.maps = [_detach(m, memo) for m in obj.maps]
+        return result
+    if isinstance(obj, types.MappingProxyType):
+        result = types.MappingProxyType(_detach(dict(obj), memo))
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         result = type(obj)(*(_detach(v, memo) for v in obj))
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        items = [_detach(v, memo) for v in obj]
-        result = items if type(obj) is list else type(obj)(items)
+    elif isinstance(obj, collections.deque):
+        result = type(obj)((_detach(v, memo) for v in obj), maxlen=obj.maxlen)
+    elif isinstance(obj, list):
+        result = [] if type(obj) is list else copy.copy(obj)
+        memo[key] = result
+        result[:] = [_detach(v, memo) for v in obj]
+        return result
+    elif isinstance(obj, (tuple, set, frozenset)):
+        result = type(obj)(_detach(v, memo) for v in obj)
     elif isinstance(obj, Mapping):
-        pairs = [(k, _detach(v, memo)) for k, v in obj.items()]
-        result = dict(pairs) if type(obj) is dict else type(obj)(pairs)  # type: ignore[call-arg]
+        raise TypeError(
+            f"detach_tree: cannot rebuild a {type(obj).__qualname__} (a Mapping that is not "
+            "a dict); convert it first, e.g. detach_tree(dict(obj))"
+        )
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         changes = {
             f.name: _detach(getattr(obj, f.name), memo) for f in dataclasses.fields(obj) if f.init

@@ -7,6 +7,8 @@ import copy
 import dataclasses
 import math
 import pickle
+import threading
+import types
 import weakref
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -457,3 +459,279 @@ def test_dict_mutation_paths_are_guarded() -> None:
     clone = pickle.loads(pickle.dumps(log))
     assert type(clone) is leakfree.LossLog and clone.reductions == log.reductions
     assert torch.equal(clone["a"][0], log["a"][0])
+
+
+# --- [1/6]: drop-in promises that broke on real code ------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["detach", "data", "view"])
+@pytest.mark.parametrize("running", [False, True], ids=["list", "running"])
+def test_detached_view_does_not_pin_the_storage(how: str, running: bool, no_gc: None) -> None:
+    """`per_sample[3].detach()` and `.data` have `_base is None` yet share the whole storage:
+    the log decides by storage size."""
+    log = leakfree.LossLog(["lm"], running=running)
+    per_sample = torch.randn(1 << 16)
+    storage = weakref.ref(per_sample.untyped_storage())
+    value = {"detach": per_sample[3].detach(), "data": per_sample[3].data, "view": per_sample[3]}
+    log["lm"].append(value[how])
+    expected = per_sample[3].item()
+    del per_sample, value
+    assert storage() is None  # the log holds a one-element copy, not the 256 KiB storage
+    assert log.reduce() == {"lm": pytest.approx(expected)}
+
+
+def test_own_scalar_is_stored_without_a_copy() -> None:
+    """The fast path: a fresh 0-d loss is stored as a detached alias (no clone)."""
+    log = leakfree.LossLog(["lm"])
+    loss = torch.randn(3, requires_grad=True).sum()
+    log["lm"].append(loss)
+    assert log["lm"][0].data_ptr() == loss.data_ptr() and log["lm"][0].grad_fn is None
+
+
+def _filled(running: bool) -> leakfree.LossLog:
+    log = leakfree.LossLog({"lm": "mean", "lo": "min", "hi": "max", "n": "sum"}, running=running)
+    for i in range(100):  # more than one fold in running mode
+        for key in log:
+            log[key].append(torch.tensor(float(i % 7) - 2.5))
+    log["n"].append(3)  # a Python number too
+    return log
+
+
+@pytest.mark.parametrize("running", [False, True], ids=["list", "running"])
+@pytest.mark.parametrize(
+    "how",
+    ["copy.copy", "copy.deepcopy", "pickle", "method"],
+)
+def test_copies_round_trip_exactly_and_are_independent(running: bool, how: str) -> None:
+    log = _filled(running)
+    make = {
+        "copy.copy": copy.copy,
+        "copy.deepcopy": copy.deepcopy,
+        "pickle": lambda x: pickle.loads(pickle.dumps(x)),
+        "method": lambda x: x.copy(),
+    }[how]
+    clone = make(log)
+    assert type(clone) is leakfree.LossLog and clone.running == running
+    assert clone.reductions == log.reductions and clone.device == log.device
+    expected = log.reduce(clear=False)
+    assert clone.reduce(clear=False) == expected  # exact, not approximate
+    assert not any(math.isnan(v) for v in expected.values())
+    # independent: appending to one changes nothing in the other
+    clone["lm"].append(torch.tensor(1000.0))
+    clone["hi"].append(torch.tensor(1000.0))
+    assert log.reduce(clear=False) == expected
+    if running:
+        assert clone["lm"] is not log["lm"] and clone["lm"]._acc is not log["lm"]._acc
+    log.clear()
+    assert clone.reduce()["hi"] == 1000.0
+
+
+def test_running_entry_alone_copies_and_pickles() -> None:
+    log = _filled(True)
+    entry = log["lm"]
+    for clone in (copy.copy(entry), copy.deepcopy(entry), pickle.loads(pickle.dumps(entry))):
+        assert len(clone) == len(entry)
+        assert torch.equal(clone.sum, entry.sum) and torch.equal(clone.max, entry.max)
+
+
+@pytest.mark.parametrize("running", [False, True], ids=["list", "running"])
+def test_threads_append_each_value_once(running: bool) -> None:
+    """8 threads x 20,000 appends of 1.0: the first version double-counted in running mode."""
+    log = leakfree.LossLog({"lm": "mean", "n": "sum"}, running=running)
+    one = torch.tensor(1.0)
+    barrier = threading.Barrier(8)
+
+    def work() -> None:
+        barrier.wait(timeout=30)
+        for _ in range(20_000):
+            log["lm"].append(one)
+            log["n"].append(one)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(log["n"]) == 160_000
+    assert log.reduce() == {"lm": 1.0, "n": 160_000.0}
+
+
+@pytest.mark.parametrize("running", [False, True], ids=["list", "running"])
+def test_in_place_update_after_append_is_an_error_not_a_wrong_number(running: bool) -> None:
+    """`total += x` logged each step: every entry aliased `total`, so the history was
+    rewritten. Now a value modified after append raises at reduce, naming key and position."""
+    log = leakfree.LossLog({"total": "max"}, running=running)
+    total = torch.zeros(())
+    log["total"].append(total)  # version 0: stored as an alias
+    total += 5.0
+    with pytest.raises(ValueError, match=r"LossLog\['total'\]: the value at position 0 .*clone"):
+        log.reduce()
+
+
+def test_value_already_modified_is_copied_so_running_totals_log_correctly() -> None:
+    log = leakfree.LossLog({"total": "sum"})
+    total = torch.zeros(())
+    for x in (1.0, 2.0, 3.0):
+        total += x  # version moves before each append: the log stores a copy
+        log["total"].append(total)
+    assert log.reduce() == {"total": 1.0 + 3.0 + 6.0}
+
+
+def test_parameter_updated_by_the_optimizer_after_append_is_an_error() -> None:
+    w = torch.nn.Parameter(torch.tensor(1.0))
+    opt = torch.optim.SGD([w], lr=0.5)
+    log = leakfree.LossLog(["w"])
+    log["w"].append(w)
+    (w * 2).backward()
+    opt.step()
+    with pytest.raises(ValueError, match=r"LossLog\['w'\].*position 0.*append\(x\.clone\(\)\)"):
+        log.reduce()
+    log = leakfree.LossLog(["w"])
+    log["w"].append(w.clone())  # the documented fix
+    opt.step()
+    assert log.reduce() == {"w": 0.0}
+
+
+class _Point(NamedTuple):
+    x: torch.Tensor
+    y: Any
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda t: collections.defaultdict(list, {"a": [t]}),
+        lambda t: collections.OrderedDict([("a", t), ("b", [t])]),
+        lambda t: collections.ChainMap({"a": t}, {"b": t}),
+        lambda t: types.MappingProxyType({"a": t}),
+        lambda t: collections.deque([t, {"k": t}], maxlen=5),
+        lambda t: _Point(t, [t]),
+        lambda t: collections.Counter({"a": 1}),
+    ],
+    ids=[
+        "defaultdict",
+        "OrderedDict",
+        "ChainMap",
+        "MappingProxyType",
+        "deque",
+        "namedtuple",
+        "Counter",
+    ],
+)
+def test_detach_tree_rebuilds_each_type_with_its_state(make: Any) -> None:
+    t = torch.randn(2, requires_grad=True) * 2
+    obj = make(t)
+    out = leakfree.detach_tree(obj)
+    assert type(out) is type(obj)
+    leaves: list[torch.Tensor] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            leaves.append(x)
+        elif isinstance(x, (dict, types.MappingProxyType, collections.ChainMap)):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple, collections.deque)):
+            for v in x:
+                walk(v)
+
+    walk(out)
+    assert all(leaf.grad_fn is None for leaf in leaves)
+    assert len(leaves) == (0 if isinstance(obj, collections.Counter) else len(leaves))
+    if isinstance(obj, collections.defaultdict):
+        assert out.default_factory is list and out["missing"] == []
+    if isinstance(obj, collections.ChainMap):
+        assert len(out.maps) == 2 and out["b"].grad_fn is None
+    if isinstance(obj, collections.deque):
+        assert out.maxlen == 5
+    if isinstance(obj, types.MappingProxyType):
+        assert out["a"].grad_fn is None
+
+
+def test_detach_tree_refuses_what_it_cannot_rebuild() -> None:
+    class Frozen(collections.abc.Mapping):  # type: ignore[type-arg]
+        def __init__(self, data: dict[str, Any]) -> None:
+            self._data = data
+
+        def __getitem__(self, k: str) -> Any:
+            return self._data[k]
+
+        def __iter__(self) -> Any:
+            return iter(self._data)
+
+        def __len__(self) -> int:
+            return len(self._data)
+
+    with pytest.raises(TypeError, match=r"detach_tree: cannot rebuild a .*Frozen"):
+        leakfree.detach_tree({"outer": Frozen({"a": torch.ones(1, requires_grad=True) * 2})})
+
+
+def test_reduce_uploads_nothing_from_the_host() -> None:
+    """On a device, `torch.tensor(python_list, device=...)` is a blocking upload: reduce
+    must make identities and counts on the device. The meta device stands in for one here:
+    every operation runs but the final copy to the host, so the counter sees all that
+    reduce does before its one transfer."""
+    log = leakfree.LossLog({"a": "mean", "b": "min", "c": "max", "d": "sum"}, device="meta")
+    for key in "abc":
+        log[key].append(torch.empty((), device="meta"))
+    log["d"].append(2.5)  # a Python number on a device log
+    with count_host_syncs() as syncs, pytest.raises(NotImplementedError):
+        log.reduce(clear=False)
+    assert dict(syncs.ops) == {"to_host": 1}
+
+
+def test_count_host_syncs_counts_every_blocking_operation() -> None:
+    x = torch.tensor([1.0, -2.0, 3.0])
+    cases: dict[str, Any] = {
+        "_local_scalar_dense": lambda: x.sum().item(),
+        "to_host": lambda: x.to("cpu", copy=True),
+        "from_host": lambda: torch.ones(3).to("meta"),  # pageable (nothing is pinned here)
+        "nonzero": lambda: x.nonzero(),
+        "masked_select": lambda: x.masked_select(x > 0),
+        "_unique2": lambda: torch.unique(x),
+        "mask_indexing": lambda: x[x > 0],
+        "repeat_interleave": lambda: torch.repeat_interleave(x, torch.tensor([1, 2, 1])),
+        "cpu.synchronize": lambda: torch.cpu.synchronize(),
+    }
+    for name, op in cases.items():
+        with count_host_syncs() as syncs:
+            op()
+        assert dict(syncs.ops) == {name: 1}, name
+    with count_host_syncs() as syncs:
+        torch.tensor([1.0, 2.0], device="meta")  # built on the host, uploaded below aten
+        torch.as_tensor([1.0], device="meta")
+    assert dict(syncs.ops) == {"from_host": 2}
+    with count_host_syncs() as syncs:  # none of these waits
+        torch.repeat_interleave(x, torch.tensor([1, 2, 1]), output_size=4)
+        torch.full((3,), 1.0, device="meta")
+        torch.zeros(3, device="meta").nonzero_static(size=2)  # a static shape: no wait
+        torch.tensor([1.0, 2.0])  # stays on the host
+    assert syncs.count == 0, dict(syncs.ops)
+    assert torch.cpu.synchronize.__module__ != __name__  # restored after the block
+    assert "wait" not in repr(torch.cpu.synchronize)
+
+
+def test_reduce_groups_none_is_the_default_group_and_bad_groups_name_the_argument() -> None:
+    log = leakfree.LossLog(["lm"])
+    log["lm"].append(torch.tensor(2.0))
+    with pytest.raises(RuntimeError, match=r"torch.distributed is not initialized"):
+        log.reduce(groups=None, clear=False)  # the default group: needs a process group
+    for bad in (5, "dp", object()):
+        with pytest.raises(TypeError, match=r"LossLog.reduce\(groups=.*expected a sequence"):
+            log.reduce(groups=bad, clear=False)
+    assert log.reduce() == {"lm": 2.0}  # nothing was cleared by the failed calls
+
+
+@pytest.mark.parametrize(
+    ("device", "match"),
+    [
+        ("cdua", r"LossLog\(device='cdua'\): not a device"),
+        ("cuda:9", r"LossLog\(device='cuda:9'\): there is no cuda device"),
+        (3.5, r"LossLog\(device=3.5\): not a device"),
+    ],
+)
+def test_unavailable_or_misspelled_device_fails_at_construction(device: Any, match: str) -> None:
+    if torch.cuda.is_available() and device == "cuda:9":
+        match = r"LossLog\(device='cuda:9'\): this machine has \d+ cuda"
+    with pytest.raises(ValueError, match=match):
+        leakfree.LossLog(["lm"], device=device)
