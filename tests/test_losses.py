@@ -735,3 +735,27 @@ def test_unavailable_or_misspelled_device_fails_at_construction(device: Any, mat
         match = r"LossLog\(device='cuda:9'\): this machine has \d+ cuda"
     with pytest.raises(ValueError, match=match):
         leakfree.LossLog(["lm"], device=device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (sync debug mode)")
+def test_reduce_syncs_once_on_cuda_by_cudas_own_account() -> None:
+    """The authoritative check: CUDA's sync debug mode warns at every synchronising call."""
+    import warnings
+
+    log = leakfree.LossLog({"a": "mean", "b": "min", "c": "max", "d": "sum"}, device="cuda")
+    for i in range(100):
+        for key in "abc":
+            log[key].append(torch.full((), float(i), device="cuda"))
+    log["d"].append(2.5)
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = log.reduce()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert out == {"a": 49.5, "b": 0.0, "c": 99.0, "d": 2.5}
