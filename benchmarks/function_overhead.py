@@ -21,12 +21,15 @@ from _common import compare, print_table, write_json
 import leakfree
 
 
-def make_ops(base: type) -> tuple[type, type, type]:
+def make_scale(base: type, *, with_tensor: bool) -> type:
     class Scale(base):  # type: ignore[misc, valid-type]
         @staticmethod
         def forward(ctx, x, w):
             ctx.save_for_backward(x, w)
-            ctx.note = "scale"  # metadata: checked at apply and at release, then kept
+            if with_tensor:
+                ctx.buf = x.new_empty(4)  # a tensor on ctx: leakfree releases it
+            else:
+                ctx.note = "scale"  # metadata: checked at apply and at release, then kept
             return x * w
 
         @staticmethod
@@ -34,18 +37,10 @@ def make_ops(base: type) -> tuple[type, type, type]:
             x, w = ctx.saved_tensors
             return g * w, g * x
 
-    class ScaleWithState(base):  # type: ignore[misc, valid-type]
-        @staticmethod
-        def forward(ctx, x, w):
-            ctx.save_for_backward(x, w)
-            ctx.buf = x.new_empty(4)  # a tensor on ctx: leakfree releases it after backward
-            return x * w
+    return Scale
 
-        @staticmethod
-        def backward(ctx, g):
-            x, w = ctx.saved_tensors
-            return g * w, g * x
 
+def make_ops(base: type) -> tuple[type, type, type]:
     class MatMul(base):  # type: ignore[misc, valid-type]
         @staticmethod
         def forward(ctx, x, w):
@@ -58,7 +53,7 @@ def make_ops(base: type) -> tuple[type, type, type]:
             x, w = ctx.saved_tensors
             return g @ w.T, x.T @ g
 
-    return Scale, ScaleWithState, MatMul
+    return make_scale(base, with_tensor=False), make_scale(base, with_tensor=True), MatMul
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
