@@ -661,3 +661,94 @@ def test_trl_unpatch_never_rebinds_user_modules(tmp_path: Path) -> None:
         tmp_path,
     )
     assert result is True
+
+
+# --- [2/6]: option values and development builds ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"trl": "Always"}, r"patch_all\(trl='Always'\): not an accepted value; trl accepts "),
+        ({"trl": "sometimes"}, r"trl accepts True, False, 'always'$"),
+        ({"transformer_engine": 3}, r"transformer_engine accepts .*'harden'"),
+        ({"trl": 1}, r"patch_all\(trl=1\)"),  # 1 == True, but it is not True
+        ({"transformer_engine_fuser": "hardened"}, r"transformer_engine_fuser accepts"),
+    ],
+)
+def test_misspelled_option_values_raise_before_any_change(kwargs: Any, match: str) -> None:
+    import leakfree
+
+    before = [(r.name, r.status) for r in leakfree.patch_report()]
+    with pytest.raises(ValueError, match=match):
+        leakfree.patch_all(**kwargs)
+    assert [(r.name, r.status) for r in leakfree.patch_report()] == before
+
+
+DEV_BUILD = "2.14.0.dev0+f122b07"  # upstream main before the fuser fix merged
+
+
+@pytest.fixture(scope="module")
+def te_dev(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("te-dev"), DEV_BUILD)
+
+
+def test_te_development_build_of_the_fixing_release_is_patched(te_dev: Path) -> None:
+    """A dev build of 2.14 may or may not carry the fuser fix: it must pass the version gate
+    so that the code check decides (this stand-in has the leaky code, as main had)."""
+    result = run_py(
+        te_script(
+            DEV_BUILD,
+            """
+            import leakfree
+            """,
+            REPORT,
+            """
+            leakfree.patch_all()
+            leaks = probe()
+            print(json.dumps(dict(report=report(), leaks=leaks)))
+            """,
+        ),
+        te_dev,
+    )
+    st = statuses(result["report"])
+    assert st["fuser"] == "applied" and st["fused_attention"] == "applied", result["report"]
+    assert not any(v["leaks"] for v in result["leaks"].values())
+
+
+VERSION_TABLE = [
+    # (installed, specifier, matches)
+    ("2.14.0.dev0+f122b07", ">=2.6,<2.14", True),  # a dev build of the fixing release
+    ("2.14.0rc1", ">=2.6,<2.14", True),
+    ("2.13.0.dev0", ">=2.0,<2.15", True),  # a pre-release inside the range
+    ("2.14.0.dev0", ">=2.6", True),  # a location table entry
+    ("2.15.0.dev0", ">=2.6,<2.14", False),  # past the fixing release
+    ("2.5.0.dev0", ">=2.6,<2.14", False),  # before the range
+    ("2.14.0", ">=2.6,<2.14", False),
+    ("2.13.1", ">=2.6,<2.14", True),
+]
+
+
+def _packaging_dirs() -> list[Path]:
+    return sorted((ROOT / ".ci-deps").glob("packaging-*"))
+
+
+@pytest.mark.parametrize("where", ["installed", *[p.name for p in _packaging_dirs()]])
+def test_version_gate_is_the_same_on_every_packaging_version(where: str) -> None:
+    paths = [] if where == "installed" else [ROOT / ".ci-deps" / where]
+    result = run_py(
+        f"""
+        import json, packaging
+        from packaging.version import Version
+        from leakfree.patches._registry import version_matches
+        table = {VERSION_TABLE!r}
+        print(json.dumps(dict(
+            packaging=packaging.__version__,
+            got=[version_matches(Version(v), s) for v, s, _ in table],
+        )))
+        """,
+        *paths,
+    )
+    if where != "installed":
+        assert result["packaging"] == where.split("-", 1)[1]
+    assert result["got"] == [m for _, _, m in VERSION_TABLE]

@@ -67,9 +67,32 @@ class Patch:
 
     def module_for(self, version: Version) -> str | None:
         for spec, module in self.modules:
-            if version in SpecifierSet(spec):
+            if version_matches(version, spec):
                 return module
         return None
+
+    def options(self) -> tuple[Any, ...]:
+        """The values ``patch_all`` accepts for this patch (see :meth:`Registry.select`)."""
+        return (True, False, "always", *(option for option, _ in self.widen))
+
+
+def version_matches(version: Version, spec: str) -> bool:
+    """Is ``version`` in ``spec``, counting pre-releases and dev builds as what they are?
+
+    Explicit about pre-releases, so the answer does not change with ``packaging``'s default
+    (which moved between releases). And a pre-release or dev build of the first release
+    outside an upper bound (``2.14.0.dev0`` against ``<2.14``, which PEP 440 excludes)
+    matches: such a build may or may not carry the fix, so the code check decides.
+    """
+    specifiers = SpecifierSet(spec)
+    if specifiers.contains(version, prereleases=True):
+        return True
+    if not (version.is_prerelease or version.is_devrelease):
+        return False
+    release = Version(version.base_version)
+    return any(s.operator == "<" and Version(s.version) == release for s in specifiers) and all(
+        s.operator == "<" or s.contains(release, prereleases=True) for s in specifiers
+    )
 
 
 @dataclass
@@ -162,6 +185,21 @@ class Registry:
                 f"integrations: {', '.join(sorted(integrations))}; patches: "
                 f"{', '.join(sorted(by_key))}"
             )
+        for key, value in only.items():
+            patches = [
+                p
+                for p in self.patches.values()
+                if key == p.integration or by_key.get(key) == p.name
+            ]
+            accepted: list[Any] = []
+            for p in patches:
+                accepted.extend(o for o in p.options() if o not in accepted)
+            # `in` would let 1 == True and 0 == False through: compare types as well.
+            if not any(value is o or (type(value) is str and value == o) for o in accepted):
+                raise ValueError(
+                    f"patch_all({key}={value!r}): not an accepted value; {key} accepts "
+                    f"{', '.join(map(repr, accepted))}"
+                )
         chosen: dict[str, Any] = {}
         for patch in self.patches.values():
             option: Any = patch.default
@@ -201,7 +239,7 @@ class Registry:
         if version is None:
             return None, None, "not installed"
         affected = dict(patch.widen).get(option, patch.affected)
-        if option != "always" and version not in SpecifierSet(affected):
+        if option != "always" and not version_matches(version, affected):
             return version, None, "not affected"
         module = patch.module_for(version)
         return version, module, "no location" if module is None else ""
