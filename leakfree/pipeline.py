@@ -334,6 +334,9 @@ def _others_hold(t: torch.Tensor) -> bool | None:
     return int(_use_count(t.untyped_storage()._cdata)) > 2
 
 
+_RELEASED_MARK = "_leakfree_released_output"
+
+
 def release_output(y: torch.Tensor) -> ReleasedOutput:
     """Free the storage of an output that was sent to the next stage; keep its graph.
 
@@ -347,7 +350,8 @@ def release_output(y: torch.Tensor) -> ReleasedOutput:
     so.
 
     Only call it once the send has completed (for ``isend``, after ``work.wait()`` or
-    ``is_completed()``).
+    ``is_completed()``). Refuses leaves (parameters, inputs: they have no graph to keep) and
+    a second call on the same output, before changing anything.
     """
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"release_output(y=...): expected a tensor, got {type(y).__name__}")
@@ -355,6 +359,19 @@ def release_output(y: torch.Tensor) -> ReleasedOutput:
         raise ValueError(
             "release_output(y=...): the output does not require grad, so there is no "
             "backward to run later; just drop it"
+        )
+    if y.is_leaf:
+        what = "a parameter" if isinstance(y, torch.nn.Parameter) else "a leaf tensor"
+        raise ValueError(
+            f"release_output(y=...): y is {what} {tuple(y.shape)}, not the output of a "
+            "stage's forward. release_output frees the storage of an activation that was "
+            "sent to the next stage, keeping its graph for backward_from; a leaf has no "
+            "graph, and emptying it would break whatever uses it next"
+        )
+    if y.__dict__.get(_RELEASED_MARK):
+        raise ValueError(
+            f"release_output(y=...): this output was already released (it was "
+            f"{y.__dict__[_RELEASED_MARK]}); use the ReleasedOutput the first call returned"
         )
     edge = get_gradient_edge(y)
     held = _others_hold(y)
@@ -382,6 +399,8 @@ def release_output(y: torch.Tensor) -> ReleasedOutput:
             PipelineWarning,
             stacklevel=2,
         )
+    # What it was, for the error a second call gets (a string: no reference to the graph).
+    y.__dict__[_RELEASED_MARK] = f"{tuple(shape)}, {dtype}"
     return ReleasedOutput(edge, shape, dtype, device, freed, 0 if freed else nbytes)
 
 

@@ -177,6 +177,28 @@ def test_release_output_frees_and_backward_from_matches() -> None:
         assert torch.equal(p.grad, e)
 
 
+@pytest.mark.parametrize("which", ["parameter", "leaf"])
+def test_release_output_refuses_leaves_before_touching_them(which: str) -> None:
+    lin = nn.Linear(4, 4)
+    t = lin.weight if which == "parameter" else torch.randn(3, requires_grad=True)
+    before = t.detach().clone()
+    what = "a parameter" if which == "parameter" else "a leaf tensor"
+    with pytest.raises(ValueError, match=rf"release_output\(y=...\): y is {what} .*not the output"):
+        release_output(t)
+    assert torch.equal(t.detach(), before)  # not emptied
+
+
+def test_release_output_twice_is_refused() -> None:
+    lin = nn.Linear(16, 16)
+    y = lin(torch.randn(4, 16))
+    handle = release_output(y)
+    with pytest.raises(ValueError, match=r"already released \(it was \(4, 16\), torch.float32\)"):
+        release_output(y)
+    assert handle.shape == (4, 16)
+    backward_from(handle, torch.ones(4, 16))
+    assert lin.weight.grad is not None
+
+
 def test_release_output_refuses_when_storage_is_saved() -> None:
     w = torch.randn(8, requires_grad=True)
     y = torch.sigmoid(w * 2)  # SigmoidBackward saves its output
