@@ -2,24 +2,41 @@
 
 Primitives that cannot leak accelerator memory through autograd lifetimes, patches for
 libraries that still do, and diagnostics that find the next leak. Guide: docs/index.md.
+
+The public names are loaded on first use (PEP 562), so ``import leakfree`` alone, and the
+``leakfree`` command's ``--help`` / ``--version``, do not import torch.
 """
 
 from __future__ import annotations
 
-from leakfree import pipeline
-from leakfree._warnings import LeakfreeWarning, PatchWarning
-from leakfree.function import (
-    Function,
-    ReferenceCycleError,
-    ReleaseHandle,
-    release_after_backward,
-    released_attributes,
-)
-from leakfree.losses import LossList, LossLog, RunningLoss, detach_tree
-from leakfree.offload import NoOffload, OffloadActivations, offload_model, remove_offload_hooks
-from leakfree.patches import patch_all, patch_functions, patch_report, unpatch_all
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: public name -> the module that defines it
+_EXPORTS = {
+    "Function": "leakfree.function",
+    "ReferenceCycleError": "leakfree.function",
+    "ReleaseHandle": "leakfree.function",
+    "release_after_backward": "leakfree.function",
+    "released_attributes": "leakfree.function",
+    "LossList": "leakfree.losses",
+    "LossLog": "leakfree.losses",
+    "RunningLoss": "leakfree.losses",
+    "detach_tree": "leakfree.losses",
+    "NoOffload": "leakfree.offload",
+    "OffloadActivations": "leakfree.offload",
+    "offload_model": "leakfree.offload",
+    "remove_offload_hooks": "leakfree.offload",
+    "patch_all": "leakfree.patches",
+    "patch_functions": "leakfree.patches",
+    "patch_report": "leakfree.patches",
+    "unpatch_all": "leakfree.patches",
+    "LeakfreeWarning": "leakfree._warnings",
+    "PatchWarning": "leakfree._warnings",
+}
+_SUBMODULES = ("pipeline",)
 
 __all__ = [
     "Function",
@@ -44,3 +61,38 @@ __all__ = [
     "remove_offload_hooks",
     "unpatch_all",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"leakfree.{name}")
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
+        raise AttributeError(f"module 'leakfree' has no attribute {name!r}")
+    globals()[name] = value  # the next lookup is a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:
+    from leakfree import pipeline
+    from leakfree._warnings import LeakfreeWarning, PatchWarning
+    from leakfree.function import (
+        Function,
+        ReferenceCycleError,
+        ReleaseHandle,
+        release_after_backward,
+        released_attributes,
+    )
+    from leakfree.losses import LossList, LossLog, RunningLoss, detach_tree
+    from leakfree.offload import (
+        NoOffload,
+        OffloadActivations,
+        offload_model,
+        remove_offload_hooks,
+    )
+    from leakfree.patches import patch_all, patch_functions, patch_report, unpatch_all

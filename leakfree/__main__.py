@@ -9,15 +9,28 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
+# Nothing here imports torch until a subcommand runs: --help, --version and usage errors
+# answer at once (leakfree's package __init__ is lazy too).
+
+
+def _prog() -> str:
+    """How the user invoked us: the console script, or ``python -m leakfree``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "python -m leakfree" if name in ("__main__.py", "-c", "") else "leakfree"
+
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from leakfree import __version__
+
     parser = argparse.ArgumentParser(
-        prog="python -m leakfree",
+        prog=_prog(),
         description="leakfree: autograd object lifetimes done right.",
     )
+    parser.add_argument("--version", action="version", version=f"leakfree {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="installed versions, known leaks, what patch_all() would do")
     demo = sub.add_parser("demo", help="the five leak shapes, naive vs leakfree")
@@ -37,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--steps must be at least 3")
         return run_demo(steps=args.steps, plot=args.plot or None)
     if len(args.files) > 2:
-        parser.error("snapshot takes one file, or two to diff")
+        snap.error("snapshot takes one file, or two to diff")
     from leakfree.diagnostics.snapshot import main as snapshot_main
 
     return snapshot_main(list(args.files))

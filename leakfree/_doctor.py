@@ -4,12 +4,21 @@
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import torch
 
 import leakfree
 from leakfree.patches import REGISTRY
 from leakfree.patches._registry import installed_version
+
+
+def _where_documented() -> str:
+    """docs/patches.md where it exists (a checkout); otherwise what every install has."""
+    docs = Path(leakfree.__file__).resolve().parents[1] / "docs" / "patches.md"
+    if docs.is_file():
+        return f"see {docs}"
+    return "details: python -m pydoc leakfree.patches"
 
 
 def run_doctor() -> int:
@@ -31,7 +40,7 @@ def run_doctor() -> int:
     print()
     plan = REGISTRY.plan(REGISTRY.select({}))
     affecting = [r for r in plan if r.status in ("would apply", "applied")]
-    print("known leaks (see docs/patches.md) and what patch_all() would do:")
+    print(f"known leaks ({_where_documented()}) and what patch_all() would do:")
     print(plan)
     print()
     if affecting:

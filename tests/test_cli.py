@@ -152,3 +152,78 @@ def test_pipeline_example_runs() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "gradients bit-identical to one process: True" in done.stdout
+
+
+# --- [2/6]: an instant, honest CLI -------------------------------------------------------------
+
+_AS_SCRIPT = """
+import sys
+sys.argv[0] = {argv0!r}
+from leakfree.__main__ import main
+try:
+    code = main({args!r})
+except SystemExit as e:
+    code = e.code
+print("TORCH_IMPORTED", "torch" in sys.modules, "EXIT", code)
+"""
+
+
+def _cli(*args: str, argv0: str = "/usr/local/bin/leakfree") -> tuple[str, str]:
+    done = subprocess.run(
+        [sys.executable, "-c", _AS_SCRIPT.format(argv0=argv0, args=list(args))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    return done.stdout, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "code"), [(["--help"], 0), (["--version"], 0), (["frobnicate"], 2), ([], 2)]
+)
+def test_help_version_and_usage_errors_do_not_import_torch(args: list[str], code: int) -> None:
+    out, err = _cli(*args)
+    assert f"TORCH_IMPORTED False EXIT {code}" in out, (out, err)
+
+
+def test_version_and_usage_name_the_command() -> None:
+    out, _ = _cli("--version")
+    assert out.startswith("leakfree 0.")
+    out, _ = _cli("--help")
+    assert out.startswith("usage: leakfree ")
+    out, _ = _cli("--help", argv0="/x/leakfree/__main__.py")
+    assert out.startswith("usage: python -m leakfree ")
+
+
+def test_snapshot_with_three_files_prints_snapshots_usage() -> None:
+    _, err = _cli("snapshot", "a", "b", "c")
+    assert err.startswith("usage: leakfree snapshot ")
+    assert "snapshot takes one file, or two to diff" in err
+
+
+def test_import_leakfree_is_lazy_and_complete() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, leakfree; assert 'torch' not in sys.modules; "
+            "[getattr(leakfree, n) for n in leakfree.__all__]; print(sorted(dir(leakfree))[:1])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_doctor_points_to_docs_that_exist(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    from leakfree import _doctor
+
+    assert main(["doctor"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("known leaks"))
+    assert str(ROOT / "docs" / "patches.md") in line and (ROOT / "docs" / "patches.md").is_file()
+    # an installed package has no docs/ next to it: point at what every install has
+    monkeypatch.setattr(_doctor.leakfree, "__file__", "/site-packages/leakfree/__init__.py")
+    assert main(["doctor"]) == 0
+    assert "python -m pydoc leakfree.patches" in capsys.readouterr().out
