@@ -227,3 +227,45 @@ def test_doctor_points_to_docs_that_exist(monkeypatch: pytest.MonkeyPatch, capsy
     monkeypatch.setattr(_doctor.leakfree, "__file__", "/site-packages/leakfree/__init__.py")
     assert main(["doctor"]) == 0
     assert "python -m pydoc leakfree.patches" in capsys.readouterr().out
+
+
+def test_sdist_and_wheel_ship_the_licence_and_no_partial_test_tree(tmp_path: Path) -> None:
+    import tarfile
+    import zipfile
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            # build_meta rewrites sys.argv: read the output directory first
+            "import sys; out = sys.argv[1]; from setuptools import build_meta as b; "
+            "s = b.build_sdist(out); w = b.build_wheel(out); print('BUILT', s, w)",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    built = next(line for line in done.stdout.splitlines() if line.startswith("BUILT "))
+    sdist_name, wheel_name = built.split()[1:]
+    with tarfile.open(tmp_path / sdist_name) as tar:
+        names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
+    assert "LICENSE" in names
+    assert not [n for n in names if n.startswith("tests/")], "ship the whole test tree or none"
+    with zipfile.ZipFile(tmp_path / wheel_name) as whl:
+        files = whl.namelist()
+        metadata = whl.read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
+    assert any(f.endswith("LICENSE") for f in files)
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+    requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    assert any(r.split()[1].startswith("numpy") for r in requires), requires
+
+
+def test_readme_install_section_names_no_index_package() -> None:
+    """`pip install leakfree` fails: the package is on no index. Install says what works."""
+    readme = (ROOT / "README.md").read_text()
+    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert "pip install leakfree" not in install.replace("pip install leakfree-", "")
+    assert "pip install ." in install and "pip wheel" in install
