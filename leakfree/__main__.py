@@ -35,7 +35,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("doctor", help="installed versions, known leaks, what patch_all() would do")
     demo = sub.add_parser("demo", help="the five leak shapes, naive vs leakfree")
     demo.add_argument("--steps", type=int, default=30, help="steps per run (default 30)")
-    demo.add_argument("--plot", default="leakfree-demo.png", help="PNG to write ('' for none)")
+    demo.add_argument(
+        "--out",
+        "--plot",
+        dest="plot",
+        default="leakfree-demo.png",
+        help="where to write the PNG (default leakfree-demo.png; '' for none)",
+    )
     snap = sub.add_parser("snapshot", help="analyse a CUDA memory snapshot, or diff two")
     snap.add_argument("files", nargs="+", metavar="FILE", help="one snapshot, or two to diff")
     args = parser.parse_args(argv)

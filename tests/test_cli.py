@@ -269,3 +269,29 @@ def test_readme_install_section_names_no_index_package() -> None:
     install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
     assert "pip install leakfree" not in install.replace("pip install leakfree-", "")
     assert "pip install ." in install and "pip wheel" in install
+
+
+def test_demo_out_no_progress_bar_when_redirected_and_says_what_stays(tmp_path: Path) -> None:
+    png = tmp_path / "plots" / "demo.png"
+    png.parent.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "leakfree", "demo", "--steps", "4", "--out", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr and "\r" not in done.stdout  # no bar in a redirected log
+    assert png.is_file() if "plot: skipped" not in done.stdout else True
+    assert not (tmp_path / "leakfree-demo.png").exists()
+    for name in _demo.KEPT_ON_PURPOSE:
+        assert f"  {name}: " in done.stdout
+    assert "offloader's host blocks" in done.stdout
+
+
+def test_default_demo_plot_is_ignored_by_git() -> None:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    done = subprocess.run(["git", "check-ignore", "-q", "leakfree-demo.png"], cwd=ROOT, timeout=30)
+    assert done.returncode == 0
