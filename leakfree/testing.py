@@ -12,6 +12,7 @@ fixture and the ``@pytest.mark.leak_check(steps=10, tolerance=0)`` marker.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -33,22 +34,67 @@ class LeakError(AssertionError):
         self.retained = retained
 
 
+#: Code in these packages is not followed: it holds no state of the user's step.
+_LIBRARY_PREFIXES = ("torch", "leakfree", "_pytest", "pytest", "pluggy", "builtins", "numpy")
+#: How many functions the search follows from the step (a guard against huge call webs).
+_MAX_FUNCTIONS = 256
+
+
+def _is_library(fn: Any) -> bool:
+    module = str(getattr(fn, "__module__", ""))
+    return any(module == p or module.startswith(p + ".") for p in _LIBRARY_PREFIXES)
+
+
 def _roots(step_fn: Callable[..., Any], extra: Iterable[Any]) -> tuple[list[Any], list[str]]:
+    """Where the step can keep things: the globals and closure variables of ``step_fn`` and
+    of every function it reaches through names, lambdas, ``functools.partial`` and bound
+    methods (the user's code only), each named as the code names it; then ``extra``."""
     roots: list[Any] = []
     names: list[str] = []
-    closure = inspect.getclosurevars(step_fn) if inspect.isfunction(step_fn) else None
-    if closure is not None:
+    seen: set[int] = set()
+
+    def add(value: Any, name: str) -> None:
+        if id(value) not in seen:
+            seen.add(id(value))
+            roots.append(value)
+            names.append(name)
+
+    followed: set[int] = set()
+    stack: list[Any] = [step_fn]
+    while stack and len(followed) < _MAX_FUNCTIONS:
+        fn = stack.pop()
+        if id(fn) in followed:
+            continue
+        followed.add(id(fn))
+        if isinstance(fn, functools.partial):
+            stack.append(fn.func)
+            for key, value in [*enumerate(fn.args), *fn.keywords.items()]:
+                if inspect.isfunction(value) or inspect.ismethod(value):
+                    stack.append(value)
+                else:
+                    add(value, f"partial.args[{key}]" if isinstance(key, int) else key)
+            continue
+        if inspect.ismethod(fn):
+            add(fn.__self__, "self")
+            stack.append(fn.__func__)
+            continue
+        if not inspect.isfunction(fn) or _is_library(fn):
+            continue
+        try:
+            closure = inspect.getclosurevars(fn)
+        except (TypeError, ValueError):
+            continue
         for name, value in {**closure.nonlocals, **closure.globals}.items():
-            if not (inspect.ismodule(value) or inspect.isroutine(value) or inspect.isclass(value)):
-                roots.append(value)
-                names.append(name)
-    owner = getattr(step_fn, "__self__", None)
-    if owner is not None:
-        roots.append(owner)
-        names.append("self")
+            if inspect.isfunction(value) or inspect.ismethod(value):
+                stack.append(value)
+            elif isinstance(value, functools.partial):
+                stack.append(value)
+            elif not (
+                inspect.ismodule(value) or inspect.isroutine(value) or inspect.isclass(value)
+            ):
+                add(value, name)
     for i, value in enumerate(extra):
-        roots.append(value)
-        names.append(f"root{i}")
+        add(value, f"root{i}")
     return roots, names
 
 
@@ -69,8 +115,11 @@ def assert_no_leak(
         tolerance: bytes per step of growth accepted beyond the noise bound.
         device: the device to judge (default: the accelerator if any, else the CPU, where
             tensor storages created during the steps are tracked).
-        roots: objects to search for holders when it fails (the step's closure variables,
-            globals it uses and bound ``self`` are always searched).
+        roots: objects to search for holders when it fails. Always searched: the closure
+            variables and globals of ``step_fn`` and of every function of yours it reaches
+            (through names it calls, lambdas, ``functools.partial``, bound methods and
+            their ``self``), so a step that appends to a module global is reported as
+            ``kept[3]``.
 
     Returns the measured :class:`~leakfree.diagnostics.Growth`. Raises :class:`LeakError`.
     """

@@ -113,3 +113,82 @@ def test_plugin_module_imports_no_torch() -> None:
     code = "import sys, leakfree_pytest_plugin; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False"
+
+
+# --- [2/6]: look where the step keeps things --------------------------------------------------
+
+_TRAINING_MODULE = """
+import functools
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Linear(32, 32)
+kept = []
+
+
+def train_step(batch):
+    loss = model(batch).square().mean()
+    loss.backward()
+    kept.append(loss)  # README's leak: a module global holds each loss and its graph
+
+
+class Trainer:
+    def __init__(self):
+        self.history = []
+
+    def step(self, batch):
+        loss = model(batch).square().mean()
+        loss.backward()
+        self.history.append(loss)
+
+
+def run(step, batch):
+    step(batch)
+"""
+
+
+def _training_module() -> dict[str, Any]:
+    namespace: dict[str, Any] = {"__name__": "user_training"}
+    exec(compile(_TRAINING_MODULE, "user_training.py", "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.parametrize("how", ["lambda", "partial", "bound method", "through a helper"])
+def test_assert_no_leak_finds_what_the_step_keeps_in_globals_and_objects(how: str) -> None:
+    import functools
+
+    ns = _training_module()
+    batch = torch.randn(8, 32)
+    trainer = ns["Trainer"]()
+    step, holder = {
+        "lambda": (lambda: ns["train_step"](batch), "kept["),
+        "partial": (functools.partial(ns["train_step"], batch), "kept["),
+        "bound method": (functools.partial(trainer.step, batch), "self.history["),
+        "through a helper": (functools.partial(ns["run"], ns["train_step"], batch), "kept["),
+    }[how]
+    with pytest.raises(LeakError) as err:
+        assert_no_leak(step, steps=6)
+    # Named as the code names it: `kept[0]`, or `ns['kept'][0]` when the test's own
+    # closure reaches it first through the namespace dict.
+    assert holder in str(err.value).replace("ns['kept']", "kept"), str(err.value)
+
+
+def test_pytest_marker_names_the_global_the_test_appends_to(pytester: Any) -> None:
+    pytester.makepyfile(
+        """
+        import pytest, torch
+
+        w = torch.randn(64, requires_grad=True)
+        losses = []
+
+        @pytest.mark.leak_check(steps=5)
+        def test_appends_to_a_global():
+            loss = (w * 2).square().sum()
+            loss.backward()
+            losses.append(loss)
+        """
+    )
+    result = pytester.runpytest("-q")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*memory grows by*", "*losses[[]0[]]*"])
