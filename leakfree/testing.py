@@ -40,6 +40,13 @@ _LIBRARY_PREFIXES = ("torch", "leakfree", "_pytest", "pytest", "pluggy", "builti
 _MAX_FUNCTIONS = 256
 
 
+def _callable_code(value: Any) -> bool:
+    """A function, method or partial: followed into, not reported."""
+    return (
+        inspect.isfunction(value) or inspect.ismethod(value) or isinstance(value, functools.partial)
+    )
+
+
 def _is_library(fn: Any) -> bool:
     module = str(getattr(fn, "__module__", ""))
     return any(module == p or module.startswith(p + ".") for p in _LIBRARY_PREFIXES)
@@ -68,11 +75,12 @@ def _roots(step_fn: Callable[..., Any], extra: Iterable[Any]) -> tuple[list[Any]
         followed.add(id(fn))
         if isinstance(fn, functools.partial):
             stack.append(fn.func)
-            for key, value in [*enumerate(fn.args), *fn.keywords.items()]:
-                if inspect.isfunction(value) or inspect.ismethod(value):
+            named = [(f"partial.args[{i}]", v) for i, v in enumerate(fn.args)]
+            for name, value in [*named, *fn.keywords.items()]:
+                if _callable_code(value):
                     stack.append(value)
                 else:
-                    add(value, f"partial.args[{key}]" if isinstance(key, int) else key)
+                    add(value, name)
             continue
         if inspect.ismethod(fn):
             add(fn.__self__, "self")
@@ -85,9 +93,7 @@ def _roots(step_fn: Callable[..., Any], extra: Iterable[Any]) -> tuple[list[Any]
         except (TypeError, ValueError):
             continue
         for name, value in {**closure.nonlocals, **closure.globals}.items():
-            if inspect.isfunction(value) or inspect.ismethod(value):
-                stack.append(value)
-            elif isinstance(value, functools.partial):
+            if _callable_code(value):
                 stack.append(value)
             elif not (
                 inspect.ismodule(value) or inspect.isroutine(value) or inspect.isclass(value)
