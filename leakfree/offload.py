@@ -539,6 +539,8 @@ class OffloadActivations(saved_tensors_hooks):
             and self.device is not None
             and t.device.type == self.device.type
             and t.layout == torch.strided
+            and not t.is_nested  # a strided-layout nested tensor has no sizes to span
+            and not t.is_quantized  # no byte view to copy through
             and t.numel() * t.element_size() >= max(self.min_offload_size, 1)
             and not t.is_conj()
             and not t.is_neg()

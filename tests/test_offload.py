@@ -671,3 +671,70 @@ print("ok")
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+# --- [2/6]: every tensor kind save_on_cpu takes -----------------------------------------------
+
+
+def _kind(name: str) -> tuple[tuple[torch.Tensor, ...], Any]:
+    torch.manual_seed(0)
+    if name == "nested (strided layout)":
+        a = torch.nested.nested_tensor([torch.randn(300, 4), torch.randn(500, 4)])
+        return (a.requires_grad_(),), lambda a: (a * a).to_padded_tensor(0.0).sum()
+    if name == "nested (jagged layout)":
+        parts = [torch.randn(300, 4), torch.randn(500, 4)]
+        a = torch.nested.nested_tensor(parts, layout=torch.jagged, requires_grad=True)
+        return (a,), lambda a: (a * a).sin().values().sum()
+    if name == "sparse COO":
+        s = torch.randn(50, 50).relu().to_sparse().requires_grad_()
+        d = torch.randn(50, 50, requires_grad=True)
+        return (s, d), lambda s, d: torch.sparse.mm(s, d).sum()
+    if name == "complex, conjugate view":
+        z = torch.randn(300, dtype=torch.complex64, requires_grad=True)
+        return (z,), lambda z: (z * z.conj()).real.sum()
+    if name == "negative view":
+        x = torch.randn(300, requires_grad=True)
+        return (x,), lambda x: (x * torch._neg_view(x)).sum()
+    x = torch.randn(300, 300, requires_grad=True)  # plain strided, for reference
+    return (x,), lambda x: (x @ x).tanh().sum()
+
+
+def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if t.is_nested:
+        return t.to_padded_tensor(0.0)
+    return t.to_dense() if t.layout != torch.strided else t
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "nested (strided layout)",
+        "nested (jagged layout)",
+        "sparse COO",
+        "complex, conjugate view",
+        "negative view",
+        "strided",
+    ],
+)
+def test_every_tensor_kind_save_on_cpu_takes_is_offloaded_or_kept(kind: str) -> None:
+    """Offloaded where it can be, kept where it cannot: never a crash, same gradients."""
+    results = []
+    for ctx in (
+        None,
+        torch.autograd.graph.save_on_cpu(pin_memory=False),
+        offload(min_offload_size=1),
+    ):
+        inputs, fn = _kind(kind)
+        if ctx is None:
+            out = fn(*inputs)
+        else:
+            with ctx:
+                out = fn(*inputs)
+        out.backward()
+        results.append([_dense(i.grad) for i in inputs])
+    plain, on_cpu, ours = results
+    for a, b, c in zip(plain, on_cpu, ours):
+        assert torch.equal(a, b) and torch.equal(a, c), kind
