@@ -25,6 +25,11 @@ is in flight: at most ``max_fwd_stash_size`` of them per context, and none after
 ``__exit__``.
 *A restored (device) copy* belongs to autograd, which drops it after the node's backward;
 views of one storage restored while a sibling copy is alive share it.
+*What a graph keeps*: its handles, their host copies (the pool blocks holding its bytes)
+and its ``with`` block's pack order. Never the context manager nor its pool: both are
+referenced weakly. Drop the manager while a graph lives and that graph's backward still
+restores its bytes (a synchronous copy, without prefetch); the blocks are freed rather
+than returned to a pool that is gone.
 """
 
 from __future__ import annotations
@@ -297,7 +302,8 @@ class _HostCopy:
     def __init__(
         self, pool: HostBlockPool, nbytes: int, byte_start: int, device: torch.device
     ) -> None:
-        self.pool = pool
+        # Weak: a graph keeps its own host bytes, not the pool and its free blocks.
+        self.pool = weakref.ref(pool)
         self.block = pool.acquire(nbytes)
         self.nbytes = nbytes
         self.byte_start = byte_start  # where the copied bytes start in the source storage
@@ -313,8 +319,10 @@ class _HostCopy:
 
     def __del__(self) -> None:
         block = getattr(self, "block", None)
-        if block is not None:
-            self.pool.release(block)  # never blocks: safe inside a garbage collection
+        pool = self.pool() if block is not None else None
+        if block is not None and pool is not None:
+            pool.release(block)  # never blocks: safe inside a garbage collection
+        # (pool gone: the block's memory is freed with it)
 
 
 class _Offloaded:
@@ -343,7 +351,8 @@ class _Offloaded:
         t: torch.Tensor,
         element_offset: int,
     ) -> None:
-        self.manager = manager
+        # Weak, like the hooks: a graph keeps its payloads, never the context manager.
+        self.manager = weakref.ref(manager)
         self.session = session
         self.index = session.next_index()  # position in pack order
         self.copy = copy
@@ -363,13 +372,35 @@ class _Offloaded:
             if t._version != self.version:
                 raise _version_error(t._version, self.version, t.shape)
             return t
-        manager = self.manager
-        storage = manager._restore(self.copy, self.session)
+        manager = self.manager()
+        if manager is not None:
+            storage = manager._restore(self.copy, self.session)
+        else:
+            storage = _restore_without_manager(self.copy)
         out = torch.empty(0, dtype=self.dtype, device=self.copy.device)
         out.set_(storage, self.element_offset, self.shape, self.stride)
-        if manager.use_streams:
+        if manager is not None and manager.use_streams:
             manager._unpack_prefetch(self)
         return out
+
+
+_orphan_lock = threading.Lock()
+
+
+def _restore_without_manager(copy: _HostCopy) -> torch.UntypedStorage:
+    """The context manager was dropped while its graph lived on: bring the bytes back with
+    a plain synchronous copy on the current stream (its copies out all completed by its
+    ``__exit__``; no prefetch is left to use)."""
+    with _orphan_lock:
+        if copy.restored is not None:
+            alive = copy.restored[0]()
+            if alive is not None:
+                return alive  # type: ignore[no-any-return]
+        dev = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
+        dev.copy_(copy.host_bytes())
+        storage = dev.untyped_storage()
+        copy.restored = (weakref.ref(storage), None)
+        return storage
 
 
 # --- the context managers ---------------------------------------------------------------------

@@ -738,3 +738,20 @@ def test_every_tensor_kind_save_on_cpu_takes_is_offloaded_or_kept(kind: str) -> 
     plain, on_cpu, ours = results
     for a, b, c in zip(plain, on_cpu, ours):
         assert torch.equal(a, b) and torch.equal(a, c), kind
+
+
+def test_a_graph_keeps_its_payloads_not_the_manager_or_its_pool() -> None:
+    """The lifetime contract: the graph owns its handles and host bytes, nothing more."""
+    import gc
+
+    expected = reference_grads()
+    model, x = make()
+    manager = offload(min_offload_size=1)
+    manager_ref, pool_ref = weakref.ref(manager), weakref.ref(manager.pool)
+    with manager:
+        loss = model(x).square().mean()
+    del manager
+    gc.collect()
+    assert manager_ref() is None and pool_ref() is None  # the graph did not keep them
+    loss.backward()  # and it still restores its own bytes
+    assert_equal_grads(grads(model), expected)
