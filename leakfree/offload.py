@@ -53,7 +53,9 @@ from torch.utils.hooks import RemovableHandle
 from leakfree._warnings import LeakfreeWarning
 
 __all__ = [
+    "PROCESS_BUDGET",
     "HostBlockPool",
+    "HostBudget",
     "NoOffload",
     "OffloadActivations",
     "OffloadWarning",
@@ -70,12 +72,12 @@ class OffloadWarning(LeakfreeWarning):
 
 
 def _size_class(nbytes: int) -> int:
-    """Pool blocks come in size classes: powers of two up to 1 MiB, then whole MiB."""
-    if nbytes <= 4096:
-        return 4096
-    if nbytes <= 1 << 20:
-        return 1 << math.ceil(math.log2(nbytes))
-    return ((nbytes + (1 << 20) - 1) >> 20) << 20
+    """Pool blocks come in size classes: powers of two, from 4 KiB.
+
+    PyTorch's caching host allocator rounds every pinned allocation up to a power of two,
+    so a block of a size class pins exactly its size: the budget counts real bytes.
+    """
+    return 1 << max(12, math.ceil(math.log2(max(nbytes, 1))))
 
 
 def _default_budget() -> int:
@@ -86,6 +88,46 @@ def _default_budget() -> int:
     return int(total // 4)
 
 
+class HostBudget:
+    """Bytes of pooled host blocks that may exist at once, for one or several pools.
+
+    A block reserves its size when it is created within the budget and gives it back when
+    it is freed (its finalizer queues the bytes; never a lock there, as it may run inside
+    a garbage collection). :data:`PROCESS_BUDGET` is the default of every pool: one
+    budget per process, however many managers (one per model, one per data loader...).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._used = 0
+        self._freed: deque[int] = deque()
+        self._lock = threading.Lock()
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return self._settle()
+
+    def _settle(self) -> int:
+        while self._freed:
+            self._used -= self._freed.popleft()
+        return self._used
+
+    def try_reserve(self, nbytes: int) -> bool:
+        with self._lock:
+            if self._settle() + nbytes > self.limit:
+                return False
+            self._used += nbytes
+            return True
+
+    def give_back(self, nbytes: int) -> None:
+        self._freed.append(nbytes)  # atomic: safe from a finalizer
+
+
+#: The budget every pool shares unless given its own: a quarter of physical memory.
+PROCESS_BUDGET = HostBudget(_default_budget())
+
+
 class HostBlock:
     """One host buffer (a 1-D ``uint8`` tensor) from a :class:`HostBlockPool`.
 
@@ -93,17 +135,23 @@ class HostBlock:
     block out again before that event has completed.
     """
 
-    __slots__ = ("__weakref__", "data", "event", "pinned", "pooled", "size")
+    __slots__ = ("__weakref__", "budget", "data", "event", "pinned", "pooled", "size")
 
-    def __init__(self, size: int, pinned: bool) -> None:
+    def __init__(self, size: int, pinned: bool, budget: HostBudget | None = None) -> None:
         self.size = size
         self.pinned = pinned
-        self.pooled = True
+        self.pooled = budget is not None
+        self.budget = budget  # the budget this block's bytes are reserved in, if any
         self.data = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
         self.event: Any = None
 
     def ready(self) -> bool:
         return self.event is None or bool(self.event.query())
+
+    def __del__(self) -> None:
+        budget = getattr(self, "budget", None)
+        if budget is not None:
+            budget.give_back(self.size)
 
 
 @dataclass
@@ -133,16 +181,26 @@ class HostBlockPool:
     queues the block, and the next ``acquire``, ``trim`` or ``stats`` read takes it back.
     """
 
-    def __init__(self, budget: int | None = None, *, pin: bool = True) -> None:
-        if budget is not None and (not isinstance(budget, int) or budget < 0):
-            raise ValueError(f"HostBlockPool(budget={budget!r}): must be an int >= 0 (bytes)")
-        self.budget = _default_budget() if budget is None else budget
+    def __init__(self, budget: int | HostBudget | None = None, *, pin: bool = True) -> None:
+        if budget is not None and not isinstance(budget, HostBudget):
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+                raise ValueError(
+                    f"HostBlockPool(budget={budget!r}): must be an int >= 0 (bytes), a "
+                    "HostBudget, or None for the process-wide budget"
+                )
+            budget = HostBudget(budget)
+        self.host_budget = PROCESS_BUDGET if budget is None else budget
         self.pin = pin
         self._stats = PoolStats()
         self._free: OrderedDict[int, HostBlock] = OrderedDict()  # id -> block, LRU first
         self._returned: deque[HostBlock] = deque()
         self._lock = threading.RLock()
         self._warned = False
+
+    @property
+    def budget(self) -> int:
+        """The byte limit of the budget this pool draws from (shared unless its own)."""
+        return self.host_budget.limit
 
     @property
     def stats(self) -> PoolStats:
@@ -167,7 +225,7 @@ class HostBlockPool:
             self._drain()
             same = [b for b in self._free.values() if b.size == size]
             block = next((b for b in same if b.ready()), None)
-            if block is None and same and self._stats.pooled_bytes + size > self.budget:
+            if block is None and same and self.host_budget.used + size > self.budget:
                 block = wait = same[0]  # all busy and no room for another: wait for one
             if block is not None:
                 del self._free[id(block)]
@@ -176,7 +234,7 @@ class HostBlockPool:
                 self._stats.reuses += 1
             else:
                 self._evict_for(size)
-                pooled = self._stats.pooled_bytes + size <= self.budget
+                pooled = self.host_budget.try_reserve(size)
                 self._stats.in_use_bytes += size
                 if pooled:
                     self._stats.pooled_bytes += size
@@ -198,20 +256,25 @@ class HostBlockPool:
                 OffloadWarning,
                 stacklevel=5,
             )
-        new = HostBlock(size, pinned=pooled and self.pin)
-        new.pooled = pooled
-        return new
+        try:
+            return HostBlock(
+                size, pinned=pooled and self.pin, budget=self.host_budget if pooled else None
+            )
+        except BaseException:
+            if pooled:
+                self.host_budget.give_back(size)
+            raise
 
     def _evict_for(self, size: int) -> None:
         """Free ready cached blocks (least recently used first) until ``size`` fits."""
         for key in list(self._free):
-            if self._stats.pooled_bytes + size <= self.budget:
+            if self.host_budget.used + size <= self.budget:
                 return
-            block = self._free[key]
-            if block.ready():
-                del self._free[key]
+            if self._free[key].ready():
+                block = self._free.pop(key)
                 self._stats.cached_bytes -= block.size
                 self._stats.pooled_bytes -= block.size
+                del block  # its finalizer gives its bytes back to the budget
 
     def release(self, block: HostBlock) -> None:
         self._returned.append(block)
@@ -479,7 +542,10 @@ class OffloadActivations(saved_tensors_hooks):
             lifetimes) runs and is tested on CPU. Without it, on such a machine, nothing is
             offloaded and the context is a cheap no-op.
         pin_memory_budget: bytes of pinned host memory the pool may hold (in use plus
-            cached); beyond it copies use pageable memory. Default: a quarter of RAM.
+            cached, counted as PyTorch's pinned allocator rounds them: powers of two);
+            beyond it copies use pageable memory. Default (None): one budget for the
+            whole process, a quarter of RAM, shared by every manager that does not set
+            its own (``leakfree.offload.PROCESS_BUDGET``).
 
     Parameters, views of parameters, what ``update_model_params`` registered (matched by
     storage address: call it again after moving the model), tensor subclasses, non-strided

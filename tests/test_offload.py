@@ -441,13 +441,9 @@ def test_pool_does_not_hand_out_a_block_still_being_copied() -> None:
 
 
 def test_size_classes() -> None:
-    assert [_size_class(n) for n in (1, 4096, 4097, 1 << 20, (1 << 20) + 1)] == [
-        4096,
-        4096,
-        8192,
-        1 << 20,
-        2 << 20,
-    ]
+    # Powers of two, as PyTorch's pinned allocator rounds: a class is what really gets pinned.
+    sizes = (1, 4096, 4097, 1 << 20, (1 << 20) + 1, 5 << 19)
+    assert [_size_class(n) for n in sizes] == [4096, 4096, 8192, 1 << 20, 2 << 20, 4 << 20]
 
 
 # --- model helpers ----------------------------------------------------------------------------
@@ -639,6 +635,7 @@ def test_pool_evicts_other_size_classes_before_overflowing() -> None:
     small = [pool.acquire(4096) for _ in range(4)]
     for b in small:
         pool.release(b)
+    del small, b  # only the pool holds them now: evicting frees their bytes
     big = pool.acquire(3 * 4096)  # size class 16384: evict cached 4 KiB blocks, no overflow
     stats = pool.stats
     assert stats.overflows == 0 and big.pooled
@@ -755,3 +752,25 @@ def test_a_graph_keeps_its_payloads_not_the_manager_or_its_pool() -> None:
     assert manager_ref() is None and pool_ref() is None  # the graph did not keep them
     loss.backward()  # and it still restores its own bytes
     assert_equal_grads(grads(model), expected)
+
+
+def test_default_budget_is_one_per_process_shared_by_every_manager() -> None:
+    """Several managers (one per model, one per data loader) used to get a quarter of RAM
+    each. Now they draw from one process budget, counted in bytes really held."""
+    from leakfree.offload import PROCESS_BUDGET, HostBudget
+
+    a, b = offload(), offload()
+    assert a.pool.host_budget is b.pool.host_budget is PROCESS_BUDGET
+    before = PROCESS_BUDGET.used
+    block = a.pool.acquire(5000)
+    assert PROCESS_BUDGET.used == before + 8192  # the size class, as the allocator pins
+    a.pool.release(block)
+    del block
+    assert a.pool.trim() == 8192 and PROCESS_BUDGET.used == before  # freed, given back
+    own = offload(pin_memory_budget=8192)
+    assert own.pool.host_budget is not PROCESS_BUDGET and own.pool.budget == 8192
+    shared = HostBudget(3 * 4096)
+    p, q = HostBlockPool(shared, pin=False), HostBlockPool(shared, pin=False)
+    held = [p.acquire(4096), q.acquire(4096), p.acquire(4096)]
+    assert not q.acquire(4096).pooled  # the fourth block overflows: the budget is shared
+    assert shared.used == 3 * 4096 and len(held) == 3
