@@ -25,6 +25,8 @@ returned handle keeps only the graph edge needed by :func:`backward_from`.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import threading
 import warnings
 import weakref
@@ -40,6 +42,8 @@ from leakfree.function import Function
 
 __all__ = [
     "GradSlot",
+    "PipelineAborted",
+    "PipelineTimeout",
     "PipelineWarning",
     "RecvBuffer",
     "RecvBufferPool",
@@ -51,6 +55,7 @@ __all__ = [
     "recv_forward",
     "release_output",
     "run_schedule",
+    "send_abort",
     "send_backward",
     "send_forward",
 ]
@@ -58,6 +63,14 @@ __all__ = [
 
 class PipelineWarning(LeakfreeWarning):
     """A pipeline primitive could not do what it promised (and did nothing instead)."""
+
+
+class PipelineAborted(RuntimeError):
+    """A peer stage failed: it told this stage so instead of leaving it waiting."""
+
+
+class PipelineTimeout(TimeoutError):
+    """A receive or a send did not complete within the schedule's ``timeout``."""
 
 
 # --- gradient slots and non-leaf receive ------------------------------------------------------
@@ -437,6 +450,41 @@ _DTYPES: tuple[torch.dtype, ...] = (
 )
 _MAX_DIMS = 8
 _HEADER = 2 + _MAX_DIMS  # dtype code, ndim, dims
+#: The dtype code of a header that carries no tensor: the sender failed and stops.
+_ABORT = -1
+
+
+def _wait(work: Any, timeout: float | None, what: str) -> None:
+    """``work.wait()``, bounded by ``timeout`` seconds when given."""
+    if timeout is None:
+        work.wait()
+        return
+    try:
+        completed = work.wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:  # gloo reports a timeout as an error
+        raise PipelineTimeout(f"{what}: nothing after {timeout:g} s ({e})") from None
+    if completed is False:
+        raise PipelineTimeout(f"{what}: nothing after {timeout:g} s")
+
+
+def _recv(buf: torch.Tensor, src: int, group: Any, timeout: float | None, what: str) -> None:
+    import torch.distributed as dist
+
+    if timeout is None:
+        dist.recv(buf, src, group=group)
+    else:
+        _wait(dist.irecv(buf, src, group=group), timeout, f"{what} from rank {src}")
+
+
+def send_abort(dst: int, *, group: Any = None) -> Any:
+    """Tell stage ``dst`` that this stage failed: its next receive from us raises
+    :class:`PipelineAborted` instead of waiting. Returns the ``isend`` work (not waited:
+    the peer may never receive it)."""
+    import torch.distributed as dist
+
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0] = _ABORT
+    return dist.isend(header, dst, group=group)
 
 
 class _Pending:
@@ -452,8 +500,8 @@ class _Pending:
     def add(self, work: Any, keep: torch.Tensor, then: Callable[[], None] | None = None) -> None:
         self.works.append([work, keep, then])
 
-    def _finish(self, entry: list[Any]) -> None:
-        entry[0].wait()
+    def _finish(self, entry: list[Any], timeout: float | None = None) -> None:
+        _wait(entry[0], timeout, "a send")
         then = entry[2]
         entry.clear()  # the payload reference goes first
         if then is not None:
@@ -465,10 +513,10 @@ class _Pending:
         for entry in done:
             self._finish(entry)
 
-    def wait_all(self) -> None:
+    def wait_all(self, timeout: float | None = None) -> None:
         works, self.works = self.works, []
         for entry in works:
-            self._finish(entry)
+            self._finish(entry, timeout)
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
@@ -504,13 +552,18 @@ def _send(
         pending.add(dist.isend(payload, dst, group=group), payload, then)
 
 
-def _recv_header(src: int, device: torch.device, group: Any) -> tuple[tuple[int, ...], torch.dtype]:
-    import torch.distributed as dist
-
+def _recv_header(
+    src: int, device: torch.device, group: Any, timeout: float | None, what: str
+) -> tuple[tuple[int, ...], torch.dtype]:
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, src, group=group)
+    _recv(header, src, group, timeout, what)
     values = header.tolist()
     code, ndim = int(values[0]), int(values[1])
+    if code == _ABORT:
+        raise PipelineAborted(
+            f"{what}: rank {src} failed and stopped the schedule (its own error is in its "
+            "log); this stage stops too"
+        )
     if not (0 <= code < len(_DTYPES) and 0 <= ndim <= _MAX_DIMS):
         raise ValueError(
             f"pipeline p2p: rank {src} sent a header leakfree cannot read ({values}); are "
@@ -527,22 +580,21 @@ def _recv_into(
     dtype: torch.dtype | None,
     what: str,
     make: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
+    timeout: float | None = None,
 ) -> torch.Tensor:
-    import torch.distributed as dist
-
-    sent_shape, sent_dtype = _recv_header(src, device, group)
+    sent_shape, sent_dtype = _recv_header(src, device, group, timeout, what)
     if (shape is not None and tuple(shape) != sent_shape) or (
         dtype is not None and dtype != sent_dtype
     ):
         scratch = torch.empty(sent_shape, dtype=sent_dtype, device=device)
-        dist.recv(scratch, src, group=group)  # drain it, so the sender is not left hanging
+        _recv(scratch, src, group, timeout, what)  # drain it: the sender is not left hanging
         raise ValueError(
             f"{what}: rank {src} sent {sent_shape} {sent_dtype}, but the receiving buffer is "
             f"{tuple(shape) if shape is not None else sent_shape} "
             f"{dtype if dtype is not None else sent_dtype}"
         )
     buf = make(sent_shape, sent_dtype)
-    dist.recv(buf, src, group=group)
+    _recv(buf, src, group, timeout, what)
     # recv writes without bumping the version counter: bump it, so that an alias of this
     # (reused) buffer still saved by a retained graph raises instead of reading new data.
     _increment_version(buf)
@@ -574,12 +626,15 @@ def recv_forward(
     device: torch.device | str = "cpu",
     group: Any = None,
     callback: Callable[[torch.Tensor], None] | None = None,
+    timeout: float | None = None,
 ) -> RecvBuffer:
     """Receive an activation from ``src`` into a pool buffer; return it as a non-leaf.
 
     ``shape`` / ``dtype``, when given, are checked against what was sent (a mismatch is a
     ``ValueError`` naming both). The returned :class:`RecvBuffer` has ``activation`` (the
-    non-leaf to run forward on) and ``slot`` (where its gradient will be).
+    non-leaf to run forward on) and ``slot`` (where its gradient will be). ``timeout``
+    (seconds) bounds the wait: :class:`PipelineTimeout` after it; a peer that failed and
+    said so (:func:`send_abort`) raises :class:`PipelineAborted` at once.
     """
     dev = torch.device(device)
     pool = pool if pool is not None else RecvBufferPool()
@@ -590,7 +645,7 @@ def recv_forward(
         holder["entry"] = entry
         return entry.tensor
 
-    _recv_into(src, group, dev, shape, dtype, "recv_forward", make)
+    _recv_into(src, group, dev, shape, dtype, "recv_forward", make, timeout)
     return holder["entry"]
 
 
@@ -608,8 +663,10 @@ def recv_backward(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     group: Any = None,
+    timeout: float | None = None,
 ) -> torch.Tensor:
-    """Receive the gradient of this stage's output from ``src`` (checked like recv_forward)."""
+    """Receive the gradient of this stage's output from ``src`` (checked, bounded and
+    aborted like :func:`recv_forward`)."""
     dev = torch.device(device)
     return _recv_into(
         src,
@@ -619,6 +676,7 @@ def recv_backward(
         dtype,
         "recv_backward",
         lambda s, d: torch.empty(s, dtype=d, device=dev),
+        timeout,
     )
 
 
@@ -647,6 +705,7 @@ def run_schedule(
     ranks: Sequence[int] | None = None,
     group: Any = None,
     device: torch.device | str = "cpu",
+    timeout: float | None = None,
 ) -> ScheduleResult:
     """Run forward and backward of ``num_microbatches`` through a pipeline of stages.
 
@@ -662,6 +721,15 @@ def run_schedule(
 
     Sends are ``isend`` (no deadlock between a send and the peer's send), completed
     before their output is released; receives block.
+
+    Failure is bounded. If this stage raises (in ``stage``, ``loss_fn``, ``inputs`` or a
+    receive), it sends an abort to its neighbours before re-raising, so a peer waiting on
+    it raises :class:`PipelineAborted` at once rather than at the process group's timeout
+    (30 minutes by default), and passes the abort on. ``timeout`` (seconds) bounds every
+    receive and send wait: a peer that is stuck rather than failed gives
+    :class:`PipelineTimeout` after it. As after the process group's own timeout, the
+    group may then be unusable (gloo closes the connection whose receive timed out):
+    treat it as fatal for the job, and restart.
     """
     if schedule not in ("gpipe", "1f1b"):
         raise ValueError(f"run_schedule(schedule={schedule!r}): use 'gpipe' or '1f1b'")
@@ -692,7 +760,7 @@ def run_schedule(
             x = inputs(i)
         else:
             assert prev_rank is not None
-            entry = recv_forward(prev_rank, pool=pool, device=dev, group=group)
+            entry = recv_forward(prev_rank, pool=pool, device=dev, group=group, timeout=timeout)
             assert entry.activation is not None
             x, entry.activation = entry.activation, None  # the graph holds it from here on
             received[i] = entry
@@ -719,11 +787,12 @@ def run_schedule(
         else:
             assert next_rank is not None
             if isinstance(sent[i], torch.Tensor):
-                pending.wait_all()  # its send is still in flight: finish it (and release)
+                pending.wait_all(timeout)  # its send is still in flight: finish it (and release)
             out = sent.pop(i)
             assert isinstance(out, ReleasedOutput)
             freed += out.freed
-            backward_from(out, recv_backward(next_rank, device=dev, group=group))
+            grad = recv_backward(next_rank, device=dev, group=group, timeout=timeout)
+            backward_from(out, grad)
         if not first:
             assert prev_rank is not None
             entry = received.pop(i)
@@ -731,21 +800,31 @@ def run_schedule(
         pending.poll()
         live.append(pool.counters.allocated_bytes + _unreleased_bytes(sent))
 
-    if schedule == "gpipe":
-        for i in range(num_microbatches):
-            forward(i)
-        for i in range(num_microbatches):
-            backward(i)
-    else:
-        warmup = min(num_stages - stage_id - 1, num_microbatches)
-        for i in range(warmup):
-            forward(i)
-        for i in range(warmup, num_microbatches):
-            forward(i)
-            backward(i - warmup)
-        for i in range(num_microbatches - warmup, num_microbatches):
-            backward(i)
-    pending.wait_all()
+    try:
+        if schedule == "gpipe":
+            for i in range(num_microbatches):
+                forward(i)
+            for i in range(num_microbatches):
+                backward(i)
+        else:
+            warmup = min(num_stages - stage_id - 1, num_microbatches)
+            for i in range(warmup):
+                forward(i)
+            for i in range(warmup, num_microbatches):
+                forward(i)
+                backward(i - warmup)
+            for i in range(num_microbatches - warmup, num_microbatches):
+                backward(i)
+        pending.wait_all(timeout)
+    except BaseException:
+        # Tell the neighbours, so that nobody waits on us for the process group's timeout.
+        # Not waited for: a neighbour that failed too may never receive it.
+        for peer in (prev_rank, next_rank):
+            if peer is not None:
+                # The group itself may be broken: then there is nothing more to do.
+                with contextlib.suppress(Exception):
+                    send_abort(peer, group=group)
+        raise
     return ScheduleResult(losses, live, pool, freed)
 
 

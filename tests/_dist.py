@@ -25,7 +25,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: Any) -> None:
+def _entry(
+    rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: Any, barrier: bool
+) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -33,18 +35,26 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, a
     try:
         result = fn(rank, world, *args)
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()  # nobody tears down while a peer still talks to it
+        if barrier:
+            dist.barrier()  # nobody tears down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 
 
 def run_workers(
-    fn: Callable[..., Any], world_size: int, tmp: Path, *args: Any, timeout: float = 120.0
+    fn: Callable[..., Any],
+    world_size: int,
+    tmp: Path,
+    *args: Any,
+    timeout: float = 120.0,
+    barrier: bool = True,
 ) -> list[Any]:
+    """``barrier=False`` for workers that leave the group broken on purpose (a timed-out
+    receive closes gloo's connection to that peer)."""
     port = free_port()
     ctx = mp.start_processes(
         _entry,
-        args=(fn, world_size, port, str(tmp), args),
+        args=(fn, world_size, port, str(tmp), args, barrier),
         nprocs=world_size,
         join=False,
         start_method="spawn",

@@ -373,3 +373,54 @@ def test_p2p_shape_mismatch_names_both(tmp_path: Path) -> None:
 
 def test_dist_is_not_left_initialised() -> None:
     assert not (dist.is_available() and dist.is_initialized())
+
+
+# --- [2/6]: bounded failure -------------------------------------------------------------------
+
+
+def _failing_worker(rank: int, world: int, mode: str, timeout: float) -> dict[str, Any]:
+    import time
+
+    stage = _chunks(_full_model(), world)[rank]
+    calls = [0]
+
+    def first_stage(x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 3:
+            if mode == "raises":
+                raise ValueError("boom in stage 0")
+            time.sleep(3 * timeout)  # "stuck": alive, never sends
+        return stage(x)
+
+    t0 = time.monotonic()
+    try:
+        pipeline.run_schedule(
+            first_stage if rank == 0 else stage,
+            stage_id=rank,
+            num_stages=world,
+            num_microbatches=6,
+            inputs=lambda i: _data(i)[0],
+            loss_fn=_loss,
+            timeout=timeout,
+        )
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - t0
+    if rank == 0 and mode == "raises":
+        time.sleep(timeout)  # the failed rank stays alive: its peer must not wait for it
+    return {"error": error, "elapsed": elapsed}
+
+
+def test_run_schedule_failure_reaches_the_peer_at_once(tmp_path: Path) -> None:
+    results = run_workers(_failing_worker, 2, tmp_path, "raises", 6.0, timeout=120)
+    assert results[0]["error"].startswith("ValueError: boom in stage 0")
+    assert results[1]["error"].startswith("PipelineAborted: recv_forward: rank 0 failed")
+    assert results[1]["elapsed"] < 3  # told at once, not timed out (the timeout is 6 s)
+
+
+def test_run_schedule_times_out_on_a_stuck_peer(tmp_path: Path) -> None:
+    # A timed-out receive leaves gloo's connection closed: no final barrier on that group.
+    results = run_workers(_failing_worker, 2, tmp_path, "stuck", 1.0, timeout=120, barrier=False)
+    assert results[1]["error"].startswith("PipelineTimeout: recv_forward from rank 0")
+    assert 0.8 < results[1]["elapsed"] < 6
