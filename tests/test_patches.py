@@ -752,3 +752,81 @@ def test_version_gate_is_the_same_on_every_packaging_version(where: str) -> None
     if where != "installed":
         assert result["packaging"] == where.split("-", 1)[1]
     assert result["got"] == [m for _, _, m in VERSION_TABLE]
+
+
+@pytest.fixture(scope="module")
+def te_moved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("te-moved")
+    return {v: build(base / v, v) for v in ("2.11.0", "2.15.0", "2.16.0")}
+
+
+@pytest.mark.parametrize(
+    ("version", "moved"),
+    [("2.11.0", "layernorm_mlp"), ("2.15.0", "linear"), ("2.16.0", "linear")],
+)
+def test_te_always_reports_restores_moved_into_helpers_as_fixed_upstream(
+    te_moved: dict[str, Path], version: str, moved: str
+) -> None:
+    """2.11 moved _LayerNormMLP's restore into _recompute, 2.15 _Linear's into
+    _linear_backward (2.16: LinearBwdArgs.setup_saved_tensors): no false warning."""
+    result = run_py(
+        te_script(
+            version,
+            """
+            import leakfree
+            """,
+            REPORT,
+            """
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # any PatchWarning fails the run
+                leakfree.patch_all(transformer_engine="always")
+                leaks = probe()
+            print(json.dumps(dict(report=report(), leaks=leaks)))
+            """,
+        ),
+        te_moved[version],
+    )
+    reasons = {r["name"].split(".", 1)[1]: r["reason"] for r in result["report"]}
+    assert reasons[moved].startswith("already fixed upstream"), reasons[moved]
+    assert not any(v["leaks"] for v in result["leaks"].values())
+
+
+def test_te_class_without_the_pattern_is_not_present_not_a_warning(tmp_path: Path) -> None:
+    plain = build(tmp_path / "plain", "2.13.0")
+    (plain / "transformer_engine/pytorch/module/grouped_linear.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            class _GroupedLinear(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x, w):
+                    ctx.save_for_backward(x, w)
+                    return x @ w
+
+                @staticmethod
+                def backward(ctx, g):
+                    x, w = ctx.saved_tensors
+                    return g @ w.t(), x.t() @ g
+            """
+        )
+    )
+    result = run_py(
+        te_script(
+            "2.13.0",
+            """
+            import leakfree
+            """,
+            REPORT,
+            """
+            import transformer_engine.pytorch.module.grouped_linear
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                leakfree.patch_all()
+            print(json.dumps(report()))
+            """,
+        ),
+        plain,
+    )
+    reasons = {r["name"]: r["reason"] for r in result}
+    assert reasons["transformer_engine.grouped_linear"].startswith("not present in this version")

@@ -38,7 +38,9 @@ Check = Callable[[Any, types.ModuleType], "Skip | None"]
 class Skip:
     """Why a patch did not apply to the code it found."""
 
-    status: str  # "already fixed upstream" | "target not found"
+    #: "already fixed upstream", "not present in this version" (the class is there, the
+    #: leak's pattern is not: nothing to repair) or "target not found" (a warning)
+    status: str
     detail: str
 
 
@@ -293,7 +295,8 @@ class Registry:
             )
             return
         if skip is not None:
-            expected = skip.status == "already fixed upstream"  # good news, not a warning
+            # Good news, or nothing to do: not warnings. Only a target that cannot be read is.
+            expected = skip.status in ("already fixed upstream", "not present in this version")
             self._skip(record, "skipped", f"{skip.status}: {skip.detail}", warn=not expected)
             return
         try:

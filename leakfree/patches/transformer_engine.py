@@ -75,6 +75,47 @@ def _code_facts(fn: Any) -> tuple[set[str], set[str]]:
     return names, stored
 
 
+def _helpers(target: type, module: types.ModuleType, names: set[str]) -> list[Any]:
+    """Functions of ``module`` that code naming ``names`` may call: module-level functions,
+    the target's own static / class methods (2.11's ``_LayerNormMLP._recompute``), and
+    methods of the module's classes (2.16's ``LinearBwdArgs.setup_saved_tensors``).
+    Only code defined in the module itself: the search never leaves it."""
+    found = []
+    for name in names:
+        value = module.__dict__.get(name)
+        if isinstance(value, types.FunctionType) and value.__module__ == module.__name__:
+            found.append(value)
+        raw = target.__dict__.get(name)
+        if isinstance(raw, (staticmethod, classmethod)):
+            found.append(raw.__func__)
+    for value in list(module.__dict__.values()):
+        if isinstance(value, type) and value.__module__ == module.__name__:
+            for name in names & set(value.__dict__):
+                raw = value.__dict__[name]
+                fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+                if isinstance(fn, types.FunctionType):
+                    found.append(fn)
+    return found
+
+
+def _backward_facts(target: type, module: types.ModuleType, fn: Any) -> tuple[set[str], set[str]]:
+    """:func:`_code_facts` of the backward and of the module's helpers it reaches (TE moved
+    the restore out of ``backward`` in several releases), transitively."""
+    names, stored = _code_facts(fn)
+    seen: set[int] = {id(fn)}
+    todo = _helpers(target, module, names)
+    while todo:
+        helper = todo.pop()
+        if id(helper) in seen:
+            continue
+        seen.add(id(helper))
+        more_names, more_stored = _code_facts(helper)
+        todo.extend(_helpers(target, module, more_names - names))
+        names |= more_names
+        stored |= more_stored
+    return names, stored
+
+
 def _check(target: Any, module: types.ModuleType) -> Skip | None:
     if not (isinstance(target, type) and issubclass(target, torch.autograd.Function)):
         return Skip("target not found", f"{target!r} is not an autograd Function")
@@ -82,13 +123,14 @@ def _check(target: Any, module: types.ModuleType) -> Skip | None:
     fn = getattr(backward, "__func__", backward)
     if fn is None:
         return Skip("target not found", f"{target.__qualname__} defines no backward")
-    names, stored = _code_facts(fn)
+    names, stored = _backward_facts(target, module, fn)
     if "restore_from_func_ctx" in names or ATTR in stored:
         return Skip("already fixed upstream", f"{target.__qualname__}.backward releases {ATTR}")
     if "restore_from_saved" not in names or ATTR not in names:
         return Skip(
-            "target not found",
-            f"{target.__qualname__}.backward does not use restore_from_saved / ctx.{ATTR}",
+            "not present in this version",
+            f"{target.__qualname__}.backward (and the helpers it calls) does not use "
+            f"restore_from_saved / ctx.{ATTR}",
         )
     return None
 

@@ -12,8 +12,10 @@ that hold their buffers outside autograd. Per version:
 * 2.3+: attention split into ``attention.dot_product_attention.{backends,context_parallel}``.
 * 2.6+: the op fuser (``ops.fuser._OperationFuserAutogradFunction``, ``func_ctx``, per-op
   contexts in ``basic_op_ctxs``); 2.14+ the fuser releases ``tensor_objects`` itself.
+* 2.11+: ``_LayerNormMLP.backward`` restores (and releases) in ``_recompute(ctx)``.
 * 2.15+: ``restore_from_func_ctx(ctx)`` in ``transformer_engine.pytorch.quantized_tensor``,
-  used by every Function: all fixed upstream.
+  used by every Function: all fixed upstream. ``_Linear.backward`` restores in the
+  module-level ``_linear_backward``; from 2.16 in ``LinearBwdArgs.setup_saved_tensors``.
 """
 
 from __future__ import annotations
@@ -172,6 +174,58 @@ def _write(root: Path, module: str, text: str) -> None:
     (directory / f"{parts[-1]}.py").write_text(textwrap.dedent(text).lstrip())
 
 
+# Where later releases moved the restore: out of backward, into code of the same module.
+MLP_RECOMPUTE = """
+class _LayerNormMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        xq = quantize(x)
+        out = xq.dequantize() @ w
+        tensors_to_save, tensor_objects = prepare_for_saving(xq, w)
+        ctx.save_for_backward(*tensors_to_save)
+        ctx.tensor_objects = tensor_objects
+        return out
+
+    @staticmethod
+    def _recompute(ctx):
+{restore}
+        return xq, w
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        xq, w = _LayerNormMLP._recompute(ctx)
+        x = xq.dequantize()
+        return grad_output @ w.t(), x.t() @ grad_output
+"""
+
+LINEAR_HELPER = """
+class LinearBwdArgs:
+    def setup_saved_tensors(self, ctx):
+        self.xq, self.w = restore_from_func_ctx(ctx)
+
+
+def _linear_backward(ctx, grad_output):
+{restore}
+    x = xq.dequantize()
+    return grad_output @ w.t(), x.t() @ grad_output
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        xq = quantize(x)
+        out = xq.dequantize() @ w
+        tensors_to_save, tensor_objects = prepare_for_saving(xq, w)
+        ctx.save_for_backward(*tensors_to_save)
+        ctx.tensor_objects = tensor_objects
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _linear_backward(ctx, grad_output)
+"""
+
+
 def _functions(names: list[str], restore: str, fixed_helper: bool) -> str:
     head = HEADER
     if fixed_helper:
@@ -233,11 +287,20 @@ def build(root: Path, version: str) -> Path:
         ("layernorm_linear", "_LayerNormLinear"),
         ("layernorm_mlp", "_LayerNormMLP"),
     ):
-        _write(
-            root,
-            f"transformer_engine.pytorch.module.{module}",
-            _functions([cls], linear_restore, all_fixed),
-        )
+        if cls == "_LayerNormMLP" and v >= Version("2.11"):
+            text = _functions([], "", all_fixed) + MLP_RECOMPUTE.format(restore=linear_restore)
+        elif cls == "_Linear" and all_fixed:
+            restore = (
+                "    args = LinearBwdArgs()\n"
+                "    args.setup_saved_tensors(ctx)\n"
+                "    xq, w = args.xq, args.w"
+                if v >= Version("2.16")
+                else "    xq, w = restore_from_func_ctx(ctx)"
+            )
+            text = _functions([], "", all_fixed) + LINEAR_HELPER.format(restore=restore)
+        else:
+            text = _functions([cls], linear_restore, all_fixed)
+        _write(root, f"transformer_engine.pytorch.module.{module}", text)
     if v >= Version("2.6"):
         fix = "        func_ctx.tensor_objects = None" if v >= Version("2.14") else "        pass"
         _write(root, "transformer_engine.pytorch.ops.fuser", HEADER + FUSER.format(fix=fix))
