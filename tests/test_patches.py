@@ -252,10 +252,13 @@ def test_te_fixed_upstream_detected_by_code_even_when_forced(te: dict[str, Path]
     assert reasons["transformer_engine.fuser"].startswith("already fixed upstream")
 
 
-def test_te_fuser_hardening_releases_per_op_contexts(te: dict[str, Path]) -> None:
+@pytest.mark.parametrize("version", ["2.13.0", "2.15.0"])
+def test_te_fuser_hardening_releases_per_op_contexts(te: dict[str, Path], version: str) -> None:
+    """Before and after upstream's tensor_objects fix (2.14): no release clears the fuser's
+    per-op contexts, so the hardening applies on both sides of it."""
     result = run_py(
         te_script(
-            "2.13.0",
+            version,
             """
             import leakfree
             leakfree.patch_all()
@@ -266,7 +269,7 @@ def test_te_fuser_hardening_releases_per_op_contexts(te: dict[str, Path]) -> Non
             print(json.dumps(dict(plain=plain, hardened=hardened)))
             """,
         ),
-        te["2.13.0"],
+        te[version],
     )
     assert not result["plain"]["leaks"] and result["plain"]["op_ctx_kept"]
     assert not result["hardened"]["leaks"] and not result["hardened"]["op_ctx_kept"]

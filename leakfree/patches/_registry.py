@@ -31,7 +31,8 @@ __all__ = ["Patch", "PatchRecord", "PatchReport", "Registry", "installed_version
 #: apply(target_object, module, option) -> undo
 Apply = Callable[[Any, types.ModuleType, Any], Callable[[], None]]
 #: check(target_object, module) -> None if it is the code we expect, else why not
-Check = Callable[[Any, types.ModuleType], "Skip | None"]
+#: ``check(target, module, option)``: None to apply, or why not.
+Check = Callable[[Any, types.ModuleType, Any], "Skip | None"]
 
 
 @dataclass(frozen=True)
@@ -283,7 +284,7 @@ class Registry:
         option = self._wanted.get(patch.name, True)
         try:
             target = _resolve(module, patch.target)
-            skip = patch.check(target, module)
+            skip = patch.check(target, module, option)
         except Exception as e:  # an odd module (lazy __getattr__, a check that trips): skip
             if self.strict and not isinstance(e, AttributeError):
                 raise

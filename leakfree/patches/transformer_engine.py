@@ -30,7 +30,9 @@ DISTRIBUTIONS = ("transformer_engine", "transformer-engine", "transformer_engine
 ATTR = "tensor_objects"
 #: Optional hardening (``patch_all(transformer_engine="harden")``): the fuser's backward
 #: stops early when no more gradients are needed, leaving the per-op contexts of the ops
-#: that did not run (and their saved tensors) on ``func_ctx.basic_op_ctxs``.
+#: that did not run (their saved tensors, and attributes such as grouped MLP's split
+#: offsets or a caller's gradient buffer) on ``func_ctx.basic_op_ctxs``. No release of TE
+#: clears that list, 2.14+ included, so the hardening applies there too.
 FUSER_EXTRA = "basic_op_ctxs"
 
 _OLD_ATTENTION = "transformer_engine.pytorch.attention"
@@ -80,7 +82,7 @@ def _helpers(target: type, module: types.ModuleType, names: set[str]) -> list[An
     the target's own static / class methods (2.11's ``_LayerNormMLP._recompute``), and
     methods of the module's classes (2.16's ``LinearBwdArgs.setup_saved_tensors``).
     Only code defined in the module itself: the search never leaves it."""
-    found = []
+    found: list[Any] = []
     for name in names:
         value = module.__dict__.get(name)
         if isinstance(value, types.FunctionType) and value.__module__ == module.__name__:
@@ -116,7 +118,7 @@ def _backward_facts(target: type, module: types.ModuleType, fn: Any) -> tuple[se
     return names, stored
 
 
-def _check(target: Any, module: types.ModuleType) -> Skip | None:
+def _check(target: Any, module: types.ModuleType, option: Any = True) -> Skip | None:
     if not (isinstance(target, type) and issubclass(target, torch.autograd.Function)):
         return Skip("target not found", f"{target!r} is not an autograd Function")
     backward = target.__dict__.get("backward")
@@ -125,6 +127,10 @@ def _check(target: Any, module: types.ModuleType) -> Skip | None:
         return Skip("target not found", f"{target.__qualname__} defines no backward")
     names, stored = _backward_facts(target, module, fn)
     if "restore_from_func_ctx" in names or ATTR in stored:
+        if _hardens(target, option) and FUSER_EXTRA not in stored:
+            # Upstream (2.14+) releases tensor_objects but never the per-op contexts that
+            # an early exit of the fuser's backward skips: hardening still adds that.
+            return None
         return Skip("already fixed upstream", f"{target.__qualname__}.backward releases {ATTR}")
     if "restore_from_saved" not in names or ATTR not in names:
         return Skip(
@@ -135,8 +141,12 @@ def _check(target: Any, module: types.ModuleType) -> Skip | None:
     return None
 
 
+def _hardens(target: Any, option: Any) -> bool:
+    return option == "harden" and "Fuser" in target.__name__
+
+
 def _apply(target: Any, module: types.ModuleType, option: Any) -> Any:
-    attrs = (ATTR, FUSER_EXTRA) if option == "harden" and "Fuser" in target.__name__ else (ATTR,)
+    attrs = (ATTR, FUSER_EXTRA) if _hardens(target, option) else (ATTR,)
     return release_after_backward(target, attrs=attrs).restore
 
 

@@ -102,13 +102,13 @@ def _replace_everywhere(original: Any, replacement: Any, name: str) -> Callable[
     return undo
 
 
-def _check_class(target: Any, module: types.ModuleType) -> Skip | None:
+def _check_class(target: Any, module: types.ModuleType, option: Any = True) -> Skip | None:
     if not isinstance(target, type) or not hasattr(target, "update_model_params"):
         return Skip("target not found", f"{target!r} is not TRL's OffloadActivations class")
     return None
 
 
-def _check_function(target: Any, module: types.ModuleType) -> Skip | None:
+def _check_function(target: Any, module: types.ModuleType, option: Any = True) -> Skip | None:
     if not callable(target) or getattr(target, "__code__", None) is None:
         return Skip("target not found", f"{target!r} is not a function")
     if "model" not in target.__code__.co_varnames[: target.__code__.co_argcount]:
