@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -56,6 +57,15 @@ def make_ops(base: type) -> tuple[type, type, type]:
     return make_scale(base, with_tensor=False), make_scale(base, with_tensor=True), MatMul
 
 
+def _step(op: type, x: torch.Tensor, w: torch.Tensor, backward: bool) -> Callable[[], None]:
+    def step() -> None:
+        y = op.apply(x, w)
+        if backward:
+            y.sum().backward()
+
+    return step
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples (CI smoke run)")
@@ -80,23 +90,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
     rows, results = [], []
     for name, plain, lf, x, w, number, backward in cases:
-
-        def step(
-            op: type = plain, x: torch.Tensor = x, w: torch.Tensor = w, backward: bool = backward
-        ) -> None:
-            y = op.apply(x, w)
-            if backward:
-                y.sum().backward()
-
-        def step_lf(
-            op: type = lf, x: torch.Tensor = x, w: torch.Tensor = w, backward: bool = backward
-        ) -> None:
-            y = op.apply(x, w)
-            if backward:
-                y.sum().backward()
-
         repeat = 7 if args.quick else (121 if number > 100 else 31)
-        t = compare({"plain": step, "leakfree": step_lf}, repeat=repeat, number=number)
+        steps = {"plain": _step(plain, x, w, backward), "leakfree": _step(lf, x, w, backward)}
+        t = compare(steps, repeat=repeat, number=number)
         ratio = t.ratio("leakfree", "plain")
         rows.append(
             (

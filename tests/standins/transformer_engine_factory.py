@@ -96,9 +96,8 @@ def restore_from_func_ctx(ctx):
     return tensors
 '''
 
-# One autograd Function with TE's pattern. {restore} is the backward's restore statement.
-FUNCTION = """
-class {name}(torch.autograd.Function):
+# TE's forward: quantize, strip the buffers out of the storage objects, park the objects.
+FORWARD = """
     @staticmethod
     def forward(ctx, x, w):
         xq = quantize(x)
@@ -107,7 +106,12 @@ class {name}(torch.autograd.Function):
         ctx.save_for_backward(*tensors_to_save)
         ctx.tensor_objects = tensor_objects
         return out
+"""
 
+# One autograd Function with TE's pattern. {restore} is the backward's restore statement.
+FUNCTION = """
+class {name}(torch.autograd.Function):
+{forward}
     @staticmethod
     def backward(ctx, grad_output):
 {restore}
@@ -177,15 +181,7 @@ def _write(root: Path, module: str, text: str) -> None:
 # Where later releases moved the restore: out of backward, into code of the same module.
 MLP_RECOMPUTE = """
 class _LayerNormMLP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w):
-        xq = quantize(x)
-        out = xq.dequantize() @ w
-        tensors_to_save, tensor_objects = prepare_for_saving(xq, w)
-        ctx.save_for_backward(*tensors_to_save)
-        ctx.tensor_objects = tensor_objects
-        return out
-
+{forward}
     @staticmethod
     def _recompute(ctx):
 {restore}
@@ -211,15 +207,7 @@ def _linear_backward(ctx, grad_output):
 
 
 class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w):
-        xq = quantize(x)
-        out = xq.dequantize() @ w
-        tensors_to_save, tensor_objects = prepare_for_saving(xq, w)
-        ctx.save_for_backward(*tensors_to_save)
-        ctx.tensor_objects = tensor_objects
-        return out
-
+{forward}
     @staticmethod
     def backward(ctx, grad_output):
         return _linear_backward(ctx, grad_output)
@@ -230,7 +218,7 @@ def _functions(names: list[str], restore: str, fixed_helper: bool) -> str:
     head = HEADER
     if fixed_helper:
         head += "from transformer_engine.pytorch.quantized_tensor import restore_from_func_ctx\n"
-    return head + "".join(FUNCTION.format(name=n, restore=restore) for n in names)
+    return head + "".join(FUNCTION.format(name=n, restore=restore, forward=FORWARD) for n in names)
 
 
 def build(root: Path, version: str) -> Path:
@@ -288,7 +276,9 @@ def build(root: Path, version: str) -> Path:
         ("layernorm_mlp", "_LayerNormMLP"),
     ):
         if cls == "_LayerNormMLP" and v >= Version("2.11"):
-            text = _functions([], "", all_fixed) + MLP_RECOMPUTE.format(restore=linear_restore)
+            text = _functions([], "", all_fixed) + MLP_RECOMPUTE.format(
+                restore=linear_restore, forward=FORWARD
+            )
         elif cls == "_Linear" and all_fixed:
             restore = (
                 "    args = LinearBwdArgs()\n"
@@ -297,7 +287,9 @@ def build(root: Path, version: str) -> Path:
                 if v >= Version("2.16")
                 else "    xq, w = restore_from_func_ctx(ctx)"
             )
-            text = _functions([], "", all_fixed) + LINEAR_HELPER.format(restore=restore)
+            text = _functions([], "", all_fixed) + LINEAR_HELPER.format(
+                restore=restore, forward=FORWARD
+            )
         else:
             text = _functions([cls], linear_restore, all_fixed)
         _write(root, f"transformer_engine.pytorch.module.{module}", text)
