@@ -47,6 +47,7 @@ import torch
 
 __all__ = [
     "MAX_OBJECTS",
+    "METADATA_TYPES",
     "OPAQUE",
     "SCALARS",
     "SCALAR_TYPES",
@@ -73,7 +74,8 @@ SCALARS: tuple[type, ...] = (
 )
 #: The same, for exact-type membership tests on hot paths.
 SCALAR_TYPES: frozenset[type] = frozenset(SCALARS)
-_SCALAR_TYPES = SCALAR_TYPES
+#: Exact types whose values are small metadata (bytes can be a payload): see holds_no_memory.
+METADATA_TYPES: frozenset[type] = SCALAR_TYPES - {bytes}
 
 #: A class that sets this attribute to True in its own body is not walked into: its
 #: instances declare that they never hold what a walk looks for (pipeline's GradSlot holds
@@ -86,7 +88,7 @@ MAX_OBJECTS = 10_000
 
 def is_scalar(value: Any) -> bool:
     """True for values that cannot hold a tensor: numbers, strings, dtypes, enum members."""
-    return type(value) in _SCALAR_TYPES or isinstance(value, (*SCALARS, enum.Enum))
+    return type(value) in SCALAR_TYPES or isinstance(value, (*SCALARS, enum.Enum))
 
 
 def holds_no_memory(value: Any) -> bool:
@@ -95,10 +97,10 @@ def holds_no_memory(value: Any) -> bool:
     These are what :class:`leakfree.Function` leaves on ``ctx`` after the release: they
     cost nothing to keep, and a backward that reads only them can run again.
     """
-    if type(value) in _SCALAR_TYPES:
-        return bytes is not type(value)  # bytes can be a payload; everything else is small
+    if type(value) in METADATA_TYPES:
+        return True
     if type(value) is tuple:
-        return all(type(v) in _SCALAR_TYPES and type(v) is not bytes for v in value)
+        return all(type(v) in METADATA_TYPES for v in value)
     return isinstance(value, enum.Enum)
 
 
@@ -307,7 +309,7 @@ def search(
                 return found, _path(trail, len(trail) - 1)
         here = len(trail) - 1
         for edge, child in itertools.islice(_handler(type(obj))(obj), limit):
-            if type(child) not in _SCALAR_TYPES:
+            if type(child) not in SCALAR_TYPES:
                 stack.append((child, here, edge))
     return None
 

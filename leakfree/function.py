@@ -48,8 +48,7 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from leakfree._walk import SCALAR_TYPES as _SCALAR_TYPES
-from leakfree._walk import holds_no_memory, is_scalar, search
+from leakfree._walk import METADATA_TYPES, SCALAR_TYPES, holds_no_memory, is_scalar, search
 
 __all__ = [
     "Function",
@@ -119,8 +118,6 @@ _state_lock = threading.Lock()
 _running: list[BackwardCFunction] = []
 #: ids of nodes whose release waits for the calls still running through them.
 _due: set[int] = set()
-#: Values of these exact types are metadata that holds no memory (see holds_no_memory).
-_METADATA_TYPES = _SCALAR_TYPES - {bytes}
 #: Stands in ctx.__dict__[RELEASED] while a release decides.
 _DECIDING: tuple[str, ...] = ()
 
@@ -137,7 +134,7 @@ def _release(ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozens
         gone = [
             n
             for n, v in state.items()
-            if type(v) not in _METADATA_TYPES and n not in keep and not holds_no_memory(v)
+            if type(v) not in METADATA_TYPES and n not in keep and not holds_no_memory(v)
         ]
     else:
         gone = [n for n in names if state.get(n) is not None]
@@ -169,21 +166,20 @@ def _release(ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozens
     del taken  # outside the lock: a destructor may run arbitrary code
 
 
-def _enter(ctx: BackwardCFunction) -> None:
-    """Register a backward call through ``ctx``; refuse it if ``ctx`` was released."""
-    _running.append(ctx)
-    if RELEASED in ctx.__dict__:
-        with _state_lock:  # a release may be deciding: wait for its decision
-            if ctx.__dict__.get(RELEASED):
-                _running.remove(ctx)
-                _raise_released(ctx)
+def _refuse_if_released(ctx: BackwardCFunction) -> None:
+    """A call registered in ``_running`` found ``RELEASED`` on entry: a release is deciding,
+    or has decided. Take the lock to see which; if released, unregister and raise."""
+    with _state_lock:
+        if ctx.__dict__.get(RELEASED):
+            _running.remove(ctx)
+            _raise_released(ctx)
 
 
 def _leave(
     ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozenset[str], last: bool
 ) -> None:
-    """Unregister a call; release if it was the node's last use (see
-    :func:`_is_last_backward`) or if a release waits for it."""
+    """Unregister a call; release if it was the node's last use or if a release waits
+    for it (see :func:`_run_backward`)."""
     _running.remove(ctx)
     if last or (_due and id(ctx) in _due):
         _release(ctx, names, keep)
@@ -199,21 +195,6 @@ def _release_if_saved_freed(
         ctx._raw_saved_tensors  # noqa: B018  (raises once the saved tensors were released)
     except RuntimeError:
         _release(ctx, names, keep)
-
-
-def _is_last_backward(node: BackwardCFunction) -> bool | None:
-    """True if the engine is running ``node`` in a pass that does not keep the graph.
-
-    False when the graph is kept (``retain_graph``, ``create_graph``: grad mode is on
-    inside such a backward and its new graph may still read ctx), when called outside the
-    engine, or when ``node`` is not the node being executed (its backward called by hand
-    from another node). None when this torch cannot tell.
-    """
-    if _keep_graph is None:
-        return None
-    if _keep_graph() or _grad_enabled():
-        return False
-    return _current_node is None or _current_node() is node
 
 
 #: node class -> the backward function autograd dispatches for it (cleared on (un)install).
@@ -256,25 +237,33 @@ def _run_backward(
     method: str,
     wrapper: Callable[..., Any],
 ) -> Any:
-    """Run the user's ``backward(ctx, *grads)`` inside the node lifecycle: :func:`_enter`,
-    the backward, then :func:`_leave` with "was this the node's last use?". Every installed
-    wrapper runs exactly this, once per node per backward pass, so the common path of
-    :func:`_enter`, :func:`_is_last_backward`, :func:`_dispatched` and :func:`_leave` is
-    written out inline here (each Python call costs about as much as the work it does)."""
+    """Run the user's ``backward(ctx, *grads)`` inside the node lifecycle: register the
+    call (refusing it after a release), run it, then unregister with "was this the node's
+    last use?" and release if so. Every installed wrapper runs exactly this, once per node
+    per backward pass, so the common path of :func:`_dispatched` and :func:`_leave` is
+    written out inline (each Python call costs about as much as the work it does).
+
+    The last use: the engine runs ``ctx``'s node in a pass that does not keep the graph.
+    Not when the graph is kept (``retain_graph``, ``create_graph``: grad mode is on inside
+    such a backward and its new graph may still read ctx), not when ``ctx`` is not the node
+    being executed (its backward called by hand from another node), and not when another
+    Function's backward delegated to this one (:func:`_dispatched`). On a torch without
+    the keep-graph query, the end of the pass decides (:func:`_release_if_saved_freed`).
+    """
     if not isinstance(ctx, BackwardCFunction):
         return backward(ctx, *grads)  # compiled autograd's proxy ctx: not ours to touch
-    _running.append(ctx)  # _enter, inline
+    _running.append(ctx)  # register before looking at ctx (see the protocol above)
     if RELEASED in ctx.__dict__:
-        _running.remove(ctx)
-        _enter(ctx)
+        _refuse_if_released(ctx)
     try:
         result = backward(ctx, *grads)
     except BaseException:
         _leave(ctx, names, keep, False)  # that pass did not finish: the node is not used up
         raise
     if _keep_graph is not None:
-        # Released right away, as upstream fixes do (`ctx.x = None` in backward): each
-        # node's state goes as the pass moves on, so peak memory during backward drops too.
+        # The last use, decided here; released right away, as upstream fixes do
+        # (`ctx.x = None` in backward): each node's state goes as the pass moves on, so
+        # peak memory during backward drops too.
         last = (
             not _keep_graph()
             and not _grad_enabled()
@@ -532,13 +521,6 @@ def _find_output(value: Any, targets: dict[int, int]) -> tuple[int, str] | None:
                 hit = targets.get(id(base))
         return hit
 
-    if isinstance(value, torch.Tensor):
-        # The common case, a tensor directly on ctx: no walk unless it carries attributes.
-        hit = match(value)
-        if hit is not None:
-            return hit, ""
-        if not value.__dict__:
-            return None
     return search(value, match)
 
 
@@ -555,18 +537,21 @@ def _check_no_output_on_ctx(cls: type, result: Any) -> None:
         return  # no output requires grad: no graph, no cycle
     # The hot path of every apply ends here: a ctx.__dict__ holding only metadata.
     for value in node.__dict__.values():
-        if type(value) not in _SCALAR_TYPES:
+        if type(value) not in SCALAR_TYPES:
             _check_state(cls, outputs, node)
             return
 
 
 def _check_state(cls: type, outputs: tuple[Any, ...], node: Any) -> None:
+    if _is_compiling():
+        return  # traced by dynamo: the node it sees is not one that will run
     state = node.__dict__
     targets = None
     for name, value in state.items():
-        if type(value) is torch.Tensor:
-            # A plain tensor (an input, a buffer): the common case, answered without a
-            # walk. It closes a cycle only if it is an output or a view of one.
+        if isinstance(value, torch.Tensor):
+            # A tensor directly on ctx (an input, a weight, a buffer): the common case,
+            # answered without a walk unless it is an output, a view of one, or carries
+            # attributes of its own.
             base = value._base
             for o in outputs:
                 if value is o or (base is not None and base is o):
@@ -577,8 +562,6 @@ def _check_state(cls: type, outputs: tuple[Any, ...], node: Any) -> None:
         elif is_scalar(value):
             continue
         if targets is None:
-            if _is_compiling():
-                return  # traced by dynamo: the node it sees is not one that will run
             # Only outputs whose grad_fn is this node close a cycle through ctx: a
             # non-differentiable output (indices, argmax) has no grad_fn and is fine on ctx.
             targets = {

@@ -122,6 +122,8 @@ def one_process_group() -> Iterator[None]:
 
 @pytest.mark.parametrize("code", _blocks())
 def test_documented_code_runs(code: str, one_process_group: None) -> None:
+    """The assertion is the run itself: a block that raises fails (as the old losslog
+    snippet did, rebinding the log to one without its second key)."""
     namespace = _world()
     try:
         exec(compile(code, "<docs>", "exec"), namespace)
