@@ -380,6 +380,14 @@ class _HostCopy:
     def host_bytes(self) -> torch.Tensor:
         return self.block.data[: self.nbytes]
 
+    def live_restored(self) -> tuple[torch.UntypedStorage, Any] | None:
+        """The device storage a sibling handle restored, if it is still alive, and the
+        event its copy-in recorded."""
+        if self.restored is None:
+            return None
+        alive = self.restored[0]()
+        return None if alive is None else (alive, self.restored[1])
+
     def __del__(self) -> None:
         block = getattr(self, "block", None)
         pool = self.pool() if block is not None else None
@@ -455,10 +463,9 @@ def _restore_without_manager(copy: _HostCopy) -> torch.UntypedStorage:
     a plain synchronous copy on the current stream (its copies out all completed by its
     ``__exit__``; no prefetch is left to use)."""
     with _orphan_lock:
-        if copy.restored is not None:
-            alive = copy.restored[0]()
-            if alive is not None:
-                return alive  # type: ignore[no-any-return]
+        sibling = copy.live_restored()
+        if sibling is not None:
+            return sibling[0]
         dev = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
         dev.copy_(copy.host_bytes())
         storage = dev.untyped_storage()
@@ -718,16 +725,16 @@ class OffloadActivations(saved_tensors_hooks):
     def _restore(self, copy: _HostCopy, session: _Session) -> torch.UntypedStorage:
         """A device storage holding ``copy``'s bytes (shared with a live restored sibling)."""
         with self._lock:
-            if copy.restored is not None:
-                alive, event = copy.restored[0](), copy.restored[1]
-                if alive is not None:
-                    if event is not None:
-                        # The sibling's backward may run on another stream: order and
-                        # protect this use too.
-                        current = self._device_module.current_stream(copy.device)
-                        current.wait_event(event)
-                        _bytes_of(alive, copy.device).record_stream(current)
-                    return alive  # type: ignore[no-any-return]
+            sibling = copy.live_restored()
+            if sibling is not None:
+                alive, event = sibling
+                if event is not None:
+                    # The sibling's backward may run on another stream: order and protect
+                    # this use too.
+                    current = self._device_module.current_stream(copy.device)
+                    current.wait_event(event)
+                    _bytes_of(alive, copy.device).record_stream(current)
+                return alive
             if copy.prefetched is not None:
                 dev, event = copy.prefetched
                 copy.prefetched = None
@@ -876,7 +883,7 @@ def _prefetch_plan(session: _Session, current: _Offloaded, budget: int) -> list[
             continue
         copy = handle.copy
         seen.add(id(copy))
-        if copy.prefetched is not None or (copy.restored is not None and copy.restored[0]()):
+        if copy.prefetched is not None or copy.live_restored() is not None:
             continue
         plan.append(copy)
         if len(plan) >= budget:
