@@ -196,25 +196,21 @@ def _device_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return torch.device(device).type != "cpu"
 
 
-def _counting_factory(
-    fn: Callable[..., Any], name: str, counter: HostSyncCounter
+def _counting(
+    fn: Callable[..., Any],
+    name: str,
+    counter: HostSyncCounter,
+    when: Callable[[tuple[Any, ...], dict[str, Any]], bool] | None = None,
 ) -> Callable[..., Any]:
+    """``fn``, counting each call (or each call for which ``when(args, kwargs)``) as ``name``."""
+
     @functools.wraps(fn)
-    def factory(*args: Any, **kwargs: Any) -> Any:
-        if _device_arg(args, kwargs):
-            counter._count_wait("from_host")
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if when is None or when(args, kwargs):
+            counter._count_wait(name)
         return fn(*args, **kwargs)
 
-    return factory
-
-
-def _counting(fn: Callable[..., Any], name: str, counter: HostSyncCounter) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wait(*args: Any, **kwargs: Any) -> Any:
-        counter._count_wait(name)
-        return fn(*args, **kwargs)
-
-    return wait
+    return counted
 
 
 @contextmanager
@@ -222,12 +218,15 @@ def count_host_syncs() -> Iterator[HostSyncCounter]:
     """``with count_host_syncs() as c: ...`` then read ``c.count`` / ``c.ops``."""
     counter = HostSyncCounter()
     originals = []
-    targets = _wait_targets() + [(torch, f, f"torch.{f}") for f in _FACTORIES]
-    for owner, attr, name in targets:
+    Condition = Callable[[tuple[Any, ...], dict[str, Any]], bool] | None
+    targets: list[tuple[Any, str, str, Condition]] = [
+        (o, a, n, None) for o, a, n in _wait_targets()
+    ]
+    targets += [(torch, f, "from_host", _device_arg) for f in _FACTORIES]
+    for owner, attr, name, when in targets:
         original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-        wrap = _counting_factory if attr in _FACTORIES else _counting
         try:
-            setattr(owner, attr, wrap(getattr(owner, attr), name, counter))
+            setattr(owner, attr, _counting(getattr(owner, attr), name, counter, when))
         except TypeError:  # a C type (torch.Event): its own subclasses are wrapped instead
             continue
         originals.append((owner, attr, original))
