@@ -710,6 +710,8 @@ def _check_device(device: Any) -> torch.device:
             f"LossLog(device={device!r}): this machine has {count} {dev.type} device(s), "
             f"{dev.type}:0 to {dev.type}:{count - 1}"
         )
+    if dev.index is None:  # "cuda" means the current device, where torch puts its tensors
+        dev = torch.device(dev.type, module.current_device())
     return dev
 
 

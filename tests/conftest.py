@@ -2,9 +2,15 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
+
+from tests import simdev
+
+# Before any backward runs: the autograd engine sizes its device queues at its first one.
+simdev.register()
 
 
 @pytest.fixture
@@ -28,3 +34,21 @@ def _seed() -> None:
 requires_accelerator = pytest.mark.skipif(
     not torch.accelerator.is_available(), reason="needs an accelerator (GPU)"
 )
+
+
+@pytest.fixture
+def sim() -> Iterator[Any]:
+    """The simulated accelerator (``tests/simdev``), switched on for one test, with a stream
+    sanitizer attached: any race or unsafe free it saw fails the test at teardown.
+
+    ``sim.device`` / ``sim.module`` / ``sim.syncs`` (the host waits counted) /
+    ``sim.sanitizer``; ``sim.lazy = True`` makes it a slow device whose events complete
+    only when the host waits for them.
+    """
+    if not simdev.supported():
+        pytest.skip(f"the simulated device supports torch {simdev.device.SUPPORTED} only")
+    with simdev.enabled() as device, simdev.attach() as sanitizer:
+        device.sanitizer = sanitizer
+        yield device
+        gc.collect()  # frees that the test left to the collector are checked too
+    sanitizer.check()

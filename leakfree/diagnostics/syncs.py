@@ -9,7 +9,8 @@ the operation itself is the same. It counts what blocks the host on CUDA:
 
 * device-to-host copies: ``.item()`` / ``float(t)`` / ``bool(t)`` (``_local_scalar_dense``),
   ``to("cpu")``, ``cpu()``, ``tolist()`` of a device tensor (a copy whose destination is
-  the CPU is counted even from a CPU tensor, so CPU runs count what a GPU run would);
+  the CPU is counted even from a CPU tensor, so CPU runs count what a GPU run would),
+  except a ``non_blocking`` copy into pinned memory, which the host does not wait for;
 * host-to-device copies from pageable memory, or with ``non_blocking=False``, including
   ``torch.tensor`` / ``as_tensor`` / ``asarray`` of Python data with a device argument
   (that upload happens below the dispatcher, so those factories are wrapped while the
@@ -18,7 +19,8 @@ the operation itself is the same. It counts what blocks the host on CUDA:
   ``unique`` (all variants), boolean-mask indexing and index assignment, ``equal``,
   ``is_nonzero``, ``repeat_interleave`` without ``output_size``;
 * explicit waits: ``torch.accelerator.synchronize``, the device modules' ``synchronize``
-  (``torch.cpu`` and every accelerator module torch knows), and the modules' ``Event`` /
+  (``torch.cpu``, every accelerator module torch knows and a PrivateUse1 backend's module),
+  and the modules' ``Event`` /
   ``Stream`` ``synchronize`` (``torch.cuda.Event``...; the generic C-level ``torch.Event``
   cannot be wrapped). These are not aten operations: the counter wraps them while it
   is active (process-wide, for every thread).
@@ -116,19 +118,21 @@ def _sync_kind(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str 
         if device is None:
             return None
         if torch.device(device).type == "cpu":
-            return "to_host"
-        if src.device.type == "cpu" and _blocking_upload(src, kwargs.get("non_blocking")):
+            # non_blocking: the device side copies into pinned memory and does not wait
+            on_device = src.device.type != "cpu"
+            return None if on_device and kwargs.get("non_blocking") else "to_host"
+        if src.device.type == "cpu" and _blocking_transfer(src, kwargs.get("non_blocking")):
             return "from_host"
         return None
     if func in _COPY and len(args) >= 2:
         dst, src = args[0], args[1]
         if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)):
             return None
-        if dst.device.type == "cpu" and src.device.type != "cpu":
-            return "to_host"
         non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking")
+        if dst.device.type == "cpu" and src.device.type != "cpu":
+            return "to_host" if _blocking_transfer(dst, non_blocking) else None
         if dst.device.type != "cpu" and src.device.type == "cpu":
-            return "from_host" if _blocking_upload(src, non_blocking) else None
+            return "from_host" if _blocking_transfer(src, non_blocking) else None
         return None
     if func in _REPEAT_INTERLEAVE:
         output_size = kwargs.get("output_size")
@@ -147,12 +151,13 @@ def _sync_kind(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str 
     return None
 
 
-def _blocking_upload(src: torch.Tensor, non_blocking: Any) -> bool:
-    """A host-to-device copy waits unless it is non_blocking from pinned memory."""
+def _blocking_transfer(host: torch.Tensor, non_blocking: Any) -> bool:
+    """A copy between the host and a device waits unless it is non_blocking and its host
+    side is pinned memory."""
     if not non_blocking:
         return True
     try:
-        return not src.is_pinned()
+        return not host.is_pinned()
     except RuntimeError:  # no accelerator to ask: nothing can be pinned
         return True
 
@@ -166,7 +171,11 @@ def _wait_targets() -> list[tuple[Any, str, str]]:
         (torch.accelerator, "synchronize", "accelerator.synchronize"),
         (torch.cpu, "synchronize", "cpu.synchronize"),
     ]
-    for backend in ("cuda", "xpu", "mps", "mtia", "npu", "hpu"):
+    backends = ["cuda", "xpu", "mps", "mtia", "npu", "hpu"]
+    custom = torch._C._get_privateuse1_backend_name()
+    if custom != "privateuseone":  # an out-of-tree backend registered under its name
+        backends.append(custom)
+    for backend in backends:
         module = getattr(torch, backend, None)
         if module is None:
             continue

@@ -1,0 +1,767 @@
+"""A simulated accelerator, ``sim``: CPU memory behind a real PyTorch device type.
+
+leakfree reaches an accelerator only through ``torch.accelerator`` and
+``torch.get_device_module(device.type)``. This module registers a PrivateUse1 backend named
+``sim`` from Python, so that ``torch.empty(3, device="sim")`` is a plain ``torch.Tensor``
+whose bytes are host memory, and ``torch.get_device_module("sim")`` has the surface of
+``torch.cuda`` that leakfree uses. That is the only seam: the library runs its real
+accelerator code (side streams, events, ``record_stream``, pinned blocks, prefetch) with no
+test hook inside it.
+
+What the device does with each operation:
+
+* **Compute** runs at once on host aliases of the device tensors (the CPU kernels, so
+  results are bit-identical to CPU). Every aten operation that reaches the device is a
+  *launch* on the stream current when it was issued; the :class:`Sanitizer` checks it.
+* **Streams and events** are bookkeeping: work is never actually deferred, but every
+  ordering PyTorch's stream semantics would give is recorded, so a missing
+  ``wait_stream`` / ``wait_event`` is a race the sanitizer reports, not a silent success.
+  ``Event.query()`` and ``Stream.query()`` answer True and count as the host observing
+  completion (as on CUDA, where a True query orders what the host issues next); with
+  ``SimDevice.lazy`` they answer False until the host has waited (a slow device).
+* **Pinned memory**: ``pin_memory=True`` host tensors are marked as pinned
+  (``is_pinned()`` is True); non-blocking copies between them and the device do not block
+  the host, and are launches on the current stream that the sanitizer tracks on both ends.
+* **Host waits** are counted in :attr:`SimDevice.syncs` (the sync auditor): device-to-host
+  copies into pageable memory or with ``non_blocking=False``, host-to-device copies from
+  pageable memory or with ``non_blocking=False``, ``_local_scalar_dense`` (``.item()``),
+  operations whose output shape depends on the data, and explicit ``synchronize``.
+* **Allocation**: every device storage is an allocation on the current stream; freeing one
+  while another stream may still use it (no ``record_stream`` for that stream, no event
+  ordering its last access before the allocation stream) is reported, as is any race.
+
+The current stream is process-wide rather than per thread: backward runs on the device's
+autograd thread, and where CUDA would give each node the stream of its forward, the
+simulation gives it the stream current where backward was called.
+
+Registration is process-wide and permanent (PyTorch has no way to unregister a backend),
+and must happen before the process's first backward (:func:`register`; the test suite's
+``conftest`` does it at import), so the device is registered once and *switched* on and off: while off,
+``torch.accelerator.is_available()`` is False and the CPU-only code paths run as on a
+machine without an accelerator. :func:`enabled` is the switch (the ``sim`` fixture uses it).
+It relies on private PyTorch APIs (``torch._C._acc``, the DLPack struct layout): it is
+used only on the torch versions in :data:`SUPPORTED`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import math
+import threading
+import warnings
+import weakref
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+aten = torch.ops.aten
+NAME = "sim"
+#: torch versions whose private backend API this module was written against.
+SUPPORTED = ("2.13",)
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_DL_CPU, _DL_EXT = 1, 12  # DLPack device types: kDLCPU, kDLExtDev (PrivateUse1)
+
+
+def supported() -> bool:
+    return torch.__version__.split("+")[0].rsplit(".", 1)[0] in SUPPORTED and not (
+        torch.accelerator.is_available() and not _STATE.registered
+    )
+
+
+# --- device memory: host memory re-tagged through DLPack --------------------------------
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLHead(ctypes.Structure):  # the first fields of DLTensor
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice)]
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _retag(t: torch.Tensor, device_type: int) -> torch.Tensor:
+    capsule = torch.utils.dlpack.to_dlpack(t)
+    head = _DLHead.from_address(_capsule_pointer(capsule, b"dltensor"))
+    head.device.device_type = device_type
+    return torch._C._from_dlpack(capsule)
+
+
+def host_alias(t: torch.Tensor) -> torch.Tensor:
+    """The CPU tensor over the same memory as device tensor ``t`` (same view, lazy bits
+    resolved the way the device tensor would resolve them)."""
+    conj, neg = t.is_conj(), t.is_neg()
+    if not (conj or neg):
+        return _retag(t, _DL_CPU)
+    raw = aten.alias.default.redispatch(_CPU, t)  # DLPack refuses lazy bits: export raw
+    torch._C._set_conj(raw, False)
+    torch._C._set_neg(raw, False)
+    out = _retag(raw, _DL_CPU)
+    if neg:
+        out = out._neg_view()
+    return out.conj() if conj else out
+
+
+def _is_sim(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == NAME
+
+
+# --- streams and events -----------------------------------------------------------------
+
+
+class Stream(torch.Stream):
+    """A stream of the simulated device (a real ``torch.Stream``, as ``record_stream``
+    requires), with a process-unique id; id 0 is the default stream."""
+
+    _ids = itertools.count(1)
+
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Stream:
+        stream_id = kwargs.pop("stream_id", None)
+        if stream_id is None:
+            stream_id = next(cls._ids)
+        self = super().__new__(
+            cls,
+            stream_id=stream_id,
+            device_index=0,
+            device_type=int(torch._C._autograd.DeviceType.PrivateUse1),
+        )
+        _STATE.streams[stream_id] = self
+        _STATE.trace("_handle_stream_creation", stream_id)
+        return self
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        pass
+
+    def wait_event(self, event: Event) -> None:
+        _STATE.log.append(("wait_event", self.stream_id, event.id))
+        if event.recorded:
+            _STATE.trace("_handle_event_wait", event.id, self.stream_id)
+
+    def wait_stream(self, stream: torch.Stream) -> None:
+        # CUDA records an event on ``stream`` and waits for it: so do we.
+        self.wait_event(Stream.record_event(stream))  # type: ignore[arg-type]
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event if event is not None else Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        if _STATE.lazy:
+            return False
+        _STATE.trace("_handle_stream_synchronization", self.stream_id)
+        return True
+
+    def synchronize(self) -> None:
+        _STATE.count_sync("Stream.synchronize")
+        _STATE.synced(self.stream_id)
+        _STATE.trace("_handle_stream_synchronization", self.stream_id)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, torch.Stream) and other.stream_id == self.stream_id
+
+    def __hash__(self) -> int:
+        return hash(self.stream_id)
+
+
+class Event:
+    """An event of the simulated device: ``record`` / ``wait`` / ``query`` / ``synchronize``."""
+
+    _ids = itertools.count(1)
+
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> None:
+        self.id = next(Event._ids)
+        self.recorded = False
+        self.done_after: tuple[int, int] | None = None  # (stream, its sync generation)
+        _STATE.trace("_handle_event_creation", self.id)
+
+    def record(self, stream: torch.Stream | None = None) -> None:
+        stream = stream if stream is not None else current_stream()
+        self.recorded = True
+        self.done_after = (stream.stream_id, _STATE.generation(stream.stream_id))
+        _STATE.log.append(("record", stream.stream_id, self.id))
+        _STATE.trace("_handle_event_record", self.id, stream.stream_id)
+
+    def wait(self, stream: torch.Stream | None = None) -> None:
+        stream = stream if stream is not None else current_stream()
+        Stream.wait_event(stream, self)  # type: ignore[arg-type]
+
+    def query(self) -> bool:
+        if self.done_after is None:
+            return True
+        stream_id, generation = self.done_after
+        if _STATE.lazy and _STATE.generation(stream_id) <= generation:
+            return False  # a slow device: not complete until the host waited for it
+        _STATE.trace("_handle_event_synchronization", self.id)
+        return True
+
+    def synchronize(self) -> None:
+        _STATE.count_sync("Event.synchronize")
+        if self.done_after is not None:
+            _STATE.synced(self.done_after[0])
+            _STATE.trace("_handle_event_synchronization", self.id)
+
+    def __del__(self) -> None:
+        state = _STATE  # None at interpreter shutdown
+        if state is not None and state.sanitizer is not None:
+            state.sanitizer.event("_handle_event_deletion", self.id)
+
+
+def current_stream(device: Any = None) -> Stream:
+    return _STATE.current
+
+
+def default_stream(device: Any = None) -> Stream:
+    return _STATE.default
+
+
+def set_stream(stream: Stream) -> None:
+    _STATE.current = stream
+
+
+@contextlib.contextmanager
+def stream(s: Stream | None) -> Iterator[None]:
+    """``with stream(s):`` makes ``s`` current (process-wide, see the module docstring)."""
+    if s is None:
+        yield
+        return
+    previous = _STATE.current
+    _STATE.current = s
+    try:
+        yield
+    finally:
+        _STATE.current = previous
+
+
+class _Module:
+    """What ``torch.get_device_module("sim")`` returns."""
+
+    Stream = Stream
+    Event = Event
+    stream = staticmethod(stream)
+    current_stream = staticmethod(current_stream)
+    default_stream = staticmethod(default_stream)
+    set_stream = staticmethod(set_stream)
+
+    def is_available(self) -> bool:
+        return _STATE.on
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def current_device(self) -> int:
+        return 0
+
+    def set_device(self, device: Any) -> None:
+        pass
+
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
+    def manual_seed_all(self, seed: int) -> None:
+        pass
+
+    # Random operations run on the host aliases and draw from the CPU generator, whose
+    # state checkpointing saves and restores already: the device has none of its own.
+    def get_rng_state(self, device: Any = None) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_rng_state(self, state: torch.Tensor, device: Any = None) -> None:
+        pass
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:  # autocast (checkpointing)
+        return [torch.bfloat16, torch.float16]
+
+    def device(self, device: Any) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def synchronize(self, device: Any = None) -> None:
+        _STATE.count_sync("synchronize")
+        for stream_id in list(_STATE.streams):
+            _STATE.synced(stream_id)
+        _STATE.trace("_handle_device_synchronization")
+
+    def memory_allocated(self, device: Any = None) -> int:
+        return _STATE.allocated
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        return _STATE.peak
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        _STATE.peak = _STATE.allocated
+
+    def empty_cache(self) -> None:
+        pass
+
+
+# --- state, the sync auditor and the sanitizer's feed -------------------------------------
+
+
+class _State:
+    def __init__(self) -> None:
+        self.registered = False
+        self.on = False
+        self.lock = threading.Lock()
+        self.streams: dict[int, Stream] = {}
+        self.log: list[tuple[Any, ...]] = []
+        self.syncs: Counter[str] = Counter()
+        self.sanitizer: Any = None  # a Sanitizer while one is attached
+        self.allocated = 0
+        self.peak = 0
+        self.pinned: weakref.WeakValueDictionary[int, torch.UntypedStorage] = (
+            weakref.WeakValueDictionary()
+        )
+        self.default: Stream = None  # type: ignore[assignment]
+        self.current: Stream = None  # type: ignore[assignment]
+        #: a slow device: events and streams report completion only once the host has
+        #: waited for them (``synchronize``, or a blocking copy), never on their own
+        self.lazy = False
+        self._generations: Counter[int] = Counter()  # stream -> host waits for it
+
+    def generation(self, stream_id: int) -> int:
+        return self._generations[stream_id]
+
+    def synced(self, stream_id: int) -> None:
+        """The host waited for everything issued to ``stream_id`` so far."""
+        self._generations[stream_id] += 1
+
+    def trace(self, handler: str, *args: Any) -> None:
+        if self.sanitizer is not None:
+            self.sanitizer.event(handler, *args)
+
+    def count_sync(self, kind: str) -> None:
+        if self.on:
+            self.syncs[kind] += 1
+
+
+_STATE = _State()
+
+
+def _allocate(host: torch.Tensor) -> torch.Tensor:
+    """A device tensor over ``host``'s (fresh) memory, allocated on the current stream."""
+    nbytes = host.untyped_storage().nbytes()
+    out = _retag(host, _DL_EXT)
+    storage = out.untyped_storage()
+    ptr = storage.data_ptr()
+    with _STATE.lock:
+        _STATE.allocated += nbytes
+        _STATE.peak = max(_STATE.peak, _STATE.allocated)
+    stream_id = _STATE.current.stream_id
+    _STATE.trace("allocate", ptr, stream_id)
+    weakref.finalize(storage, _free, ptr, nbytes)
+    return out
+
+
+def _free(ptr: int, nbytes: int) -> None:
+    with _STATE.lock:
+        _STATE.allocated -= nbytes
+    _STATE.trace("free", ptr)
+
+
+def _launch(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    if _STATE.sanitizer is not None:
+        _STATE.sanitizer.launch(schema, args, kwargs, out, _STATE.current.stream_id)
+
+
+# --- kernels ------------------------------------------------------------------------------
+
+
+def _empty(
+    size: Any,
+    *,
+    dtype: Any = None,
+    layout: Any = None,
+    device: Any = None,
+    pin_memory: Any = None,
+    memory_format: Any = None,
+) -> torch.Tensor:
+    fmt = memory_format or torch.contiguous_format
+    return _allocate(torch.empty(size, dtype=dtype, memory_format=fmt))
+
+
+def _empty_strided(
+    size: Any,
+    stride: Any,
+    *,
+    dtype: Any = None,
+    layout: Any = None,
+    device: Any = None,
+    pin_memory: Any = None,
+) -> torch.Tensor:
+    return _allocate(torch.empty_strided(size, stride, dtype=dtype))
+
+
+def _pinned(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.untyped_storage().data_ptr() in _STATE.pinned
+
+
+def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    to_host, from_host = dst.device.type == "cpu", src.device.type == "cpu"
+    (host_alias(dst) if _is_sim(dst) else dst).copy_(host_alias(src) if _is_sim(src) else src)
+    _launch(aten.copy_.default._schema, (dst, src), {}, dst)
+    host = dst if to_host else src if from_host else None
+    if host is not None and not (non_blocking and _pinned(host)):
+        _STATE.count_sync("device_to_host" if to_host else "host_to_device")
+        # the host waits for the copy: everything issued later is ordered after it
+        _STATE.synced(_STATE.current.stream_id)
+        _STATE.trace("_handle_stream_synchronization", _STATE.current.stream_id)
+    return dst
+
+
+def _resize_(self: torch.Tensor, size: Any, memory_format: Any = None) -> torch.Tensor:
+    storage = self.untyped_storage()
+    need = (self.storage_offset() + math.prod(size)) * self.element_size()
+    if need <= storage.nbytes():
+        return aten.resize_.default.redispatch(_CPU, self, size, memory_format=memory_format)
+    new = _allocate(torch.zeros(need, dtype=torch.uint8))
+    if storage.nbytes():
+        old = aten.set_.source_Storage.redispatch(
+            _CPU, torch.empty(0, dtype=torch.uint8, device=self.device), storage
+        )
+        host_alias(new)[: storage.nbytes()].copy_(host_alias(old))
+    stride = torch.empty(size, device="meta").stride()
+    aten.set_.source_Storage_storage_offset.redispatch(
+        _CPU, self, new.untyped_storage(), self.storage_offset(), size, stride
+    )
+    return self
+
+
+def _record_stream(self: torch.Tensor, s: torch.Stream) -> None:
+    _STATE.log.append(("record_stream", self.untyped_storage().data_ptr(), s.stream_id))
+    _STATE.trace("record_stream", self.untyped_storage().data_ptr(), s.stream_id)
+
+
+def _local_scalar_dense(self: torch.Tensor) -> Any:
+    _launch(aten._local_scalar_dense.default._schema, (self,), {}, None)
+    _STATE.count_sync("_local_scalar_dense")
+    _STATE.synced(_STATE.current.stream_id)
+    _STATE.trace("_handle_stream_synchronization", _STATE.current.stream_id)
+    return host_alias(self).item()
+
+
+#: Operations whose output shape (or result) the host must read back from the device.
+_DATA_DEPENDENT = {
+    "nonzero",
+    "masked_select",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "unique_dim_consecutive",
+    "equal",
+    "is_nonzero",
+}
+
+
+def _data_dependent(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    name = op.overloadpacket.__name__
+    if name in _DATA_DEPENDENT:
+        return True
+    if name == "repeat_interleave":
+        return kwargs.get("output_size") is None and isinstance(args[0], torch.Tensor)
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_") and len(args) > 1:
+        return any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+            for i in args[1] or ()
+        )
+    return False
+
+
+def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``op`` on host aliases of its device arguments (views stay device views)."""
+    schema = op._schema
+    returns = schema.returns
+    views = returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+    if op.overloadpacket is aten.set_ or views:
+        return op.redispatch(_CPU, *args, **kwargs)  # metadata only: the CPU kernel works
+    if _data_dependent(op, args, kwargs):
+        _STATE.count_sync(f"data_dependent:{op.overloadpacket.__name__}")
+    host = pytree.tree_map(lambda x: host_alias(x) if _is_sim(x) else x, (args, kwargs))
+    host_args, host_kwargs = host
+    outs = [
+        a.name
+        for a in schema.arguments
+        if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
+    ]
+    for name in outs:  # out=: let the host kernel size its result, then copy it over
+        if _is_sim(kwargs.get(name)):
+            host_kwargs[name] = torch.empty(0, dtype=kwargs[name].dtype)
+    result = op(*host_args, **host_kwargs)
+    for name in outs:
+        out = kwargs.get(name)
+        if _is_sim(out):
+            if out.shape != host_kwargs[name].shape:
+                _resize_(out, host_kwargs[name].shape)
+            host_alias(out).copy_(host_kwargs[name])
+    given = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args) :]]
+
+    def back(r: Any, i: int) -> Any:
+        info = returns[i].alias_info if i < len(returns) else None
+        if info is not None and info.is_write:  # returns a mutated argument: give it back
+            for a, v in zip(schema.arguments, given):
+                if a.alias_info is not None and a.alias_info.before_set == info.before_set:
+                    return v
+        if isinstance(r, torch.Tensor) and r.device.type == "cpu":
+            return _allocate(r)
+        if isinstance(r, (list, tuple)) and r and all(isinstance(x, torch.Tensor) for x in r):
+            return type(r)(_allocate(x) for x in r)
+        return r
+
+    out = (
+        tuple(back(r, i) for i, r in enumerate(result))
+        if isinstance(result, tuple)
+        else (back(result, 0))
+    )
+    _launch(schema, args, kwargs, out)
+    return out
+
+
+# --- pinned host memory -------------------------------------------------------------------
+
+
+def _dispatch_keyset(device: Any, layout: Any) -> torch._C.DispatchKeySet:
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    name = "PrivateUse1" if dev.type == NAME else torch._C._dispatch_key_for_device(dev.type)
+    if layout == torch.sparse_coo:
+        name = "Sparse" + name
+    elif layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        name = "SparseCsr" + name
+    elif layout == torch._mkldnn:  # type: ignore[attr-defined]
+        name = "MkldnnCPU"
+    return torch._C.DispatchKeySet(torch._C._parse_dispatch_key(name))
+
+
+def _empty_select(
+    size: Any,
+    *,
+    dtype: Any = None,
+    layout: Any = None,
+    device: Any = None,
+    pin_memory: Any = None,
+    memory_format: Any = None,
+) -> torch.Tensor:
+    # BackendSelect: what torch does for pin_memory=True asks the accelerator's pinned
+    # allocator, which a Python backend cannot provide; mark the storage pinned instead.
+    t = aten.empty.memory_format.redispatch(
+        _dispatch_keyset(device, layout),
+        size,
+        dtype=dtype,
+        layout=layout,
+        device=device,
+        pin_memory=False,
+        memory_format=memory_format,
+    )
+    if pin_memory:
+        storage = t.untyped_storage()
+        _STATE.pinned[storage.data_ptr()] = storage
+        _STATE.trace("allocate_pinned", storage.data_ptr())
+    return t
+
+
+def _is_pinned(self: torch.Tensor, device: Any = None) -> bool:
+    return _pinned(self)
+
+
+def _pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+    return _empty_select(self.shape, dtype=self.dtype, pin_memory=True).copy_(self)
+
+
+def _storage_clone(self: torch.UntypedStorage) -> torch.UntypedStorage:
+    # UntypedStorage(n, device="sim") reaches a null allocator (a crash): clone (deepcopy
+    # uses it) allocates through the dispatcher instead.
+    if self.device.type != NAME:
+        return _ORIGINAL_CLONE(self)
+    out = torch.empty(self.nbytes(), dtype=torch.uint8, device=self.device)
+    out.copy_(torch.empty(0, dtype=torch.uint8, device=self.device).set_(self))
+    return out.untyped_storage()
+
+
+_ORIGINAL_CLONE = torch.UntypedStorage.clone
+
+
+# --- registration and the switch ----------------------------------------------------------
+
+_LIBRARIES: list[Any] = []  # permanent: kernels for the sim key only
+
+
+def _register() -> None:
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    _setup_privateuseone_for_python_backend(NAME, backend_module=_Module())
+    _STATE.default = _STATE.current = Stream(stream_id=0)
+    lib = torch.library.Library("aten", "IMPL")
+    special = {
+        "empty.memory_format": _empty,
+        "empty_strided": _empty_strided,
+        "_copy_from": _copy_from,
+        "resize_": _resize_,
+        "_local_scalar_dense": _local_scalar_dense,
+        "record_stream": _record_stream,
+    }
+    for name, fn in special.items():
+        lib.impl(name, fn, "PrivateUse1")
+    # A composite kernel would otherwise win over the fallback, and may decompose
+    # differently from the CPU kernel (native_layer_norm does): run every aten op that has
+    # a CPU kernel through the CPU kernel, so results are bit-identical to CPU.
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::") or qualified[6:] in special:
+            continue
+        if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "PrivateUse1"):
+            continue
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CPU"):
+            continue
+        if not any(
+            torch._C._dispatch_has_kernel_for_dispatch_key(qualified, k)
+            for k in ("CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
+        ):
+            continue
+        base, _, overload = qualified[6:].partition(".")
+        op = getattr(getattr(aten, base, None), overload or "default", None)
+        if op is not None:
+            lib.impl(op, _routed(op), "PrivateUse1")
+    # Lazy conj/neg bits: their fallbacks would materialise _copy_from's inputs by a clone
+    # that copies through _copy_from again, endlessly; resolve them on the host alias.
+    for key in ("Conjugate", "Negative"):
+        lib.impl("_copy_from", torch.library.fallthrough_kernel, key)
+    boxed = torch.library.Library("_", "IMPL")
+    boxed.fallback(_fallback, "PrivateUse1")
+    _LIBRARIES.extend([lib, boxed])
+    _STATE.registered = True
+
+
+def register() -> None:
+    """Register the device (off), once per process, before the first backward anywhere.
+
+    The autograd engine sizes its per-device queues at its first backward, from the
+    devices registered then: a device registered later has no queue.
+    """
+    if not _STATE.registered and supported():
+        _register()
+
+
+def _routed(op: Any) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return _fallback(op, *args, **kwargs)
+
+    return kernel
+
+
+class _Switch:
+    """What is installed only while the device is on: pinned memory on the CPU side,
+    ``torch.accelerator.synchronize``, ``UntypedStorage.clone``."""
+
+    def __init__(self) -> None:
+        self.lib: Any = None
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    def on(self) -> None:
+        self.lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # "overriding a previously registered kernel"
+            warnings.simplefilter("ignore", UserWarning)
+            self.lib.impl("empty.memory_format", _empty_select, "BackendSelect")
+            self.lib.impl("is_pinned", _is_pinned, "CPU")
+            self.lib.impl("_pin_memory", _pin_memory, "CPU")
+        module = torch.get_device_module(NAME)
+        for owner, attr, value in (
+            # the class's function: a counter wrapping module.synchronize must not see it
+            (torch.accelerator, "synchronize", lambda device=None: _Module.synchronize(module)),
+            (torch.UntypedStorage, "clone", _storage_clone),
+        ):
+            self.saved.append((owner, attr, owner.__dict__.get(attr, _ABSENT)))
+            setattr(owner, attr, value)
+
+    def off(self) -> None:
+        for owner, attr, value in reversed(self.saved):
+            if value is _ABSENT:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, value)
+        self.saved.clear()
+        if self.lib is not None:
+            self.lib._destroy()
+            self.lib = None
+
+
+_SWITCH = _Switch()
+_ABSENT = object()
+
+
+class SimDevice:
+    """The switched-on device: its name, streams, counters and memory statistics."""
+
+    type = NAME
+    sanitizer: Any = None  #: the attached Sanitizer, set by the fixture
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(NAME, 0)
+
+    @property
+    def module(self) -> Any:
+        return torch.get_device_module(NAME)
+
+    @property
+    def syncs(self) -> Counter[str]:
+        """Host waits counted since the device was switched on (or :meth:`reset_syncs`)."""
+        return _STATE.syncs
+
+    def reset_syncs(self) -> None:
+        _STATE.syncs.clear()
+
+    @property
+    def log(self) -> list[tuple[Any, ...]]:
+        """``("record", stream, event)``, ``("wait_event", stream, event)``,
+        ``("record_stream", storage pointer, stream)`` in issue order."""
+        return _STATE.log
+
+    @property
+    def lazy(self) -> bool:
+        """A slow device (default False): ``query()`` is False until the host waited."""
+        return _STATE.lazy
+
+    @lazy.setter
+    def lazy(self, value: bool) -> None:
+        _STATE.lazy = value
+
+    def allocated(self) -> int:
+        return _STATE.allocated
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return _pinned(t)
+
+
+@contextlib.contextmanager
+def enabled() -> Iterator[SimDevice]:
+    """Switch the simulated device on (registering it the first time) for the block."""
+    if not supported():
+        raise RuntimeError(f"the simulated device needs torch {' or '.join(SUPPORTED)}.x")
+    if _STATE.on:
+        raise RuntimeError("the simulated device is already on")
+    register()
+    _SWITCH.on()
+    _STATE.on = True
+    _STATE.lazy = False
+    _STATE.syncs.clear()
+    _STATE.log.clear()
+    _STATE.current = _STATE.default
+    try:
+        yield SimDevice()
+    finally:
+        _STATE.on = False
+        _STATE.current = _STATE.default
+        _SWITCH.off()

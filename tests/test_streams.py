@@ -1,0 +1,480 @@
+"""Accelerator code paths on the simulated device (``tests/simdev``), sanitizer on.
+
+Every test here runs leakfree's real stream code: ``OffloadActivations`` with a side
+stream, pinned pool blocks, events, ``record_stream`` and backward prefetch;
+``LossLog.reduce`` on a device. The ``sim`` fixture attaches a stream sanitizer (PyTorch's
+CUDA Sanitizer algorithm) to every launch: a missing wait, or memory freed or reused while
+another stream may still use it, fails the test at teardown. Gradients are compared with
+``torch.equal`` against plain PyTorch on the CPU (the device computes with CPU kernels).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import leakfree
+from leakfree.diagnostics import count_host_syncs
+from leakfree.offload import OffloadWarning, _size_class
+from tests.test_offload import Model, assert_equal_grads, make, reference_grads
+
+
+def on_sim(seed: int = 0) -> tuple[Model, torch.Tensor]:
+    model, x = make(seed)
+    return model.to("sim"), x.to("sim")
+
+
+def sim_grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.cpu() for p in model.parameters()]
+
+
+def offload(**kw: Any) -> leakfree.OffloadActivations:
+    kw.setdefault("min_offload_size", 256)
+    ctx = leakfree.OffloadActivations(**kw)
+    assert ctx.device is not None and ctx.device.type == "sim"
+    return ctx
+
+
+def side_stream_ids(sim: Any) -> set[int]:
+    return {entry[1] for entry in sim.log if entry[0] == "record" and entry[1] != 0}
+
+
+# --- the device itself: the sanitizer and the sync auditor can fail ---------------------------
+
+
+def test_sanitizer_reports_an_unordered_read_and_accepts_the_ordered_one(sim: Any) -> None:
+    side = sim.module.Stream()
+    a = torch.ones(256, device="sim")
+    with sim.module.stream(side):
+        (a * 2).sum()  # reads a, written on the default stream: no wait
+    assert len(sim.sanitizer.errors) == 1
+    assert "aten::mul" in sim.sanitizer.report()
+    sim.sanitizer.errors.clear()
+    side.wait_stream(sim.module.current_stream())
+    with sim.module.stream(side):
+        b = a * 2
+    sim.module.current_stream().wait_event(side.record_event())
+    (b + 1).sum()
+    b.record_stream(sim.module.current_stream())  # allocated on side, used here
+    del b
+    assert sim.sanitizer.errors == []
+
+
+def test_sanitizer_reports_a_free_without_record_stream(sim: Any) -> None:
+    side = sim.module.Stream()
+    for record in (False, True):
+        a = torch.ones(256, device="sim")  # allocated on the default stream
+        side.wait_stream(sim.module.current_stream())
+        with sim.module.stream(side):
+            host = torch.empty(256, pin_memory=True)
+            host.copy_(a, non_blocking=True)
+        if record:
+            a.record_stream(side)
+        del a  # the default stream may get this memory back while side still reads it
+        assert len(sim.sanitizer.errors) == (0 if record else 1)
+        if not record:
+            assert "freed while stream" in sim.sanitizer.report()
+        sim.sanitizer.errors.clear()
+
+
+def test_sanitizer_tracks_pinned_blocks_across_streams(sim: Any) -> None:
+    one, two = sim.module.Stream(), sim.module.Stream()
+    host = torch.empty(256, pin_memory=True)
+    src = torch.ones(256, device="sim")
+    one.wait_stream(sim.module.current_stream())
+    two.wait_stream(sim.module.current_stream())
+    with sim.module.stream(one):
+        host.copy_(src, non_blocking=True)
+        done = one.record_event()
+    with sim.module.stream(two):
+        host.copy_(src, non_blocking=True)  # the block reused before one's copy completed
+    assert len(sim.sanitizer.errors) == 1
+    sim.sanitizer.errors.clear()
+    done.synchronize()
+    with sim.module.stream(two):
+        host.copy_(src, non_blocking=True)
+    sim.module.current_stream().wait_stream(two)  # before src, read by both, is freed
+    sim.module.current_stream().wait_stream(one)
+    del src
+    assert sim.sanitizer.errors == []
+
+
+def test_auditor_counts_what_blocks_the_host(sim: Any) -> None:
+    d = torch.arange(8.0, device="sim")
+    pinned = torch.empty(8, pin_memory=True)
+    pageable = torch.empty(8)
+    cases: list[tuple[str, Any, set[str]]] = [
+        ("to pageable", lambda: pageable.copy_(d, non_blocking=True), {"device_to_host"}),
+        ("to pinned, blocking", lambda: pinned.copy_(d), {"device_to_host"}),
+        ("to pinned, non_blocking", lambda: pinned.copy_(d, non_blocking=True), set()),
+        ("from pageable", lambda: d.copy_(pageable, non_blocking=True), {"host_to_device"}),
+        ("from pinned, blocking", lambda: d.copy_(pinned), {"host_to_device"}),
+        ("from pinned, non_blocking", lambda: d.copy_(pinned, non_blocking=True), set()),
+        ("torch.tensor(device=)", lambda: torch.tensor([1.0], device="sim"), {"host_to_device"}),
+        ("item", lambda: d.sum().item(), {"_local_scalar_dense"}),
+        ("nonzero", lambda: d.nonzero(), {"data_dependent:nonzero"}),
+        ("mask", lambda: d[d > 2], {"data_dependent:index"}),
+        ("synchronize", lambda: sim.module.synchronize(), {"synchronize"}),
+        (
+            "event",
+            lambda: sim.module.current_stream().record_event().synchronize(),
+            {"Event.synchronize"},
+        ),
+        ("compute", lambda: (d * 2).relu_().sum(), set()),
+    ]
+    for name, run, expect in cases:
+        sim.reset_syncs()
+        run()
+        assert set(sim.syncs) == expect, name
+        assert all(n == 1 for n in sim.syncs.values()), (name, sim.syncs)
+
+
+def test_leakfree_sync_counter_agrees_with_the_device(sim: Any) -> None:
+    d = torch.arange(8.0, device="sim")
+    pinned = torch.empty(8, pin_memory=True)
+    steps: list[Any] = [
+        lambda: d.sum().item(),
+        lambda: d.cpu(),
+        lambda: pinned.copy_(d, non_blocking=True),
+        lambda: d.copy_(pinned, non_blocking=True),
+        lambda: d.copy_(torch.ones(8)),
+        lambda: d.nonzero(),
+        lambda: sim.module.synchronize(),
+        lambda: (d * 2).sum(),
+    ]
+    for step in steps:
+        sim.reset_syncs()
+        with count_host_syncs() as counter:
+            step()
+        assert counter.count == sum(sim.syncs.values()), (counter.ops, sim.syncs)
+
+
+# --- OffloadActivations with streams: every scenario, bit-identical, no race -----------------
+
+
+def test_forward_never_waits_and_gradients_are_bit_identical(sim: Any) -> None:
+    model, x = on_sim()
+    ctx = offload()
+    assert ctx.use_streams and ctx.use_pin_memory
+    sim.reset_syncs()
+    with count_host_syncs() as counter, ctx:
+        loss = model(x).square().mean()
+    assert dict(sim.syncs) == {} and counter.count == 0
+    stats = ctx.pool.stats
+    assert stats.in_use_bytes > 0 and stats.overflows == 0  # pinned, pooled blocks
+    assert len(side_stream_ids(sim)) == 1  # the copies ran on one side stream
+    loss.backward()
+    assert_equal_grads(sim_grads(model), reference_grads())
+    assert ctx.pool.stats.in_use_bytes == 0
+
+
+def test_two_with_blocks_then_one_backward(sim: Any) -> None:
+    model, x = on_sim()
+    ctx = offload()
+    with ctx:
+        loss1 = model(x).square().mean()
+    with ctx:
+        loss2 = model(x * 2).square().mean()
+    (loss1 + loss2).backward()
+    ref, xr = make()
+    (ref(xr).square().mean() + ref(xr * 2).square().mean()).backward()
+    assert_equal_grads(sim_grads(model), [p.grad for p in ref.parameters()])
+    assert ctx.pool.stats.in_use_bytes == 0
+
+
+def test_retain_graph_twice(sim: Any) -> None:
+    model, x = on_sim()
+    ctx = offload()
+    with ctx:
+        loss = model(x).square().mean()
+    loss.backward(retain_graph=True)
+    first = sim_grads(model)
+    model.zero_grad()
+    loss.backward()
+    assert_equal_grads(first, sim_grads(model))
+    assert_equal_grads(first, reference_grads())
+
+
+def test_double_backward(sim: Any) -> None:
+    results = []
+    for ctx in (leakfree.NoOffload(), offload(min_offload_size=1)):
+        x = torch.linspace(-1, 1, 64, device="sim", requires_grad=True)
+        with ctx:
+            y = (torch.tanh(x) * torch.sigmoid(x) * x.exp()).sum()
+        (g,) = torch.autograd.grad(y, x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), x)
+        results.append((g.detach().cpu(), gg.cpu()))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_a_second_backward_on_another_stream_shares_the_restored_storage(sim: Any) -> None:
+    """A storage restored by one backward and still alive (the double-backward graph keeps
+    it) is shared with the handles a second backward unpacks, here on another stream:
+    that stream must wait for the copy-in, and be recorded on the storage."""
+    x = torch.linspace(-1, 1, 256, device="sim", requires_grad=True)
+    ctx = offload(min_offload_size=1)
+    with ctx:
+        h = x * 3.0
+        y = (h * h).sum() + torch.tanh(h).sum()  # h saved twice by mul; tanh its output
+    (g,) = torch.autograd.grad(y, x, create_graph=True)  # restores h; g's graph keeps it
+    other = sim.module.Stream()  # waits for nothing: all it reads comes from the offload
+    with sim.module.stream(other):
+        (again,) = torch.autograd.grad(y, x, retain_graph=True)
+        again = again.cpu()
+    (gg,) = torch.autograd.grad(g.sum(), x)
+    xr = torch.linspace(-1, 1, 256, requires_grad=True)
+    hr = xr * 3.0
+    yr = (hr * hr).sum() + torch.tanh(hr).sum()
+    (gr,) = torch.autograd.grad(yr, xr, create_graph=True)
+    (ggr,) = torch.autograd.grad(gr.sum(), xr)
+    assert torch.equal(g.detach().cpu(), gr.detach()) and torch.equal(again, gr.detach())
+    assert torch.equal(gg.cpu(), ggr)
+    del g, gg
+    sim.module.current_stream().wait_stream(other)
+
+
+def test_views_and_shared_storages(sim: Any) -> None:
+    ctx = offload(min_offload_size=1)
+    base = torch.randn(64, 64, device="sim", requires_grad=True)
+    big = torch.randn(1024, 64, device="sim")
+    w = torch.randn(64, device="sim", requires_grad=True)
+    with ctx:
+        a = base * 1.0
+        v1, v2, v3 = a[:32], a.t(), a.view(-1)
+        out = (v1 * v1).sum() + (v2 * v2).sum() + (v3 * v3).sum()
+        out = out + (big[3:5] * w).sum()  # a 2x64 span of a 256 KiB storage
+    stats = ctx.pool.stats
+    assert stats.allocations == 2  # the three views share one copy; the span its own
+    assert stats.in_use_bytes == _size_class(64 * 64 * 4) + _size_class(2 * 64 * 4)
+    out.backward()
+    ad = a.detach().cpu()
+    expect = 2 * ad
+    expect[:32] += 2 * ad[:32]
+    expect += 2 * ad
+    assert torch.equal(base.grad.cpu(), expect)
+    assert torch.equal(w.grad.cpu(), big[3:5].cpu().sum(0))
+
+
+def deep(width: int = 64, depth: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+def test_prefetch_window_brings_copies_back_ahead_and_stays_bounded(
+    sim: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, x = deep().to("sim"), torch.randn(32, 64, device="sim")
+    ctx = offload(max_fwd_stash_size=2)
+    issued: list[tuple[bool, int]] = []
+    original = ctx._copy_in
+
+    def watched(copy: Any, *, prefetch: bool = False) -> Any:
+        out = original(copy, prefetch=prefetch)
+        issued.append((prefetch, len(ctx._session.prefetching)))
+        return out
+
+    monkeypatch.setattr(ctx, "_copy_in", watched)
+    with ctx:
+        loss = model(x).square().mean()
+    loss.backward()
+    prefetched = [n for p, n in issued if p]
+    assert len(prefetched) >= 8  # most copies came back ahead of their use
+    assert max(prefetched) <= 2  # never more than the window outstanding
+    got = sim_grads(model)
+    ref = deep()
+    ref(x.cpu()).square().mean().backward()
+    assert_equal_grads(got, [p.grad for p in ref.parameters()])
+
+
+def test_in_flight_window_frees_activations_while_their_copies_run(sim: Any) -> None:
+    """Activations leave the in-flight window (and die) inside the with-block, while their
+    copies may still be reading them on the side stream: record_stream must cover that."""
+    model, x = deep(width=128, depth=12).to("sim"), torch.randn(64, 128, device="sim")
+    ctx = offload(max_fwd_stash_size=1)
+    with ctx:
+        loss = model(x).square().mean()
+        peak_window = len(ctx._in_flight)
+    assert peak_window <= 1
+    loss.backward()
+    ref = deep(width=128, depth=12)
+    ref(x.cpu()).square().mean().backward()
+    assert_equal_grads(sim_grads(model), [p.grad for p in ref.parameters()])
+
+
+def test_forward_without_backward_frees_everything(sim: Any) -> None:
+    model, x = on_sim()
+    before = sim.allocated()
+    ctx = offload()
+    with ctx:
+        loss = model(x).square().mean()
+        del loss  # the graph dies inside the block, copies possibly still in flight
+    assert ctx.pool.stats.in_use_bytes == 0
+    assert sim.allocated() == before
+
+
+def test_pool_reuse_across_steps(sim: Any) -> None:
+    model, x = on_sim()
+    ctx = offload()
+    for _step in range(3):
+        model.zero_grad()
+        with ctx:
+            loss = model(x).square().mean()
+        loss.backward()
+        assert_equal_grads(sim_grads(model), reference_grads())
+    stats = ctx.pool.stats
+    assert stats.reuses >= 2 * stats.allocations and stats.in_use_bytes == 0
+
+
+def one_offloaded_tensor(sim: Any) -> tuple[nn.Linear, torch.Tensor, int]:
+    """A layer whose forward offloads exactly one tensor (its 4 KiB output, saved by gelu;
+    the 2 KiB input stays), and that tensor's size."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 64).to("sim")
+    x = torch.randn(16, 32, device="sim", requires_grad=True)
+    return lin, x, 16 * 64 * 4
+
+
+def test_a_slow_device_makes_the_pool_wait_for_a_busy_block(sim: Any) -> None:
+    """Blocks whose last copy has not completed are not handed out; with no room for a
+    new one, the pool waits for the oldest (the only host wait offloading may make)."""
+    sim.lazy = True
+    lin, x, size = one_offloaded_tensor(sim)
+    ctx = offload(min_offload_size=size, pin_memory_budget=_size_class(size))
+    for _ in range(2):
+        with ctx:
+            y = nn.functional.gelu(lin(x)).sum()
+        y.backward()
+    stats = ctx.pool.stats
+    assert stats.allocations == 1 and stats.reuses == 1 and stats.overflows == 0
+    assert sim.syncs["Event.synchronize"] == 1
+    expect = x.grad.cpu() / 2
+    x.grad = None
+    nn.functional.gelu(lin(x)).sum().backward()
+    assert torch.equal(x.grad.cpu(), expect)
+
+
+def test_without_side_streams_block_reuse_waits_for_the_other_stream(sim: Any) -> None:
+    """use_streams=False copies on the current stream: a block released by a step that ran
+    on one stream is reused by a step on another only after its last copy completed."""
+    lin, x, size = one_offloaded_tensor(sim)
+    ctx = offload(use_streams=False, min_offload_size=size)
+    grads = []
+    for _ in range(2):
+        stream = sim.module.Stream()
+        stream.wait_stream(sim.module.current_stream())
+        with sim.module.stream(stream):
+            with ctx:
+                y = nn.functional.gelu(lin(x)).sum()
+            y.backward()
+            grads.append(x.grad.cpu())
+            x.grad = None
+            del y
+        sim.module.current_stream().wait_stream(stream)
+    assert ctx.pool.stats.reuses == 1
+    nn.functional.gelu(lin(x)).sum().backward()
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], x.grad.cpu())
+
+
+def test_pool_evicts_and_overflows_under_a_small_budget(sim: Any) -> None:
+    model, x = on_sim()
+    ctx = offload(pin_memory_budget=64 * 1024)
+    with pytest.warns(OffloadWarning, match="budget"), ctx:
+        loss = model(x).square().mean()
+    stats = ctx.pool.stats
+    assert stats.overflows > 0 and stats.pooled_bytes <= 64 * 1024
+    loss.backward()
+    assert_equal_grads(sim_grads(model), reference_grads())
+    assert ctx.pool.stats.in_use_bytes == 0
+
+
+class FailOnce(torch.autograd.Function):
+    armed = True
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        if FailOnce.armed:
+            FailOnce.armed = False
+            raise RuntimeError("backward failed")
+        return g
+
+
+def test_exceptions_in_the_body_and_in_backward(sim: Any) -> None:
+    model, x = on_sim()
+    ctx = offload()
+    with pytest.raises(RuntimeError, match="boom"), ctx:
+        loss = model(x).square().mean()
+        raise RuntimeError("boom")
+    del loss
+    assert ctx.pool.stats.in_use_bytes == 0
+    FailOnce.armed = True
+    with ctx:
+        loss = FailOnce.apply(model(x)).square().mean()
+    with pytest.raises(RuntimeError, match="backward failed"):
+        loss.backward()
+    del loss
+    assert ctx.pool.stats.in_use_bytes == 0  # the failed backward's graph left nothing
+    model.zero_grad()
+    with ctx:
+        loss = FailOnce.apply(model(x)).square().mean()
+    loss.backward()
+    assert_equal_grads(sim_grads(model), reference_grads())
+
+
+def test_checkpointing(sim: Any) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    model, x = on_sim()
+    ctx = offload()
+    with ctx:
+        h = x
+        for block in model.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        loss = model.lm_head(h).square().mean()
+    loss.backward()
+    assert_equal_grads(sim_grads(model), reference_grads())
+
+
+def test_backward_after_the_manager_is_gone(sim: Any) -> None:
+    """Dropping the manager leaves the graph its host copies; backward restores them with
+    plain copies on the compute stream, after the side stream's copies out."""
+    model, x = on_sim()
+    ctx = offload()
+    with ctx:
+        loss = model(x).square().mean()
+    ref = weakref.ref(ctx)
+    del ctx
+    assert ref() is None
+    loss.backward()
+    assert_equal_grads(sim_grads(model), reference_grads())
+
+
+# --- LossLog on a device ----------------------------------------------------------------------
+
+
+def test_losslog_reduce_on_the_device_same_floats_one_wait(sim: Any) -> None:
+    keys = {"a": "mean", "b": "min", "c": "max", "d": "sum"}
+    results = []
+    for device in ("cpu", "sim"):
+        log = leakfree.LossLog(keys, device=device)
+        for i in range(100):
+            for key in "abc":
+                log[key].append(torch.full((), i / 7, device=device))
+        log["d"].append(2.5)
+        sim.reset_syncs()
+        with count_host_syncs() as counter:
+            results.append(log.reduce())
+        if device == "sim":
+            assert sum(sim.syncs.values()) == 1 and counter.count == 1, sim.syncs
+    assert results[0] == results[1]
