@@ -404,7 +404,6 @@ class _Offloaded:
         "copy",
         "dtype",
         "element_offset",
-        "event",
         "in_flight",
         "index",
         "manager",
@@ -435,7 +434,6 @@ class _Offloaded:
         self.element_offset = element_offset  # storage offset within the copied bytes
         #: the device tensor (detached) while its device-to-host copy is in flight
         self.in_flight: torch.Tensor | None = None
-        self.event: Any = None
 
     def unpack(self) -> torch.Tensor:
         t = self.in_flight
@@ -677,7 +675,6 @@ class OffloadActivations(saved_tensors_hooks):
                 # The device tensor stays alive (owned by the handle, detached: no grad_fn
                 # cycle) until its copy retires. Pageable copies are synchronous already.
                 handle.in_flight = t.detach()
-                handle.event = copy.block.event
                 for old in _retire(self._in_flight, weakref.ref(handle), self.max_fwd_stash_size):
                     old.in_flight = None  # record_stream(side) keeps its memory safe
         return handle
@@ -704,23 +701,21 @@ class OffloadActivations(saved_tensors_hooks):
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         src = src[copy.byte_start : copy.byte_start + copy.nbytes]
         dst = copy.host_bytes()
-        if self.use_streams:
-            compute = self._device_module.current_stream(t.device)
-            side = self._side(t.device)
-            side.wait_stream(compute)  # the activation is complete before we read it
-            with self._device_module.stream(side):
-                dst.copy_(src, non_blocking=copy.block.pinned)
-                event = side.record_event()
-            # The allocator must not hand this block to anyone before the copy ran, even if
-            # every reference to it is dropped early (e.g. the graph dies in forward).
-            t.record_stream(side)
-        elif self._device_module is not None:
-            dst.copy_(src, non_blocking=copy.block.pinned)
-            event = self._device_module.current_stream(t.device).record_event()
-        else:
+        if self._device_module is None:  # force_host_copy on a CPU-only machine
             dst.copy_(src)
-            event = None
-        copy.block.event = event  # the pool reuses the block only after this completes
+            return
+        side = self._side(t.device) if self.use_streams else None
+        if side is not None:
+            compute = self._device_module.current_stream(t.device)
+            side.wait_stream(compute)  # the activation is complete before we read it
+        with self._device_module.stream(side):  # stream(None): stay on the current one
+            dst.copy_(src, non_blocking=copy.block.pinned)
+            # the pool hands the block out again only once this copy has completed
+            copy.block.event = self._device_module.current_stream(t.device).record_event()
+        if side is not None:
+            # The allocator must not hand this memory to anyone before the copy ran, even
+            # if every reference to it is dropped early (e.g. the graph dies in forward).
+            t.record_stream(side)
 
     def _restore(self, copy: _HostCopy, session: _Session) -> torch.UntypedStorage:
         """A device storage holding ``copy``'s bytes (shared with a live restored sibling)."""
@@ -728,19 +723,13 @@ class OffloadActivations(saved_tensors_hooks):
             sibling = copy.live_restored()
             if sibling is not None:
                 alive, event = sibling
-                if event is not None:
-                    # The sibling's backward may run on another stream: order and protect
-                    # this use too.
-                    current = self._device_module.current_stream(copy.device)
-                    current.wait_event(event)
-                    _bytes_of(alive, copy.device).record_stream(current)
+                if event is not None:  # this backward may run on another stream
+                    self._use_here(_bytes_of(alive, copy.device), event)
                 return alive
             if copy.prefetched is not None:
                 dev, event = copy.prefetched
                 copy.prefetched = None
-                compute = self._device_module.current_stream(copy.device)
-                compute.wait_event(event)
-                dev.record_stream(compute)  # allocated on the side stream, used on compute
+                self._use_here(dev, event)
             else:
                 dev, event = self._copy_in(copy)
             storage = dev.untyped_storage()
@@ -749,28 +738,29 @@ class OffloadActivations(saved_tensors_hooks):
 
     def _copy_in(self, copy: _HostCopy, *, prefetch: bool = False) -> tuple[torch.Tensor, Any]:
         src = copy.host_bytes()
-        if self.use_streams:
-            side = self._side(copy.device)
-            # No wait for compute: the host bytes were written on this same side stream.
-            with self._device_module.stream(side):
-                dev = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
-                dev.copy_(src, non_blocking=copy.block.pinned)
-                event = side.record_event()
-            copy.block.event = event  # the host block is read until this completes
-            if prefetch:
-                copy.prefetched = (dev, event)
-            else:
-                compute = self._device_module.current_stream(copy.device)
-                compute.wait_event(event)
-                dev.record_stream(compute)
-            return dev, event
-        dev = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
-        dev.copy_(src, non_blocking=copy.block.pinned)
-        event = None
-        if self._device_module is not None:
+        if self._device_module is None:  # force_host_copy on a CPU-only machine
+            dev = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
+            return dev.copy_(src), None
+        # No wait for compute: the host bytes were written on this same (side) stream.
+        side = self._side(copy.device) if self.use_streams else None
+        with self._device_module.stream(side):
+            dev = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
+            dev.copy_(src, non_blocking=copy.block.pinned)
             event = self._device_module.current_stream(copy.device).record_event()
-            copy.block.event = event
+        copy.block.event = event  # the host block is read until this completes
+        if prefetch:
+            copy.prefetched = (dev, event)
+        elif side is not None:
+            self._use_here(dev, event)
         return dev, event
+
+    def _use_here(self, dev: torch.Tensor, event: Any) -> None:
+        """Make ``dev``, written on another stream up to ``event``, usable on the current
+        stream: wait for the write, and keep the allocator from reusing the memory before
+        this stream is done with it."""
+        current = self._device_module.current_stream(dev.device)
+        current.wait_event(event)
+        dev.record_stream(current)
 
     def _side(self, device: torch.device) -> Any:
         index = (

@@ -4,4 +4,13 @@
 from .device import NAME, SimDevice, enabled, host_alias, register, supported
 from .sanitizer import Sanitizer, attach
 
-__all__ = ["NAME", "Sanitizer", "SimDevice", "attach", "enabled", "host_alias", "register", "supported"]
+__all__ = [
+    "NAME",
+    "Sanitizer",
+    "SimDevice",
+    "attach",
+    "enabled",
+    "host_alias",
+    "register",
+    "supported",
+]

@@ -61,6 +61,9 @@ from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
 NAME = "sim"
+#: One device: the autograd engine of this torch runs backward for a second Python-backend
+#: device on no queue at all (an internal assert), so ``sim:1`` cannot be simulated yet.
+DEVICES = 1
 #: torch versions whose private backend API this module was written against.
 SUPPORTED = ("2.13",)
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -89,10 +92,11 @@ _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
-def _retag(t: torch.Tensor, device_type: int) -> torch.Tensor:
+def _retag(t: torch.Tensor, device_type: int, index: int = 0) -> torch.Tensor:
     capsule = torch.utils.dlpack.to_dlpack(t)
     head = _DLHead.from_address(_capsule_pointer(capsule, b"dltensor"))
     head.device.device_type = device_type
+    head.device.device_id = index
     return torch._C._from_dlpack(capsule)
 
 
@@ -120,7 +124,7 @@ def _is_sim(x: Any) -> bool:
 
 class Stream(torch.Stream):
     """A stream of the simulated device (a real ``torch.Stream``, as ``record_stream``
-    requires), with a process-unique id; id 0 is the default stream."""
+    requires), with a process-unique id; the default streams are ``_default_id(index)``."""
 
     _ids = itertools.count(1)
 
@@ -128,10 +132,13 @@ class Stream(torch.Stream):
         stream_id = kwargs.pop("stream_id", None)
         if stream_id is None:
             stream_id = next(cls._ids)
+        index = kwargs.pop("device_index", None)
+        if index is None:
+            index = _STATE.device if device is None else _device_index(device)
         self = super().__new__(
             cls,
             stream_id=stream_id,
-            device_index=0,
+            device_index=index,
             device_type=int(torch._C._autograd.DeviceType.PrivateUse1),
         )
         _STATE.streams[stream_id] = self
@@ -218,16 +225,29 @@ class Event:
             state.sanitizer.event("_handle_event_deletion", self.id)
 
 
+def _device_index(device: Any) -> int:
+    if device is None:
+        return _STATE.device
+    if isinstance(device, int):
+        return device
+    index = torch.device(device).index
+    return _STATE.device if index is None else index
+
+
+def _default_id(index: int) -> int:
+    return 0 if index == 0 else (1 << 40) + index  # 0: the sanitizer's default stream
+
+
 def current_stream(device: Any = None) -> Stream:
-    return _STATE.current
+    return _STATE.current[_device_index(device)]
 
 
 def default_stream(device: Any = None) -> Stream:
-    return _STATE.default
+    return _STATE.streams[_default_id(_device_index(device))]
 
 
 def set_stream(stream: Stream) -> None:
-    _STATE.current = stream
+    _STATE.current[stream.device_index] = stream
 
 
 @contextlib.contextmanager
@@ -236,12 +256,13 @@ def stream(s: Stream | None) -> Iterator[None]:
     if s is None:
         yield
         return
-    previous = _STATE.current
-    _STATE.current = s
+    index = s.device_index
+    previous = _STATE.current[index]
+    _STATE.current[index] = s
     try:
         yield
     finally:
-        _STATE.current = previous
+        _STATE.current[index] = previous
 
 
 class _Module:
@@ -261,13 +282,13 @@ class _Module:
         return True
 
     def device_count(self) -> int:
-        return 1
+        return DEVICES
 
     def current_device(self) -> int:
-        return 0
+        return _STATE.device
 
     def set_device(self, device: Any) -> None:
-        pass
+        _STATE.device = device if isinstance(device, int) else torch.device(device).index
 
     def _is_in_bad_fork(self) -> bool:
         return False
@@ -325,12 +346,15 @@ class _State:
         self.pinned: weakref.WeakValueDictionary[int, torch.UntypedStorage] = (
             weakref.WeakValueDictionary()
         )
-        self.default: Stream = None  # type: ignore[assignment]
-        self.current: Stream = None  # type: ignore[assignment]
+        self.device = 0  # the current device index
+        self.current: dict[int, Stream] = {}  # device index -> its current stream
         #: a slow device: events and streams report completion only once the host has
         #: waited for them (``synchronize``, or a blocking copy), never on their own
         self.lazy = False
         self._generations: Counter[int] = Counter()  # stream -> host waits for it
+
+    def reset_streams(self) -> None:
+        self.current = {i: self.streams[_default_id(i)] for i in range(DEVICES)}
 
     def generation(self, stream_id: int) -> int:
         return self._generations[stream_id]
@@ -351,17 +375,17 @@ class _State:
 _STATE = _State()
 
 
-def _allocate(host: torch.Tensor) -> torch.Tensor:
-    """A device tensor over ``host``'s (fresh) memory, allocated on the current stream."""
+def _allocate(host: torch.Tensor, index: int | None) -> torch.Tensor:
+    """A device tensor on ``sim:index`` (default: the current device) over ``host``'s
+    (fresh) memory, allocated on the current stream."""
     nbytes = host.untyped_storage().nbytes()
-    out = _retag(host, _DL_EXT)
+    out = _retag(host, _DL_EXT, _STATE.device if index is None else index)
     storage = out.untyped_storage()
     ptr = storage.data_ptr()
     with _STATE.lock:
         _STATE.allocated += nbytes
         _STATE.peak = max(_STATE.peak, _STATE.allocated)
-    stream_id = _STATE.current.stream_id
-    _STATE.trace("allocate", ptr, stream_id)
+    _STATE.trace("allocate", ptr, _STATE.current[out.device.index].stream_id)
     weakref.finalize(storage, _free, ptr, nbytes)
     return out
 
@@ -372,9 +396,18 @@ def _free(ptr: int, nbytes: int) -> None:
     _STATE.trace("free", ptr)
 
 
-def _launch(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def _launch(
+    schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, index: int
+) -> None:
     if _STATE.sanitizer is not None:
-        _STATE.sanitizer.launch(schema, args, kwargs, out, _STATE.current.stream_id)
+        _STATE.sanitizer.launch(schema, args, kwargs, out, _STATE.current[index].stream_id)
+
+
+def _host_waits(index: int) -> None:
+    """The host waited for everything issued so far to ``sim:index``'s current stream."""
+    stream_id = _STATE.current[index].stream_id
+    _STATE.synced(stream_id)
+    _STATE.trace("_handle_stream_synchronization", stream_id)
 
 
 # --- kernels ------------------------------------------------------------------------------
@@ -390,7 +423,7 @@ def _empty(
     memory_format: Any = None,
 ) -> torch.Tensor:
     fmt = memory_format or torch.contiguous_format
-    return _allocate(torch.empty(size, dtype=dtype, memory_format=fmt))
+    return _allocate(torch.empty(size, dtype=dtype, memory_format=fmt), _index(device))
 
 
 def _empty_strided(
@@ -402,7 +435,11 @@ def _empty_strided(
     device: Any = None,
     pin_memory: Any = None,
 ) -> torch.Tensor:
-    return _allocate(torch.empty_strided(size, stride, dtype=dtype))
+    return _allocate(torch.empty_strided(size, stride, dtype=dtype), _index(device))
+
+
+def _index(device: Any) -> int | None:
+    return None if device is None else torch.device(device).index
 
 
 def _pinned(t: torch.Tensor) -> bool:
@@ -412,13 +449,12 @@ def _pinned(t: torch.Tensor) -> bool:
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     to_host, from_host = dst.device.type == "cpu", src.device.type == "cpu"
     (host_alias(dst) if _is_sim(dst) else dst).copy_(host_alias(src) if _is_sim(src) else src)
-    _launch(aten.copy_.default._schema, (dst, src), {}, dst)
+    index = (src if to_host else dst).device.index
+    _launch(aten.copy_.default._schema, (dst, src), {}, dst, index)
     host = dst if to_host else src if from_host else None
     if host is not None and not (non_blocking and _pinned(host)):
         _STATE.count_sync("device_to_host" if to_host else "host_to_device")
-        # the host waits for the copy: everything issued later is ordered after it
-        _STATE.synced(_STATE.current.stream_id)
-        _STATE.trace("_handle_stream_synchronization", _STATE.current.stream_id)
+        _host_waits(index)  # everything the host issues later is ordered after the copy
     return dst
 
 
@@ -427,7 +463,7 @@ def _resize_(self: torch.Tensor, size: Any, memory_format: Any = None) -> torch.
     need = (self.storage_offset() + math.prod(size)) * self.element_size()
     if need <= storage.nbytes():
         return aten.resize_.default.redispatch(_CPU, self, size, memory_format=memory_format)
-    new = _allocate(torch.zeros(need, dtype=torch.uint8))
+    new = _allocate(torch.zeros(need, dtype=torch.uint8), self.device.index)
     if storage.nbytes():
         old = aten.set_.source_Storage.redispatch(
             _CPU, torch.empty(0, dtype=torch.uint8, device=self.device), storage
@@ -446,10 +482,9 @@ def _record_stream(self: torch.Tensor, s: torch.Stream) -> None:
 
 
 def _local_scalar_dense(self: torch.Tensor) -> Any:
-    _launch(aten._local_scalar_dense.default._schema, (self,), {}, None)
+    _launch(aten._local_scalar_dense.default._schema, (self,), {}, None, self.device.index)
     _STATE.count_sync("_local_scalar_dense")
-    _STATE.synced(_STATE.current.stream_id)
-    _STATE.trace("_handle_stream_synchronization", _STATE.current.stream_id)
+    _host_waits(self.device.index)
     return host_alias(self).item()
 
 
@@ -509,6 +544,7 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
                 _resize_(out, host_kwargs[name].shape)
             host_alias(out).copy_(host_kwargs[name])
     given = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args) :]]
+    index = next(x.device.index for x in pytree.tree_leaves((args, kwargs)) if _is_sim(x))
 
     def back(r: Any, i: int) -> Any:
         info = returns[i].alias_info if i < len(returns) else None
@@ -517,9 +553,9 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
                 if a.alias_info is not None and a.alias_info.before_set == info.before_set:
                     return v
         if isinstance(r, torch.Tensor) and r.device.type == "cpu":
-            return _allocate(r)
+            return _allocate(r, index)
         if isinstance(r, (list, tuple)) and r and all(isinstance(x, torch.Tensor) for x in r):
-            return type(r)(_allocate(x) for x in r)
+            return type(r)(_allocate(x, index) for x in r)
         return r
 
     out = (
@@ -527,7 +563,7 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(result, tuple)
         else (back(result, 0))
     )
-    _launch(schema, args, kwargs, out)
+    _launch(schema, args, kwargs, out, index)
     return out
 
 
@@ -567,10 +603,37 @@ def _empty_select(
         memory_format=memory_format,
     )
     if pin_memory:
-        storage = t.untyped_storage()
-        _STATE.pinned[storage.data_ptr()] = storage
-        _STATE.trace("allocate_pinned", storage.data_ptr())
+        _mark_pinned(t)
     return t
+
+
+def _empty_strided_select(
+    size: Any,
+    stride: Any,
+    *,
+    dtype: Any = None,
+    layout: Any = None,
+    device: Any = None,
+    pin_memory: Any = None,
+) -> torch.Tensor:
+    t = aten.empty_strided.default.redispatch(
+        _dispatch_keyset(device, layout),
+        size,
+        stride,
+        dtype=dtype,
+        layout=layout,
+        device=device,
+        pin_memory=False,
+    )
+    if pin_memory:
+        _mark_pinned(t)
+    return t
+
+
+def _mark_pinned(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    _STATE.pinned[storage.data_ptr()] = storage
+    _STATE.trace("allocate_pinned", storage.data_ptr())
 
 
 def _is_pinned(self: torch.Tensor, device: Any = None) -> bool:
@@ -603,7 +666,9 @@ def _register() -> None:
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     _setup_privateuseone_for_python_backend(NAME, backend_module=_Module())
-    _STATE.default = _STATE.current = Stream(stream_id=0)
+    for index in range(DEVICES):
+        Stream(stream_id=_default_id(index), device_index=index)
+    _STATE.reset_streams()
     lib = torch.library.Library("aten", "IMPL")
     special = {
         "empty.memory_format": _empty,
@@ -674,6 +739,7 @@ class _Switch:
         with warnings.catch_warnings():  # "overriding a previously registered kernel"
             warnings.simplefilter("ignore", UserWarning)
             self.lib.impl("empty.memory_format", _empty_select, "BackendSelect")
+            self.lib.impl("empty_strided", _empty_strided_select, "BackendSelect")
             self.lib.impl("is_pinned", _is_pinned, "CPU")
             self.lib.impl("_pin_memory", _pin_memory, "CPU")
         module = torch.get_device_module(NAME)
@@ -758,10 +824,12 @@ def enabled() -> Iterator[SimDevice]:
     _STATE.lazy = False
     _STATE.syncs.clear()
     _STATE.log.clear()
-    _STATE.current = _STATE.default
+    _STATE.reset_streams()
+    _STATE.device = 0
     try:
         yield SimDevice()
     finally:
         _STATE.on = False
-        _STATE.current = _STATE.default
+        _STATE.reset_streams()
+        _STATE.device = 0
         _SWITCH.off()
