@@ -63,10 +63,12 @@ def find(path: str) -> list[Mutant]:
             and not (isinstance(node.value, ast.Constant) and node.value.value is None)
         ):
             mutants.append(Mutant(path, node.lineno, text, "pass"))
-        elif isinstance(node, ast.Return) and node.value is not None:
-            # HostBlock.ready: "has its last copy completed?" asks the event
-            if any(_called(n) == "query" for n in ast.walk(node.value)):
-                mutants.append(Mutant(path, node.lineno, text, "return True"))
+        elif (
+            isinstance(node, ast.Return)
+            and node.value is not None
+            and any(_called(n) == "query" for n in ast.walk(node.value))
+        ):  # HostBlock.ready: "has its last copy completed?" asks the event
+            mutants.append(Mutant(path, node.lineno, text, "return True"))
     return sorted(mutants, key=lambda m: (m.path, m.line))
 
 
