@@ -39,8 +39,8 @@ and must happen before the process's first backward (:func:`register`; the test 
 ``conftest`` does it at import), so the device is registered once and *switched* on and
 off: while off, ``torch.accelerator.is_available()`` is False and the CPU-only code paths
 run as on a machine without an accelerator. :func:`enabled` is the switch (the ``sim``
-fixture uses it). It relies on private PyTorch APIs (``torch._C._acc``, the DLPack struct layout): it is
-used only on the torch versions in :data:`SUPPORTED`.
+fixture uses it). It relies on private PyTorch APIs (``torch._C._acc``, the DLPack struct
+layout): it is used only on the torch versions in :data:`SUPPORTED`.
 """
 
 from __future__ import annotations
