@@ -193,6 +193,7 @@ class HostBlockPool:
         self.pin = pin
         self._stats = PoolStats()
         self._free: OrderedDict[int, HostBlock] = OrderedDict()  # id -> block, LRU first
+        self._by_size: dict[int, dict[int, HostBlock]] = {}  # size class -> its free blocks
         self._returned: deque[HostBlock] = deque()
         self._lock = threading.RLock()
         self._warned = False
@@ -216,6 +217,7 @@ class HostBlockPool:
             self._stats.in_use_bytes -= block.size
             if block.pooled:
                 self._free[id(block)] = block
+                self._by_size.setdefault(block.size, {})[id(block)] = block
                 self._stats.cached_bytes += block.size
 
     def acquire(self, nbytes: int) -> HostBlock:
@@ -223,12 +225,12 @@ class HostBlockPool:
         wait: HostBlock | None = None
         with self._lock:
             self._drain()
-            same = [b for b in self._free.values() if b.size == size]
-            block = next((b for b in same if b.ready()), None)
+            same = self._by_size.get(size)
+            block = next((b for b in same.values() if b.ready()), None) if same else None
             if block is None and same and self.host_budget.used + size > self.budget:
-                block = wait = same[0]  # all busy and no room for another: wait for one
+                block = wait = next(iter(same.values()))  # all busy, no room: wait for one
             if block is not None:
-                del self._free[id(block)]
+                self._take(block)
                 self._stats.cached_bytes -= size
                 self._stats.in_use_bytes += size
                 self._stats.reuses += 1
@@ -271,10 +273,16 @@ class HostBlockPool:
             if self.host_budget.used + size <= self.budget:
                 return
             if self._free[key].ready():
-                block = self._free.pop(key)
+                block = self._free[key]
+                self._take(block)
                 self._stats.cached_bytes -= block.size
                 self._stats.pooled_bytes -= block.size
                 del block  # its finalizer gives its bytes back to the budget
+
+    def _take(self, block: HostBlock) -> None:
+        """Remove a free block from the free lists (lock held)."""
+        del self._free[id(block)]
+        del self._by_size[block.size][id(block)]
 
     def release(self, block: HostBlock) -> None:
         self._returned.append(block)
@@ -291,6 +299,7 @@ class HostBlockPool:
             self._stats.pooled_bytes -= freed
             self._stats.cached_bytes = 0
             self._free.clear()
+            self._by_size.clear()
         empty = getattr(torch._C, "_host_emptyCache", None)
         if freed and self.pin and empty is not None:
             empty()
@@ -698,8 +707,8 @@ class OffloadActivations(saved_tensors_hooks):
         return None
 
     def _copy_out(self, t: torch.Tensor, storage: torch.UntypedStorage, copy: _HostCopy) -> None:
-        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-        src = src[copy.byte_start : copy.byte_start + copy.nbytes]
+        src = torch.empty(0, dtype=torch.uint8, device=t.device)
+        src.set_(storage, copy.byte_start, (copy.nbytes,), (1,))
         dst = copy.host_bytes()
         if self._device_module is None:  # force_host_copy on a CPU-only machine
             dst.copy_(src)

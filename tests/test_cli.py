@@ -132,8 +132,9 @@ def test_losslog_benchmark_runs(tmp_path: Path) -> None:
 
 def test_offload_benchmark_runs(tmp_path: Path) -> None:
     data = run_benchmark("offload", tmp_path, "--steps", "3")
-    modes = {r["mode"] for r in data["cpu_hook_cost"]}
-    assert {"no offloading", "leakfree", "torch save_on_cpu"} <= modes
+    rows = {(r["width"], r["mode"]) for r in data["cpu_hook_cost"]}
+    modes = ("no offloading", "torch save_on_cpu", "leakfree, reused", "leakfree, new each step")
+    assert rows == {(w, m) for w in (64, 512) for m in modes}
     assert data["cpu_live_bytes"]["leakfree"] == [0, 0, 0]
 
 
