@@ -194,7 +194,7 @@ class HostBlockPool:
         self._stats = PoolStats()
         self._free: OrderedDict[int, HostBlock] = OrderedDict()  # id -> block, LRU first
         self._by_size: dict[int, dict[int, HostBlock]] = {}  # size class -> its free blocks
-        self._returned: deque[HostBlock] = deque()
+        self._returned: deque[tuple[HostBlock, bool]] = deque()
         self._lock = threading.RLock()
         self._warned = False
 
@@ -213,12 +213,14 @@ class HostBlockPool:
         # Called with the lock held. popleft/append on a deque are atomic: no lock needed
         # on the release side.
         while self._returned:
-            block = self._returned.popleft()
+            block, reuse = self._returned.popleft()
             self._stats.in_use_bytes -= block.size
-            if block.pooled:
+            if block.pooled and reuse:
                 self._free[id(block)] = block
                 self._by_size.setdefault(block.size, {})[id(block)] = block
                 self._stats.cached_bytes += block.size
+            elif block.pooled:  # its memory lives on in views: it leaves the pool
+                self._stats.pooled_bytes -= block.size
 
     def acquire(self, nbytes: int) -> HostBlock:
         size = _size_class(nbytes)
@@ -284,8 +286,10 @@ class HostBlockPool:
         del self._free[id(block)]
         del self._by_size[block.size][id(block)]
 
-    def release(self, block: HostBlock) -> None:
-        self._returned.append(block)
+    def release(self, block: HostBlock, *, reuse: bool = True) -> None:
+        """Give ``block`` back (``reuse=False``: its memory is still viewed elsewhere, so
+        it leaves the pool instead of being handed out again)."""
+        self._returned.append((block, reuse))
 
     def trim(self) -> int:
         """Free every cached block; returns the bytes freed.
@@ -312,6 +316,8 @@ class HostBlockPool:
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """First and one-past-last element index of ``t`` in its storage (in elements)."""
     offset = int(t.storage_offset())
+    if t.is_contiguous():  # the common case, without a walk over the strides
+        return offset, offset + t.numel()
     if t.numel() == 0:
         return offset, offset
     last = offset + sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride()))
@@ -363,7 +369,9 @@ class _HostCopy:
         "block",
         "byte_start",
         "device",
+        "host",
         "index",
+        "lent",
         "nbytes",
         "pool",
         "prefetched",
@@ -377,17 +385,20 @@ class _HostCopy:
         # Weak: a graph keeps its own host bytes, not the pool and its free blocks.
         self.pool = weakref.ref(pool)
         self.block = pool.acquire(nbytes)
+        data = self.block.data
+        self.host = data if nbytes == self.block.size else data[:nbytes]  # the bytes used
         self.nbytes = nbytes
         self.byte_start = byte_start  # where the copied bytes start in the source storage
         self.device = device
         self.index = 0  # tape position of the newest handle using it
+        self.lent = False  # restored tensors view the block itself (CPU): never reuse it
         self.source: Any = None  # weak reference to the source storage (dedup validity)
         #: (weak reference to a live restored storage, the event its copy-in recorded)
         self.restored: tuple[Any, Any] | None = None
         self.prefetched: tuple[torch.Tensor, Any] | None = None  # (device bytes, event)
 
     def host_bytes(self) -> torch.Tensor:
-        return self.block.data[: self.nbytes]
+        return self.host
 
     def live_restored(self) -> tuple[torch.UntypedStorage, Any] | None:
         """The device storage a sibling handle restored, if it is still alive, and the
@@ -401,7 +412,8 @@ class _HostCopy:
         block = getattr(self, "block", None)
         pool = self.pool() if block is not None else None
         if block is not None and pool is not None:
-            pool.release(block)  # never blocks: safe inside a garbage collection
+            # never blocks: safe inside a garbage collection
+            pool.release(block, reuse=not self.lent)
         # (pool gone: the block's memory is freed with it)
 
 
@@ -495,9 +507,9 @@ class _Session:
     def __init__(self) -> None:
         self.tape: deque[weakref.ref[_Offloaded]] = deque()
         self.base = 0  # pack index of tape[0]
-        self.shared: weakref.WeakValueDictionary[tuple[int, int], _HostCopy] = (
-            weakref.WeakValueDictionary()
-        )
+        #: (storage address, version) -> the host copy made of it (weakly); one forward's
+        #: worth of entries, dropped with the session
+        self.shared: dict[tuple[int, int], weakref.ref[_HostCopy]] = {}
         #: copies with a prefetched device copy not yet consumed, weakly, in plan order
         self.prefetching: deque[weakref.ref[_HostCopy]] = deque()
 
@@ -608,6 +620,7 @@ class OffloadActivations(saved_tensors_hooks):
         self.use_pin_memory = bool(use_pin_memory) and accelerated
         self.min_offload_size = min_offload_size
         self.max_fwd_stash_size = max_fwd_stash_size
+        self._device_type = target.type if target is not None else None
         self.pool = HostBlockPool(pin_memory_budget, pin=self.use_pin_memory)
         self._device_module: Any = (
             torch.get_device_module(target.type) if accelerated and target is not None else None
@@ -622,6 +635,16 @@ class OffloadActivations(saved_tensors_hooks):
         super().__init__(_pack_hook(weakref.ref(self)), _unpack_hook)
 
     # -- configuration ------------------------------------------------------------------
+
+    @property
+    def min_offload_size(self) -> int:
+        """Tensors smaller than this many bytes stay where they are (settable)."""
+        return self._min_offload_size
+
+    @min_offload_size.setter
+    def min_offload_size(self, value: int) -> None:
+        self._min_offload_size = value
+        self._min_bytes = max(value, 1)  # what the pack hook compares, precomputed
 
     def update_model_params(self, model: nn.Module) -> None:
         """Never offload ``model``'s parameters and buffers (matched by storage address).
@@ -642,26 +665,24 @@ class OffloadActivations(saved_tensors_hooks):
 
     # -- the hooks --------------------------------------------------------------------------
 
-    def _eligible(self, t: torch.Tensor) -> bool:
-        return (
-            self.enabled
-            and type(t) is torch.Tensor  # not Parameters, not subclasses (DTensor, FP8, ...)
-            and not isinstance(t._base, nn.Parameter)  # weight.t() and other parameter views
-            and self.device is not None
-            and t.device.type == self.device.type
-            and t.layout == torch.strided
-            and not t.is_nested  # a strided-layout nested tensor has no sizes to span
-            and not t.is_quantized  # no byte view to copy through
-            and t.numel() * t.element_size() >= max(self.min_offload_size, 1)
-            and not t.is_conj()
-            and not t.is_neg()
-            and t.untyped_storage().data_ptr() not in self._param_storages
-        )
+    def _eligible(self, t: torch.Tensor) -> torch.UntypedStorage | None:
+        """``t``'s storage if ``t`` is to be offloaded, else None (cheapest checks first:
+        this runs for every saved tensor)."""
+        if not (self.enabled and type(t) is torch.Tensor):  # not Parameters, not subclasses
+            return None
+        if t.is_nested or t.layout != torch.strided or t.is_quantized:
+            return None  # no sizes to span, or no byte view to copy through
+        if t.nbytes < self._min_bytes or t.device.type != self._device_type:
+            return None
+        if t.is_conj() or t.is_neg() or isinstance(t._base, nn.Parameter):
+            return None  # lazy bits; weight.t() and other parameter views
+        storage = t.untyped_storage()
+        return None if storage.data_ptr() in self._param_storages else storage
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if not self._eligible(t):
+        storage = self._eligible(t)
+        if storage is None:
             return _Kept(t)  # stays where it is, as plain PyTorch would keep it
-        storage = t.untyped_storage()
         elem = t.element_size()
         first, end = _span(t)
         span_bytes = (end - first) * elem
@@ -676,7 +697,7 @@ class OffloadActivations(saved_tensors_hooks):
                 self._copy_out(t, storage, copy)
                 if whole:
                     copy.source = weakref.ref(storage)
-                    session.shared[(storage.data_ptr(), t._version)] = copy
+                    session.shared[(storage.data_ptr(), t._version)] = weakref.ref(copy)
             offset = int(t.storage_offset()) - copy.byte_start // elem
             handle = _Offloaded(self, session, copy, t, offset)
             session.append(handle)
@@ -701,7 +722,8 @@ class OffloadActivations(saved_tensors_hooks):
         bypass the version counter (through ``.data``, ``set_`` or numpy aliases) between
         two saves are not seen: PyTorch does not track them either.
         """
-        copy = session.shared.get((storage.data_ptr(), version))
+        ref = session.shared.get((storage.data_ptr(), version))
+        copy = ref() if ref is not None else None
         if copy is not None and copy.source is not None and copy.source() is not None:
             return copy
         return None
@@ -747,9 +769,12 @@ class OffloadActivations(saved_tensors_hooks):
 
     def _copy_in(self, copy: _HostCopy, *, prefetch: bool = False) -> tuple[torch.Tensor, Any]:
         src = copy.host_bytes()
-        if self._device_module is None:  # force_host_copy on a CPU-only machine
-            dev = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
-            return dev.copy_(src), None
+        if self._device_module is None:
+            # force_host_copy on a CPU-only machine: the host bytes are already where the
+            # tensor lives, so restored tensors view them (no copy back); the block then
+            # stays theirs and is never handed out again.
+            copy.lent = True
+            return src, None
         # No wait for compute: the host bytes were written on this same (side) stream.
         side = self._side(copy.device) if self.use_streams else None
         with self._device_module.stream(side):

@@ -265,7 +265,9 @@ def test_two_hundred_steps_flat_live_bytes() -> None:
         series.append((ctx.pool.stats.in_use_bytes, ctx.pool.stats.pooled_bytes))
     assert all(s[0] == 0 for s in series)  # nothing held between steps
     assert len({s[1] for s in series[1:]}) == 1  # the pool stopped growing after step 1
-    assert ctx.pool.stats.reuses > 0
+    # On CPU restored tensors view their host blocks (no copy back), so a block leaves
+    # the pool with its graph instead of being reused: test_streams covers reuse.
+    assert ctx.pool.stats.reuses == 0 and ctx.pool.stats.pooled_bytes == 0
 
 
 def test_parameters_buffers_and_small_tensors_stay() -> None:
@@ -472,9 +474,11 @@ def test_offload_model_keeps_head_on_device_and_never_stacks_hooks() -> None:
     plain.update_model_params(model)
     model.zero_grad()
     with plain:
-        model(x).square().mean().backward()
+        loss = model(x).square().mean()
+    without_head_guard = plain.pool.stats.in_use_bytes
+    loss.backward()
     # exactly the head's input (4x8x32 floats) is offloaded without the guard
-    assert plain.pool.stats.pooled_bytes - with_head_guard == _size_class(4 * 8 * 32 * 4)
+    assert without_head_guard - with_head_guard == _size_class(4 * 8 * 32 * 4)
 
 
 def test_offload_model_explicit_head_and_errors() -> None:
