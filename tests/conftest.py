@@ -31,11 +31,6 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-requires_accelerator = pytest.mark.skipif(
-    not torch.accelerator.is_available(), reason="needs an accelerator (GPU)"
-)
-
-
 @pytest.fixture
 def sim() -> Iterator[Any]:
     """The simulated accelerator (``tests/simdev``), switched on for one test, with a stream
@@ -52,3 +47,14 @@ def sim() -> Iterator[Any]:
         yield device
         gc.collect()  # frees that the test left to the collector are checked too
     sanitizer.check()
+
+
+@pytest.fixture
+def accelerator(request: pytest.FixtureRequest) -> torch.device:
+    """The machine's accelerator; without one, the simulated device (sanitizer on)."""
+    if torch.accelerator.is_available():
+        device = torch.accelerator.current_accelerator()
+        assert device is not None
+        return device
+    sim = request.getfixturevalue("sim")
+    return sim.device  # type: ignore[no-any-return]

@@ -2,7 +2,7 @@
 
 On CPU, ``force_host_copy=True`` makes offloading really happen (host copies in separate
 buffers, activations freed after pack), so lifetimes are proven here; stream tests run on
-an accelerator only.
+an accelerator, or on the test suite's simulated one (``tests/simdev``) without it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from leakfree.offload import (
     offload_model,
     remove_offload_hooks,
 )
-from tests.conftest import requires_accelerator
 
 
 class Block(nn.Module):
@@ -512,10 +511,9 @@ def test_head_exception_still_exits_no_offload() -> None:
 # --- on an accelerator: streams ---------------------------------------------------------------
 
 
-@requires_accelerator
 @pytest.mark.parametrize("use_streams", [True, False])
-def test_accelerator_gradients_and_lifetimes(use_streams: bool) -> None:
-    device = torch.accelerator.current_accelerator()
+def test_accelerator_gradients_and_lifetimes(use_streams: bool, accelerator: torch.device) -> None:
+    device = accelerator
     model, x = make()
     model, x = model.to(device), x.to(device)
     ctx = leakfree.OffloadActivations(use_streams=use_streams, min_offload_size=256)
@@ -533,9 +531,8 @@ def test_accelerator_gradients_and_lifetimes(use_streams: bool) -> None:
         assert ctx._side_streams  # a side stream was made and used
 
 
-@requires_accelerator
-def test_accelerator_in_flight_bounded_and_memory_drops() -> None:
-    device = torch.accelerator.current_accelerator()
+def test_accelerator_in_flight_bounded_and_memory_drops(accelerator: torch.device) -> None:
+    device = accelerator
     mod = torch.get_device_module(device)
     layers = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]).to(device)
     x = torch.randn(512, 1024, device=device)

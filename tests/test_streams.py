@@ -380,15 +380,17 @@ def test_a_block_moves_between_streams_only_after_its_last_copy(sim: Any, lazy: 
             with ctx:
                 y = nn.functional.gelu(lin(x)).sum()
             if backward:  # else the graph is dropped with its copy out possibly running
-                (g,) = torch.autograd.grad(y, x)
-                grads.append(g.cpu())
+                (g,) = torch.autograd.grad(y, x)  # kept on the device: a read-back would
+                grads.append(g)  # make the host wait, ordering everything after it
             del y
     for stream in (one, two):
         sim.module.current_stream().wait_stream(stream)
     stats = ctx.pool.stats
     assert stats.allocations == 1 and stats.reuses == 2 and stats.overflows == 0
     nn.functional.gelu(lin(x)).sum().backward()
-    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], x.grad.cpu())
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], x.grad)
+    for stream in (one, two):  # the grads, made there and read here, are freed after this
+        stream.wait_stream(sim.module.current_stream())
 
 
 def test_pool_evicts_and_overflows_under_a_small_budget(sim: Any) -> None:

@@ -107,8 +107,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.simdev.mutate")
     parser.add_argument("--tests", nargs="*", default=["tests/test_streams.py"])
     parser.add_argument("--json", help="write the table here too")
+    parser.add_argument("--line", type=int, action="append", help="only the mutant(s) here")
     args = parser.parse_args()
     mutants = [m for path in TARGETS for m in find(path)]
+    if args.line:
+        mutants = [m for m in mutants if m.line in args.line]
     for m in mutants:
         m.killed_by = run(m, args.tests)
         verdict = m.killed_by or "SURVIVED"
