@@ -582,52 +582,19 @@ def _dispatch_keyset(device: Any, layout: Any) -> torch._C.DispatchKeySet:
     return torch._C.DispatchKeySet(torch._C._parse_dispatch_key(name))
 
 
-def _empty_select(
-    size: Any,
-    *,
-    dtype: Any = None,
-    layout: Any = None,
-    device: Any = None,
-    pin_memory: Any = None,
-    memory_format: Any = None,
-) -> torch.Tensor:
-    # BackendSelect: what torch does for pin_memory=True asks the accelerator's pinned
-    # allocator, which a Python backend cannot provide; mark the storage pinned instead.
-    t = aten.empty.memory_format.redispatch(
-        _dispatch_keyset(device, layout),
-        size,
-        dtype=dtype,
-        layout=layout,
-        device=device,
-        pin_memory=False,
-        memory_format=memory_format,
-    )
-    if pin_memory:
-        _mark_pinned(t)
-    return t
+def _pinning(op: Any) -> Any:
+    """A BackendSelect kernel for factory ``op``: what torch does for ``pin_memory=True``
+    asks the accelerator's pinned allocator, which a Python backend cannot provide, so
+    allocate ordinary memory and mark its storage pinned instead."""
 
+    def kernel(*args: Any, pin_memory: Any = None, **kwargs: Any) -> torch.Tensor:
+        keys = _dispatch_keyset(kwargs.get("device"), kwargs.get("layout"))
+        t: torch.Tensor = op.redispatch(keys, *args, pin_memory=False, **kwargs)
+        if pin_memory:
+            _mark_pinned(t)
+        return t
 
-def _empty_strided_select(
-    size: Any,
-    stride: Any,
-    *,
-    dtype: Any = None,
-    layout: Any = None,
-    device: Any = None,
-    pin_memory: Any = None,
-) -> torch.Tensor:
-    t = aten.empty_strided.default.redispatch(
-        _dispatch_keyset(device, layout),
-        size,
-        stride,
-        dtype=dtype,
-        layout=layout,
-        device=device,
-        pin_memory=False,
-    )
-    if pin_memory:
-        _mark_pinned(t)
-    return t
+    return kernel
 
 
 def _mark_pinned(t: torch.Tensor) -> None:
@@ -641,7 +608,8 @@ def _is_pinned(self: torch.Tensor, device: Any = None) -> bool:
 
 
 def _pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
-    return _empty_select(self.shape, dtype=self.dtype, pin_memory=True).copy_(self)
+    empty = _pinning(aten.empty.memory_format)
+    return empty(self.shape, dtype=self.dtype, pin_memory=True).copy_(self)
 
 
 def _storage_clone(self: torch.UntypedStorage) -> torch.UntypedStorage:
@@ -738,8 +706,11 @@ class _Switch:
         self.lib = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():  # "overriding a previously registered kernel"
             warnings.simplefilter("ignore", UserWarning)
-            self.lib.impl("empty.memory_format", _empty_select, "BackendSelect")
-            self.lib.impl("empty_strided", _empty_strided_select, "BackendSelect")
+            for name, op in (
+                ("empty.memory_format", aten.empty.memory_format),
+                ("empty_strided", aten.empty_strided.default),
+            ):
+                self.lib.impl(name, _pinning(op), "BackendSelect")
             self.lib.impl("is_pinned", _is_pinned, "CPU")
             self.lib.impl("_pin_memory", _pin_memory, "CPU")
         module = torch.get_device_module(NAME)
