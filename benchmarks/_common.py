@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from leakfree._text import format_table
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -110,13 +112,9 @@ def environment() -> dict[str, Any]:
 
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    cells = [[str(h) for h in header]] + [[_fmt(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    cells = [[_fmt(c) for c in r] for r in rows]
     print(f"\n{title}")
-    print("| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in cells[1:]:
-        print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
+    print(format_table([str(h) for h in header], cells, right=range(len(header)), markdown=True))
 
 
 def _fmt(c: Any) -> str:

@@ -17,9 +17,9 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 import leakfree
+from leakfree._device import accelerator
 from leakfree._text import format_bytes, format_table
 from leakfree.diagnostics.memory import Growth, MemoryTracker, fit_growth
-from leakfree.offload import _accelerator
 from leakfree.pipeline import RecvBufferPool
 
 Step = Callable[[], None]
@@ -162,7 +162,8 @@ def _pipeline_receive(lf: bool, device: torch.device) -> Step:
             entry = pool.acquire(incoming.shape, incoming.dtype, device)
             entry.tensor.copy_(incoming)
             x, entry.activation = entry.activation, None
-            assert x is not None
+            if x is None:
+                raise RuntimeError("demo: a pool entry came back without its activation")
             (x * w).sum().backward()  # type: ignore[no-untyped-call]
             entry.slot.take()  # sent upstream
             kept.append(entry)
@@ -236,7 +237,7 @@ KEPT_ON_PURPOSE = {
 
 
 def _device() -> torch.device:
-    return _accelerator() or torch.device("cpu")
+    return accelerator() or torch.device("cpu")
 
 
 def measure(

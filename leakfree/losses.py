@@ -596,7 +596,9 @@ class LossLog(dict[str, Any]):
                 continue
             if isinstance(entry, RunningLoss):
                 acc = entry._fold()
-                assert acc is not None
+                if acc is None:  # only values logged and then cleared
+                    rows.append(identity)
+                    continue
                 total, low, high = acc.to(dtype)
             else:
                 _check_unmodified(key, entry, 0)
@@ -629,9 +631,10 @@ class LossLog(dict[str, Any]):
         host = flat.to("cpu", copy=True).tolist()  # the one device-to-host transfer
         total_list, count_list = host[:n], host[n : 2 * n]
         offset = 2 * n
-        min_list = host[offset : offset + n] if "min" in packs else None
+        # each list is there exactly when some key reduces with its op
+        min_list = host[offset : offset + n] if "min" in packs else []
         offset += n if "min" in packs else 0
-        max_list = host[offset : offset + n] if "max" in packs else None
+        max_list = host[offset : offset + n] if "max" in packs else []
         out: dict[str, float] = {}
         for i, key in enumerate(keys):
             op = self._reductions[key]
@@ -643,10 +646,8 @@ class LossLog(dict[str, Any]):
             elif op == "mean":
                 out[key] = total_list[i] / c
             elif op == "min":
-                assert min_list is not None
                 out[key] = min_list[i]
             else:
-                assert max_list is not None
                 out[key] = max_list[i]
         if clear:
             self.clear()

@@ -296,3 +296,12 @@ def test_default_demo_plot_is_ignored_by_git() -> None:
         pytest.skip("not a git checkout")
     done = subprocess.run(["git", "check-ignore", "-q", "leakfree-demo.png"], cwd=ROOT, timeout=30)
     assert done.returncode == 0
+
+
+def test_snapshot_analysis_does_not_import_torch(tmp_path: Path) -> None:
+    from tests.test_snapshot import make_snapshot, write
+
+    path = write(tmp_path / "snap.pickle", make_snapshot())
+    out, err = _cli("snapshot", str(path))
+    assert "TORCH_IMPORTED False EXIT 0" in out, (out, err)
+    assert "Dead-stream suspects" in out

@@ -16,17 +16,10 @@ import torch
 from torch import nn
 
 import leakfree
-from leakfree.offload import (
-    HostBlockPool,
-    OffloadWarning,
-    _Offloaded,
-    _prefetch_plan,
-    _prune_prefetching,
-    _retire,
-    _size_class,
-    offload_model,
-    remove_offload_hooks,
-)
+from leakfree.offload import HostBlockPool, OffloadWarning, offload_model, remove_offload_hooks
+from leakfree.offload.hooks import _Offloaded
+from leakfree.offload.pool import _size_class
+from leakfree.offload.streams import _prefetch_plan, _prune_prefetching, _retire
 
 
 class Block(nn.Module):

@@ -20,7 +20,8 @@ from torch import nn
 
 import leakfree
 from leakfree.diagnostics import count_host_syncs
-from leakfree.offload import OffloadWarning, _size_class
+from leakfree.offload import OffloadWarning
+from leakfree.offload.pool import _size_class
 from tests.test_offload import Model, assert_equal_grads, make, reference_grads
 
 

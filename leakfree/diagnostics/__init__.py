@@ -11,9 +11,21 @@
 
 from __future__ import annotations
 
-from leakfree.diagnostics.memory import Growth, MemoryTracker, StorageTracker, fit_growth
-from leakfree.diagnostics.retention import Retained, RetentionReport, find_retained
-from leakfree.diagnostics.syncs import HostSyncCounter, count_host_syncs
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Loaded on first use (PEP 562): `leakfree snapshot` reads pickles without importing torch.
+_EXPORTS = {
+    "Growth": "leakfree.diagnostics.memory",
+    "MemoryTracker": "leakfree.diagnostics.memory",
+    "StorageTracker": "leakfree.diagnostics.memory",
+    "fit_growth": "leakfree.diagnostics.memory",
+    "Retained": "leakfree.diagnostics.retention",
+    "RetentionReport": "leakfree.diagnostics.retention",
+    "find_retained": "leakfree.diagnostics.retention",
+    "HostSyncCounter": "leakfree.diagnostics.syncs",
+    "count_host_syncs": "leakfree.diagnostics.syncs",
+}
 
 __all__ = [
     "Growth",
@@ -26,3 +38,21 @@ __all__ = [
     "find_retained",
     "fit_growth",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'leakfree.diagnostics' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # the next lookup is a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:
+    from leakfree.diagnostics.memory import Growth, MemoryTracker, StorageTracker, fit_growth
+    from leakfree.diagnostics.retention import Retained, RetentionReport, find_retained
+    from leakfree.diagnostics.syncs import HostSyncCounter, count_host_syncs

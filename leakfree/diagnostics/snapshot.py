@@ -39,7 +39,9 @@ import pickle
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
+
+from leakfree._text import format_mib, format_table
 
 __all__ = [
     "DEFAULT_SKIP",
@@ -106,8 +108,7 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{name}: not a memory snapshot ({problem}); write one with "
             "torch.cuda.memory._dump_snapshot(path)"
         )
-    assert isinstance(obj, dict)
-    return obj
+    return cast(dict[str, Any], obj)  # _shape_problem checked it is a dict
 
 
 def _shape_problem(obj: object) -> str | None:
@@ -463,26 +464,10 @@ def diff(
 # --------------------------------------------------------------------------- text
 
 
-def _mib(n: int) -> str:
-    return f"{n / _MIB:.1f}"
-
-
-def _signed_mib(n: int) -> str:
-    return f"{n / _MIB:+.1f}"
-
-
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 0) -> list[str]:
-    """Columns padded to their widest cell; the last ``left`` columns left-aligned, the
-    others right-aligned."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    first_left = len(header) - left
-    lines = []
-    for r in [header, *rows]:
-        cells = [
-            c.ljust(w) if i >= first_left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
-        ]
-        lines.append("  " + "  ".join(cells).rstrip())
-    return lines
+    """The report's tables: indented, no rule, the last ``left`` columns left-aligned."""
+    right = range(len(header) - left)
+    return format_table(header, rows, right=right, indent="  ", rule=False).splitlines()
 
 
 def _time(t: float | None) -> str:
@@ -500,8 +485,8 @@ def format_report(snap: Snapshot, *, n: int = 10) -> str:
     devices = sorted({u.device for u in usage})
     lines = [
         f"Memory snapshot: {len(snap['segments'])} segments on {len(devices)} device(s); "
-        f"reserved {_mib(reserved)} MiB, active {_mib(active)} MiB, "
-        f"inactive {_mib(inactive)} MiB"
+        f"reserved {format_mib(reserved)} MiB, active {format_mib(active)} MiB, "
+        f"inactive {format_mib(inactive)} MiB"
     ]
     events = sum(len(t) for t in _traces(snap))
     windows = _windows(snap)
@@ -520,9 +505,9 @@ def format_report(snap: Snapshot, *, n: int = 10) -> str:
         [
             str(u.device),
             str(u.stream),
-            _mib(u.reserved_bytes),
-            _mib(u.active_bytes),
-            _mib(u.inactive_bytes),
+            format_mib(u.reserved_bytes),
+            format_mib(u.active_bytes),
+            format_mib(u.inactive_bytes),
             str(u.segments),
             _time(u.last_event_us),
         ]
@@ -535,7 +520,7 @@ def format_report(snap: Snapshot, *, n: int = 10) -> str:
     if dead:
         lost = sum(u.reserved_bytes for u in dead)
         lines += [
-            f"Dead-stream suspects: {len(dead)} side stream(s), {_mib(lost)} MiB reserved "
+            f"Dead-stream suspects: {len(dead)} side stream(s), {format_mib(lost)} MiB reserved "
             "that only they could reuse",
             "(heuristic: all blocks inactive, no event in the second half of the trace):",
         ]
@@ -543,7 +528,7 @@ def format_report(snap: Snapshot, *, n: int = 10) -> str:
             [
                 str(u.device),
                 str(u.stream),
-                _mib(u.reserved_bytes),
+                format_mib(u.reserved_bytes),
                 str(u.segments),
                 _time(u.last_event_us),
             ]
@@ -556,7 +541,7 @@ def format_report(snap: Snapshot, *, n: int = 10) -> str:
     sites = top_allocation_sites(snap, n)
     lines += ["", f"Top allocation sites (active blocks, top {n}):"]
     if sites:
-        rows = [[_mib(s.bytes), str(s.blocks), s.site] for s in sites]
+        rows = [[format_mib(s.bytes), str(s.blocks), s.site] for s in sites]
         lines += _table(["active MiB", "blocks", "site"], rows, left=1)
     else:
         lines.append("  none")
@@ -567,8 +552,8 @@ def format_diff(d: SnapshotDiff, *, n: int = 10) -> str:
     """A text report of a :class:`SnapshotDiff`: total active bytes, per-stream change,
     the ``n`` fastest-growing sites and the ``n`` largest new blocks; MiB, one decimal."""
     lines = [
-        f"Active: {_mib(d.active_before)} MiB -> {_mib(d.active_after)} MiB "
-        f"({_signed_mib(d.active_delta)} MiB)",
+        f"Active: {format_mib(d.active_before)} MiB -> {format_mib(d.active_after)} MiB "
+        f"({format_mib(d.active_delta, signed=True)} MiB)",
         "",
         "Streams (by growth):",
     ]
@@ -576,9 +561,9 @@ def format_diff(d: SnapshotDiff, *, n: int = 10) -> str:
         [
             str(s.device),
             str(s.stream),
-            _mib(s.active_before),
-            _mib(s.active_after),
-            _signed_mib(s.delta),
+            format_mib(s.active_before),
+            format_mib(s.active_after),
+            format_mib(s.delta, signed=True),
         ]
         for s in d.streams
     ]
@@ -587,7 +572,7 @@ def format_diff(d: SnapshotDiff, *, n: int = 10) -> str:
     lines += ["", f"Allocation sites by growth (top {n}):"]
     if d.sites:
         rows = [
-            [_signed_mib(s.delta), f"{s.blocks_after - s.blocks_before:+d}", s.site]
+            [format_mib(s.delta, signed=True), f"{s.blocks_after - s.blocks_before:+d}", s.site]
             for s in d.sites[: max(n, 0)]
         ]
         lines += _table(["change MiB", "blocks", "site"], rows, left=1)
@@ -596,12 +581,12 @@ def format_diff(d: SnapshotDiff, *, n: int = 10) -> str:
 
     lines += [
         "",
-        f"New active blocks: {len(d.new_blocks)}, {_mib(d.new_bytes)} MiB "
+        f"New active blocks: {len(d.new_blocks)}, {format_mib(d.new_bytes)} MiB "
         f"(largest {min(n, len(d.new_blocks))}):",
     ]
     if d.new_blocks:
         rows = [
-            [f"0x{b.address:x}", _mib(b.size), str(b.stream), b.site]
+            [f"0x{b.address:x}", format_mib(b.size), str(b.stream), b.site]
             for b in d.new_blocks[: max(n, 0)]
         ]
         lines += _table(["address", "MiB", "stream", "site"], rows, left=1)

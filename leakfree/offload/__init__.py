@@ -1,0 +1,63 @@
+"""Activation offloading whose payloads the autograd graph owns.
+
+``OffloadActivations`` moves the tensors autograd saves for backward to host memory during
+forward and brings them back in backward, optionally on a side stream. It is a drop-in for
+TRL's / torchtune's class of the same name (same constructor, ``update_model_params``),
+built the other way round: the pack hook returns a handle object, and that handle owns
+the host copy (and, while a copy is in flight, the device tensor and its event). The
+autograd graph owns the handle. So:
+
+* a graph that is dropped without backward frees its payloads with it;
+* two forwards under separate ``with`` blocks, then one backward, just work (nothing is
+  wiped on ``__enter__``: there is no table to wipe);
+* ``backward(retain_graph=True)`` twice works: unpack reads the handle, never consumes it;
+* nothing per-step lives in the context manager: it keeps a pool of *free* host blocks
+  (bounded by a byte budget), weak references to the handles whose copies are in flight,
+  and configuration.
+
+Lifetime contract
+-----------------
+*A handle* lives exactly as long as autograd keeps the saved tensor: until the node's
+backward has run in a pass that does not keep the graph, or until the graph is dropped.
+Its host block returns to the pool then.
+*The device tensor* of an offloaded activation is kept only while its device-to-host copy
+is in flight: at most ``max_fwd_stash_size`` of them per context, and none after
+``__exit__``.
+*A restored (device) copy* belongs to autograd, which drops it after the node's backward;
+views of one storage restored while a sibling copy is alive share it.
+*What a graph keeps*: its handles, their host copies (the pool blocks holding its bytes)
+and its ``with`` block's pack order. Never the context manager nor its pool: both are
+referenced weakly. Drop the manager while a graph lives and that graph's backward still
+restores its bytes (a synchronous copy, without prefetch); the blocks are freed rather
+than returned to a pool that is gone.
+
+Layout
+------
+``hooks`` (the handles, the copies, the context managers), ``pool`` (host blocks and their
+budget), ``streams`` (pack order, dedup, in-flight window, prefetch), ``models``
+(``offload_model`` and head discovery).
+"""
+
+from leakfree.offload.hooks import NoOffload, OffloadActivations
+from leakfree.offload.models import offload_model, remove_offload_hooks
+from leakfree.offload.pool import (
+    PROCESS_BUDGET,
+    HostBlock,
+    HostBlockPool,
+    HostBudget,
+    OffloadWarning,
+    PoolStats,
+)
+
+__all__ = [
+    "PROCESS_BUDGET",
+    "HostBlock",
+    "HostBlockPool",
+    "HostBudget",
+    "NoOffload",
+    "OffloadActivations",
+    "OffloadWarning",
+    "PoolStats",
+    "offload_model",
+    "remove_offload_hooks",
+]

@@ -1,0 +1,275 @@
+"""The host side of offloading: size classes, one byte budget per process, reusable blocks.
+
+A :class:`HostBlock` is one host buffer (pinned where the pool pins). A
+:class:`HostBlockPool` hands blocks out and takes them back; it keeps *free* blocks only,
+up to a :class:`HostBudget` shared by every pool that does not bring its own
+(:data:`PROCESS_BUDGET`). A block in use belongs to the host copy that holds it, and so
+to the autograd graph: the pool never holds a reference to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+import warnings
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from leakfree._warnings import LeakfreeWarning
+
+__all__ = [
+    "PROCESS_BUDGET",
+    "HostBlock",
+    "HostBlockPool",
+    "HostBudget",
+    "OffloadWarning",
+    "PoolStats",
+]
+
+
+class OffloadWarning(LeakfreeWarning):
+    """Something about offloading that costs speed or memory (never correctness)."""
+
+
+def _size_class(nbytes: int) -> int:
+    """Pool blocks come in size classes: powers of two, from 4 KiB.
+
+    PyTorch's caching host allocator rounds every pinned allocation up to a power of two,
+    so a block of a size class pins exactly its size: the budget counts real bytes.
+    """
+    return 1 << max(12, math.ceil(math.log2(max(nbytes, 1))))
+
+
+def _default_budget() -> int:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover  (non-POSIX)
+        total = 16 << 30
+    return int(total // 4)
+
+
+class HostBudget:
+    """Bytes of pooled host blocks that may exist at once, for one or several pools.
+
+    A block reserves its size when it is created within the budget and gives it back when
+    it is freed (its finalizer queues the bytes; never a lock there, as it may run inside
+    a garbage collection). :data:`PROCESS_BUDGET` is the default of every pool: one
+    budget per process, however many managers (one per model, one per data loader...).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._used = 0
+        self._freed: deque[int] = deque()
+        self._lock = threading.Lock()
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return self._settle()
+
+    def _settle(self) -> int:
+        while self._freed:
+            self._used -= self._freed.popleft()
+        return self._used
+
+    def try_reserve(self, nbytes: int) -> bool:
+        with self._lock:
+            if self._settle() + nbytes > self.limit:
+                return False
+            self._used += nbytes
+            return True
+
+    def give_back(self, nbytes: int) -> None:
+        self._freed.append(nbytes)  # atomic: safe from a finalizer
+
+
+#: The budget every pool shares unless given its own: a quarter of physical memory.
+PROCESS_BUDGET = HostBudget(_default_budget())
+
+
+class HostBlock:
+    """One host buffer (a 1-D ``uint8`` tensor) from a :class:`HostBlockPool`.
+
+    ``event`` is the last device event that reads or writes it; the pool does not hand the
+    block out again before that event has completed.
+    """
+
+    __slots__ = ("__weakref__", "budget", "data", "event", "pinned", "pooled", "size")
+
+    def __init__(self, size: int, pinned: bool, budget: HostBudget | None = None) -> None:
+        self.size = size
+        self.pinned = pinned
+        self.pooled = budget is not None
+        self.budget = budget  # the budget this block's bytes are reserved in, if any
+        self.data = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        self.event: Any = None
+
+    def ready(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def __del__(self) -> None:
+        budget = getattr(self, "budget", None)
+        if budget is not None:
+            budget.give_back(self.size)
+
+
+@dataclass
+class PoolStats:
+    """Byte and event counts of a :class:`HostBlockPool` (sizes are size classes)."""
+
+    in_use_bytes: int = 0  #: held by live host copies
+    cached_bytes: int = 0  #: free blocks kept for reuse
+    pooled_bytes: int = 0  #: in use + cached, of blocks within the budget
+    allocations: int = 0  #: new blocks within the budget
+    reuses: int = 0  #: acquires served from the cache
+    overflows: int = 0  #: new blocks beyond the budget (pageable, freed on release)
+
+
+class HostBlockPool:
+    """Reusable host blocks up to a byte budget, pinned when ``pin``.
+
+    ``acquire(n)`` returns a block of at least ``n`` bytes: a cached block of the same size
+    class whose last copy has completed (waiting for the oldest one if all are busy), else
+    a new one. New blocks join the pool while ``pooled_bytes`` stays within ``budget``,
+    evicting cached blocks of other size classes (least recently used first) to make room;
+    beyond it they are pageable "overflow" blocks, freed again on release (with ``pin``,
+    copies to them are synchronous: an :class:`OffloadWarning` is issued once).
+
+    ``release`` never blocks and never allocates (it runs from the finalizers of host
+    copies, possibly inside a garbage collection triggered while the pool is busy): it
+    queues the block, and the next ``acquire``, ``trim`` or ``stats`` read takes it back.
+    """
+
+    def __init__(self, budget: int | HostBudget | None = None, *, pin: bool = True) -> None:
+        if budget is not None and not isinstance(budget, HostBudget):
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+                raise ValueError(
+                    f"HostBlockPool(budget={budget!r}): must be an int >= 0 (bytes), a "
+                    "HostBudget, or None for the process-wide budget"
+                )
+            budget = HostBudget(budget)
+        self.host_budget = PROCESS_BUDGET if budget is None else budget
+        self.pin = pin
+        self._stats = PoolStats()
+        self._free: OrderedDict[int, HostBlock] = OrderedDict()  # id -> block, LRU first
+        self._by_size: dict[int, dict[int, HostBlock]] = {}  # size class -> its free blocks
+        self._returned: deque[tuple[HostBlock, bool]] = deque()
+        self._lock = threading.RLock()
+        self._warned = False
+
+    @property
+    def budget(self) -> int:
+        """The byte limit of the budget this pool draws from (shared unless its own)."""
+        return self.host_budget.limit
+
+    @property
+    def stats(self) -> PoolStats:
+        with self._lock:
+            self._drain()
+            return dataclasses.replace(self._stats)
+
+    def _drain(self) -> None:
+        # Called with the lock held. popleft/append on a deque are atomic: no lock needed
+        # on the release side.
+        while self._returned:
+            block, reuse = self._returned.popleft()
+            self._stats.in_use_bytes -= block.size
+            if block.pooled and reuse:
+                self._free[id(block)] = block
+                self._by_size.setdefault(block.size, {})[id(block)] = block
+                self._stats.cached_bytes += block.size
+            elif block.pooled:  # its memory lives on in views: it leaves the pool
+                self._stats.pooled_bytes -= block.size
+
+    def acquire(self, nbytes: int) -> HostBlock:
+        size = _size_class(nbytes)
+        wait: HostBlock | None = None
+        with self._lock:
+            self._drain()
+            same = self._by_size.get(size)
+            block = next((b for b in same.values() if b.ready()), None) if same else None
+            if block is None and same and self.host_budget.used + size > self.budget:
+                block = wait = next(iter(same.values()))  # all busy, no room: wait for one
+            if block is not None:
+                self._take(block)
+                self._stats.cached_bytes -= size
+                self._stats.in_use_bytes += size
+                self._stats.reuses += 1
+            else:
+                self._evict_for(size)
+                pooled = self.host_budget.try_reserve(size)
+                self._stats.in_use_bytes += size
+                if pooled:
+                    self._stats.pooled_bytes += size
+                    self._stats.allocations += 1
+                else:
+                    self._stats.overflows += 1
+                warn = not pooled and self.pin and not self._warned
+                self._warned = self._warned or warn
+        if wait is not None:
+            wait.event.synchronize()  # outside the lock
+            return wait
+        if block is not None:
+            return block
+        if warn:
+            warnings.warn(
+                f"OffloadActivations: the pinned host memory budget ({self.budget} bytes) is "
+                "used up; further host copies use pageable memory and are synchronous. "
+                "Raise pin_memory_budget, or offload less (min_offload_size, NoOffload).",
+                OffloadWarning,
+                stacklevel=5,
+            )
+        try:
+            return HostBlock(
+                size, pinned=pooled and self.pin, budget=self.host_budget if pooled else None
+            )
+        except BaseException:
+            if pooled:
+                self.host_budget.give_back(size)
+            raise
+
+    def _evict_for(self, size: int) -> None:
+        """Free ready cached blocks (least recently used first) until ``size`` fits."""
+        for key in list(self._free):
+            if self.host_budget.used + size <= self.budget:
+                return
+            if self._free[key].ready():
+                block = self._free[key]
+                self._take(block)
+                self._stats.cached_bytes -= block.size
+                self._stats.pooled_bytes -= block.size
+                del block  # its finalizer gives its bytes back to the budget
+
+    def _take(self, block: HostBlock) -> None:
+        """Remove a free block from the free lists (lock held)."""
+        del self._free[id(block)]
+        del self._by_size[block.size][id(block)]
+
+    def release(self, block: HostBlock, *, reuse: bool = True) -> None:
+        """Give ``block`` back (``reuse=False``: its memory is still viewed elsewhere, so
+        it leaves the pool instead of being handed out again)."""
+        self._returned.append((block, reuse))
+
+    def trim(self) -> int:
+        """Free every cached block; returns the bytes freed.
+
+        Pinned memory goes back to PyTorch's host allocator, which keeps its own cache;
+        ``torch._C._host_emptyCache()`` (where it exists) is called to return it to the OS.
+        """
+        with self._lock:
+            self._drain()
+            freed = self._stats.cached_bytes
+            self._stats.pooled_bytes -= freed
+            self._stats.cached_bytes = 0
+            self._free.clear()
+            self._by_size.clear()
+        empty = getattr(torch._C, "_host_emptyCache", None)
+        if freed and self.pin and empty is not None:
+            empty()
+        return freed
