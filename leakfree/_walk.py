@@ -55,6 +55,7 @@ __all__ = [
     "is_scalar",
     "object_fields",
     "search",
+    "walk",
 ]
 
 #: Types whose instances hold no tensor and no other object: never walked into.
@@ -281,6 +282,50 @@ def _handler(kind: type) -> Callable[[Any], Iterable[Edge]]:
 R = TypeVar("R")
 
 
+def walk(
+    root: Any,
+    *,
+    limit: int = MAX_OBJECTS,
+    depth: int | None = None,
+    modules: bool = False,
+    visited: set[int] | None = None,
+) -> Iterator[tuple[torch.Tensor, Callable[[], str]]]:
+    """Every tensor reachable from ``root``, once each, with a function giving its path
+    from ``root`` (built only when asked: ``"[0].data"``, ``"['loss']"``...).
+
+    ``depth`` bounds how many edges deep the walk goes (None: no bound); ``modules=True``
+    also walks into ``torch.nn.Module`` instances (their attributes), which the hot path
+    skips; ``visited`` (object ids) is shared between calls to walk several roots once.
+    Stops after ``limit`` visited objects.
+    """
+    stack: list[tuple[Any, int, str, int]] = [(root, -1, "", 0)]
+    trail: list[tuple[int, str]] = []
+    seen = set() if visited is None else visited
+    count = 0
+    while stack:
+        obj, parent, label, level = stack.pop()
+        key = id(obj)
+        if key in seen:
+            continue
+        seen.add(key)
+        count += 1
+        if count > limit:
+            return
+        trail.append((parent, label))
+        here = len(trail) - 1
+        if isinstance(obj, torch.Tensor):
+            yield obj, functools.partial(_path, trail, here)
+        if depth is not None and level >= depth:
+            continue
+        if modules and isinstance(obj, torch.nn.Module):
+            children: Iterable[Edge] = _fields(obj)
+        else:
+            children = _handler(type(obj))(obj)
+        for edge, child in itertools.islice(children, limit):
+            if type(child) not in SCALAR_TYPES:
+                stack.append((child, here, edge, level + 1))
+
+
 def search(
     root: Any, match: Callable[[Any], R | None], *, limit: int = MAX_OBJECTS
 ) -> tuple[R, str] | None:
@@ -290,27 +335,10 @@ def search(
     and the path from ``root`` (``"[0].data"``, ``"key"``...), or None when nothing matched
     within ``limit`` visited objects.
     """
-    # Depth-first, with parent links so the path is built only on a hit.
-    stack: list[tuple[Any, int, str]] = [(root, -1, "")]
-    trail: list[tuple[int, str]] = []
-    visited: set[int] = set()
-    while stack:
-        obj, parent, label = stack.pop()
-        key = id(obj)
-        if key in visited:
-            continue
-        visited.add(key)
-        if len(visited) > limit:
-            return None
-        trail.append((parent, label))
-        if isinstance(obj, torch.Tensor):
-            found = match(obj)
-            if found is not None:
-                return found, _path(trail, len(trail) - 1)
-        here = len(trail) - 1
-        for edge, child in itertools.islice(_handler(type(obj))(obj), limit):
-            if type(child) not in SCALAR_TYPES:
-                stack.append((child, here, edge))
+    for tensor, path in walk(root, limit=limit):
+        found = match(tensor)
+        if found is not None:
+            return found, path()
     return None
 
 

@@ -57,6 +57,9 @@ __all__ = [
     "release_after_backward",
     "released_attributes",
 ]
+# The node-lifecycle core (used by every wrapper here, by the Transformer Engine patches
+# through release_after_backward, and by diagnostics.retention): is_last_backward,
+# backward_ran, release. Module-level, not exported.
 
 # --- engine feature detection ---------------------------------------------------------
 # All private but long-standing (AOTAutograd relies on the first). Without them we degrade
@@ -122,7 +125,7 @@ _due: set[int] = set()
 _DECIDING: tuple[str, ...] = ()
 
 
-def _release(ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozenset[str]) -> None:
+def release(ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozenset[str]) -> None:
     """Release ``ctx``'s state now, or leave it due to the last call still running through it.
 
     ``names=None`` deletes every attribute but ``keep`` and metadata, and leaves the
@@ -182,19 +185,72 @@ def _leave(
     for it (see :func:`_run_backward`)."""
     _running.remove(ctx)
     if last or (_due and id(ctx) in _due):
-        _release(ctx, names, keep)
+        release(ctx, names, keep)
 
 
 def _release_if_saved_freed(
     ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozenset[str]
 ) -> None:
     # Fallback when the engine cannot tell us whether the graph is kept: the pass has just
-    # ended; if it released this node's saved variables (marked even when none were
-    # saved), the node is done.
+    # ended; if it released this node's saved variables, the node is done.
+    if backward_ran(ctx):
+        release(ctx, names, keep)
+
+
+_raw_names: dict[type, tuple[str, ...]] = {}
+
+
+def backward_ran(node: Any) -> bool:
+    """Has ``node``'s backward already run, in a pass that did not keep the graph?
+
+    For a custom Function's node: leakfree released its state, or autograd released its
+    saved variables (marked even when none were saved). For a built-in node: it saved
+    tensors and every ``_raw_saved_*`` handle is empty. Reads only the raw handles, never
+    unpacks a saved tensor, so no saved-tensor hook (an offloader's) runs. False for a
+    node that cannot tell (nothing saved, or an exotic node).
+    """
     try:
-        ctx._raw_saved_tensors  # noqa: B018  (raises once the saved tensors were released)
-    except RuntimeError:
-        _release(ctx, names, keep)
+        if isinstance(node, BackwardCFunction):
+            if RELEASED in node.__dict__:
+                return True
+            try:
+                node._raw_saved_tensors  # noqa: B018  (raises once they were released)
+            except RuntimeError:
+                return True
+            return False
+        names = _raw_names.get(type(node))
+        if names is None:
+            names = _raw_names[type(node)] = tuple(
+                n for n in dir(node) if n.startswith("_raw_saved_")
+            )
+        handles: list[Any] = []
+        for name in names:
+            value = getattr(node, name)
+            handles.extend(value if isinstance(value, (list, tuple)) else [value])
+        saved = [h for h in handles if hasattr(h, "data")]
+        return bool(saved) and all(h.data is None for h in saved)
+    except Exception:  # an exotic node: say nothing rather than guess
+        return False
+
+
+def is_last_backward(ctx: BackwardCFunction, method: str, wrapper: Callable[..., Any]) -> bool:
+    """Is the call of ``wrapper`` that is returning now the last use of ``ctx``'s node?
+
+    Yes when the engine runs ``ctx``'s node in a pass that does not keep the graph. Not
+    when the graph is kept (``retain_graph``, ``create_graph``: grad mode is on inside
+    such a backward and its new graph may still read ctx), not when ``ctx`` is not the
+    node being executed (its backward called by hand from another node), and not when
+    another Function's backward delegated to this one (:func:`_dispatched`). Needs the
+    engine's keep-graph query (``_keep_graph``); without it the end of the pass decides
+    (:func:`_release_if_saved_freed`).
+    """
+    return (
+        _keep_graph is not None
+        and not _keep_graph()
+        and not _grad_enabled()
+        and (_current_node is None or _current_node() is ctx)
+        and (_dispatch_cache.get(type(ctx)) or _dispatch_target(ctx, method)) is wrapper
+    )
 
 
 #: node class -> the backward function autograd dispatches for it (cleared on (un)install).
@@ -240,15 +296,8 @@ def _run_backward(
     """Run the user's ``backward(ctx, *grads)`` inside the node lifecycle: register the
     call (refusing it after a release), run it, then unregister with "was this the node's
     last use?" and release if so. Every installed wrapper runs exactly this, once per node
-    per backward pass, so the common path of :func:`_dispatched` and :func:`_leave` is
-    written out inline (each Python call costs about as much as the work it does).
-
-    The last use: the engine runs ``ctx``'s node in a pass that does not keep the graph.
-    Not when the graph is kept (``retain_graph``, ``create_graph``: grad mode is on inside
-    such a backward and its new graph may still read ctx), not when ``ctx`` is not the node
-    being executed (its backward called by hand from another node), and not when another
-    Function's backward delegated to this one (:func:`_dispatched`). On a torch without
-    the keep-graph query, the end of the pass decides (:func:`_release_if_saved_freed`).
+    per backward pass; "last use" is :func:`is_last_backward`, the release is
+    :func:`release`.
     """
     if not isinstance(ctx, BackwardCFunction):
         return backward(ctx, *grads)  # compiled autograd's proxy ctx: not ours to touch
@@ -264,15 +313,7 @@ def _run_backward(
         # The last use, decided here; released right away, as upstream fixes do
         # (`ctx.x = None` in backward): each node's state goes as the pass moves on, so
         # peak memory during backward drops too.
-        last = (
-            not _keep_graph()
-            and not _grad_enabled()
-            and (_current_node is None or _current_node() is ctx)
-            and (_dispatch_cache.get(type(ctx)) or _dispatch_target(ctx, method)) is wrapper
-        )
-        _running.remove(ctx)  # _leave, inline
-        if last or (_due and id(ctx) in _due):
-            _release(ctx, names, keep)
+        _leave(ctx, names, keep, is_last_backward(ctx, method, wrapper))
     else:
         _leave(ctx, names, keep, False)
         if _queue_callback is not None and _dispatched(ctx, method, wrapper):

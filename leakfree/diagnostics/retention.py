@@ -27,15 +27,13 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from leakfree._text import format_bytes, format_table
-from leakfree._walk import SCALARS as _SCALARS
-from leakfree._walk import object_fields as _object_fields
-from leakfree.function import RELEASED
+from leakfree._walk import walk
+from leakfree.function import RELEASED, backward_ran
 
 __all__ = ["Retained", "RetentionReport", "find_retained", "tensor_bytes"]
 
 _MAX_NODES = 20000  #: per graph
 _MAX_TOTAL_NODES = 200000  #: per call, over all graphs
-_MAX_ITEMS = 100000  #: per list or tuple
 _ROWS = 20
 
 
@@ -82,63 +80,19 @@ class RetentionReport:
         return format_table(("kind", "where", "bytes", "detail"), rows)
 
 
-def tensor_bytes(value: Any, seen: set[int] | None = None, depth: int = 0) -> int:
-    """Bytes of the tensor storages reachable from ``value`` (containers and plain objects
-    three levels deep), each storage counted once."""
+def tensor_bytes(value: Any, seen: set[int] | None = None, depth: int = 3) -> int:
+    """Bytes of the tensor storages reachable from ``value`` (``depth`` references deep,
+    modules included), each storage counted once across calls sharing ``seen``."""
     seen = set() if seen is None else seen
-    if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided or value.device.type == "meta":
-            return 0
-        storage = value.untyped_storage()
-        key = storage._cdata
-        if key in seen:
-            return 0
-        seen.add(key)
-        return int(storage.nbytes())
-    if depth >= 3 or isinstance(value, _SCALARS):
-        return 0
-    if isinstance(value, dict):
-        items: Any = value.values()
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        items = value
-    elif hasattr(value, "__dict__") and not isinstance(value, type):
-        items = list(vars(value).values())
-    else:
-        return 0
-    return sum(tensor_bytes(v, seen, depth + 1) for v in items)
-
-
-_raw_names: dict[type, tuple[str, ...]] = {}
-
-
-def _released(node: Any) -> bool:
-    """Did this node's backward already run (in a pass that did not keep the graph)?
-
-    Reads only ``_raw_saved_*`` handles (``SavedTensor.data`` is ``None`` once released);
-    never unpacks a saved tensor, so no saved-tensor hook (an offloader's) runs.
-    """
-    try:
-        if isinstance(node, BackwardCFunction):
-            if RELEASED in node.__dict__:
-                return True
-            try:
-                node._raw_saved_tensors  # noqa: B018
-            except RuntimeError:
-                return True
-            return False
-        names = _raw_names.get(type(node))
-        if names is None:
-            names = _raw_names[type(node)] = tuple(
-                n for n in dir(node) if n.startswith("_raw_saved_")
-            )
-        handles: list[Any] = []
-        for name in names:
-            value = getattr(node, name)
-            handles.extend(value if isinstance(value, (list, tuple)) else [value])
-        saved = [h for h in handles if hasattr(h, "data")]
-        return bool(saved) and all(h.data is None for h in saved)
-    except Exception:  # an exotic node: say nothing rather than break the walk
-        return False
+    total = 0
+    for tensor, _ in walk(value, depth=depth, modules=True):
+        if tensor.layout != torch.strided or tensor.device.type == "meta":
+            continue
+        storage = tensor.untyped_storage()
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            total += int(storage.nbytes())
+    return total
 
 
 def _graph(root: Any, budget: list[int]) -> Iterator[Any]:
@@ -163,33 +117,6 @@ def _ctx_state(node: BackwardCFunction, seen: set[int]) -> list[tuple[str, int]]
         if nbytes:
             out.append((name, nbytes))
     return out
-
-
-def _walk(obj: Any, path: str, depth: int, visited: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        if obj.grad_fn is not None:
-            yield path, obj
-        return
-    if depth <= 0 or isinstance(obj, _SCALARS) or id(obj) in visited:
-        return
-    if inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isroutine(obj):
-        return
-    visited.add(id(obj))
-    if isinstance(obj, dict):
-        for k, v in list(obj.items()):
-            yield from _walk(v, f"{path}[{k!r}]", depth - 1, visited)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            if i >= _MAX_ITEMS:
-                break
-            yield from _walk(v, f"{path}[{i}]", depth - 1, visited)
-    elif isinstance(obj, (set, frozenset)):
-        for v in obj:
-            yield from _walk(v, f"{path}{{...}}", depth - 1, visited)
-    else:
-        for name, v in _object_fields(obj).items():
-            if not name.startswith("__"):
-                yield from _walk(v, f"{path}.{name}", depth - 1, visited)
 
 
 def find_retained(*roots: Any, names: list[str] | None = None, depth: int = 8) -> RetentionReport:
@@ -221,7 +148,10 @@ def find_retained(*roots: Any, names: list[str] | None = None, depth: int = 8) -
     released_cache: dict[int, bool] = {}
     budget = [_MAX_TOTAL_NODES]
     for name, root in named:
-        for path, tensor in _walk(root, name, depth, visited):
+        for tensor, path_of in walk(root, depth=depth, modules=True, visited=visited):
+            if tensor.grad_fn is None:
+                continue
+            path = name + path_of()
             graph_bytes = 0
             backpropagated = False
             nodes = 0
@@ -229,7 +159,7 @@ def find_retained(*roots: Any, names: list[str] | None = None, depth: int = 8) -
                 nodes += 1
                 released = released_cache.get(id(node))
                 if released is None:
-                    released = released_cache[id(node)] = _released(node)
+                    released = released_cache[id(node)] = backward_ran(node)
                 backpropagated = backpropagated or released
                 if isinstance(node, BackwardCFunction) and released:
                     state = _ctx_state(node, counted)
