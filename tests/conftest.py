@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -58,3 +59,14 @@ def accelerator(request: pytest.FixtureRequest) -> torch.device:
         return device
     sim = request.getfixturevalue("sim")
     return sim.device  # type: ignore[no-any-return]
+
+
+_INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/integration/ is marked ``integration``: ``-m "not
+    integration"`` is the fast suite."""
+    for item in items:
+        if _INTEGRATION in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.integration)

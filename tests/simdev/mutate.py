@@ -26,9 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 #: every module of the package: a synchronisation statement anywhere in it is a target
-TARGETS = tuple(
-    sorted(str(p.relative_to(ROOT)) for p in (ROOT / "leakfree").rglob("*.py"))
-)
+TARGETS = tuple(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "leakfree").rglob("*.py")))
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
 _CALLS = {"wait_stream", "wait_event", "record_stream", "synchronize", "query", "_use_here"}
 

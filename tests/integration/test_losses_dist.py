@@ -1,0 +1,79 @@
+"""LossLog.reduce across processes (gloo on 127.0.0.1, spawned by the test)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import leakfree
+from leakfree.diagnostics import count_host_syncs
+from tests._dist import run_workers
+
+DIST_SPEC = {
+    "lm": "mean",
+    "aux": "mean",
+    "total": "sum",
+    "best": "min",
+    "worst": "max",
+    "none": "max",
+}
+
+
+RANK_VALUES: dict[int, dict[str, list[float]]] = {
+    0: {"lm": [1.0, 2.0, 3.0], "aux": [10.0], "total": [1.0, 1.0], "best": [5.0], "worst": [2.0]},
+    # rank 1 has no values for "aux" and "best": it must contribute identities, not zeros
+    1: {"lm": [7.0], "total": [4.0], "worst": [-3.0]},
+}
+
+
+def _dist_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    # orthogonal groups as in (data parallel, pipeline): dp = all ranks, pp = just me
+    singles = [dist.new_group([r]) for r in range(world)]
+    dp, pp = dist.group.WORLD, singles[rank]
+    log = leakfree.LossLog(DIST_SPEC)
+    for k, vs in RANK_VALUES[rank].items():
+        log[k].extend(torch.tensor(v, requires_grad=True) * 1.0 for v in vs)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, count_host_syncs() as syncs:
+        out = log.reduce(groups=(dp, pp))
+    collectives = sum(1 for e in prof.events() if e.name == "gloo:all_reduce")
+    running = leakfree.LossLog(DIST_SPEC, running=True)
+    for k, vs in RANK_VALUES[rank].items():
+        for v in vs:
+            running[k].append(torch.tensor(v))
+    out_running = running.reduce(groups=(dp,))
+    return {
+        "out": {k: (None if math.isnan(v) else v) for k, v in out.items()},
+        "out_running": {k: (None if math.isnan(v) else v) for k, v in out_running.items()},
+        "collectives": collectives,
+        "syncs": syncs.count,
+        "cleared": all(len(log[k]) == 0 for k in log),
+    }
+
+
+def test_two_process_reduce_unbiased_one_collective_per_op(tmp_path: Path) -> None:
+    results = run_workers(_dist_worker, 2, tmp_path, timeout=120)
+    merged: dict[str, list[float]] = {k: [] for k in DIST_SPEC}
+    for per_rank in RANK_VALUES.values():
+        for k, vs in per_rank.items():
+            merged[k] += vs
+    expected = {
+        "lm": sum(merged["lm"]) / len(merged["lm"]),  # 13/4, not mean of rank means (4.0)
+        "aux": 10.0,  # rank 1 contributes (0, 0), not a zero value: not 5.0
+        "total": 6.0,
+        "best": 5.0,  # rank 1 contributes +inf: not min(5, 0)
+        "worst": 2.0,
+        "none": None,  # no values on any rank: nan
+    }
+    for r in results:
+        assert r["out"] == expected
+        assert r["out_running"] == expected
+        # ops present: sum (sum+mean+counts), min, max -> 3 collectives per group, 2 groups
+        assert r["collectives"] == 6
+        assert r["syncs"] == 1
+        assert r["cleared"]

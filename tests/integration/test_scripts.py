@@ -1,0 +1,144 @@
+"""The scripts end to end, in subprocesses: the console script, every benchmark at its
+smoke size, the pipeline example, the demo's redirected output, the sdist and wheel."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from leakfree import _demo
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_console_script_entry_point() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "leakfree", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and "doctor" in done.stdout and "snapshot" in done.stdout
+    script = shutil.which("leakfree")  # the console script, where leakfree is installed
+    if script is not None:
+        done = subprocess.run([script, "doctor"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "known leaks" in done.stdout
+
+
+def run_benchmark(name: str, tmp_path: Path, *args: str) -> Any:
+    out = tmp_path / f"{name}.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / f"{name}.py"),
+            "--quick",
+            *args,
+            "--json",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return json.loads(out.read_text())
+
+
+def test_function_overhead_benchmark_runs(tmp_path: Path) -> None:
+    data = run_benchmark("function_overhead", tmp_path)
+    ops = [r["op"] for r in data["results"]]
+    assert ops == [
+        "1-element mul",
+        "1-element mul, tensor on ctx",
+        "1-element mul, forward only",
+        "1024x1024 matmul",
+    ]
+    assert all(
+        r["ratio_spread"]["q1"] <= r["ratio"] <= r["ratio_spread"]["q3"] for r in data["results"]
+    )
+    assert all(r["plain_us"] > 0 and r["leakfree_us"] > 0 for r in data["results"])
+
+
+def test_losslog_benchmark_runs(tmp_path: Path) -> None:
+    data = run_benchmark("losslog", tmp_path, "--microbatches", "256")
+    assert data["host_syncs"] == {"per-item .item()": 1024, "LossLog.reduce": 1}
+    assert data["retained_bytes"]["plain dict"] == 256 * 4096
+    assert data["retained_bytes"]["LossLog"] == 0
+
+
+def test_offload_benchmark_runs(tmp_path: Path) -> None:
+    data = run_benchmark("offload", tmp_path, "--steps", "3")
+    rows = {(r["width"], r["mode"]) for r in data["cpu_hook_cost"]}
+    modes = ("no offloading", "torch save_on_cpu", "leakfree, reused", "leakfree, new each step")
+    assert rows == {(w, m) for w in (64, 512) for m in modes}
+    assert data["cpu_live_bytes"]["leakfree"] == [0, 0, 0]
+
+
+def test_pipeline_benchmark_runs(tmp_path: Path) -> None:
+    data = run_benchmark("pipeline", tmp_path, "--microbatches", "10")
+    assert data["live_bytes"]["RecvBufferPool"] == [8192] * 10
+    assert data["live_bytes"]["leaf receive"][-1] == 10 * 16384
+
+
+def test_pipeline_example_runs() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "pipeline_two_stages.py"), "--microbatches", "4"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "gradients bit-identical to one process: True" in done.stdout
+
+
+def test_sdist_and_wheel_ship_the_licence_and_no_partial_test_tree(tmp_path: Path) -> None:
+    import tarfile
+    import zipfile
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            # build_meta rewrites sys.argv: read the output directory first
+            "import sys; out = sys.argv[1]; from setuptools import build_meta as b; "
+            "s = b.build_sdist(out); w = b.build_wheel(out); print('BUILT', s, w)",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    built = next(line for line in done.stdout.splitlines() if line.startswith("BUILT "))
+    sdist_name, wheel_name = built.split()[1:]
+    with tarfile.open(tmp_path / sdist_name) as tar:
+        names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
+    assert "LICENSE" in names
+    assert not [n for n in names if n.startswith("tests/")], "ship the whole test tree or none"
+    with zipfile.ZipFile(tmp_path / wheel_name) as whl:
+        files = whl.namelist()
+        metadata = whl.read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
+    assert any(f.endswith("LICENSE") for f in files)
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+    requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    assert any(r.split()[1].startswith("numpy") for r in requires), requires
+
+
+def test_demo_out_no_progress_bar_when_redirected_and_says_what_stays(tmp_path: Path) -> None:
+    png = tmp_path / "plots" / "demo.png"
+    png.parent.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "leakfree", "demo", "--steps", "4", "--out", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr and "\r" not in done.stdout  # no bar in a redirected log
+    assert png.is_file() if "plot: skipped" not in done.stdout else True
+    assert not (tmp_path / "leakfree-demo.png").exists()
+    for name in _demo.KEPT_ON_PURPOSE:
+        assert f"  {name}: " in done.stdout
+    assert "offloader's host blocks" in done.stdout
