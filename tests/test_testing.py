@@ -13,8 +13,8 @@ from leakfree.testing import LeakError, assert_no_leak
 pytest_plugins = ["pytester"]
 
 
-def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
+def _model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
     return model, torch.optim.SGD(model.parameters(), lr=1e-3)
 
@@ -40,7 +40,7 @@ def test_catches_a_planted_leak_and_says_who_holds_it() -> None:
 
 @pytest.mark.parametrize("run", range(20))
 def test_clean_loop_never_a_false_alarm(run: int) -> None:
-    model, opt = _model()
+    model, opt = _model(seed=run)  # a different model and different data every run
     logged: list[float] = []
 
     def step() -> None:
