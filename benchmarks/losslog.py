@@ -26,26 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import StorageWatch, Timings, compare, print_table, write_json
 
 import leakfree
+from leakfree._shapes import context_loss
 from leakfree.diagnostics import count_host_syncs
 
 KEYS = ("lm", "z_loss", "aux", "total")
 
 
 def _loss_function(watch: StorageWatch) -> Any:
-    class ContextLoss(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            ctx.context = torch.empty(1024, device=x.device)  # 4 KiB kept per microbatch
-            watch.watch(ctx.context)
-            ctx.save_for_backward(x)
-            return x.square().mean()
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            (x,) = ctx.saved_tensors
-            return g * 2 * x / x.numel()
-
-    return ContextLoss
+    return context_loss(1024, watch.watch)  # 4 KiB kept per microbatch
 
 
 def retained_bytes(microbatches: int, device: torch.device) -> dict[str, int]:

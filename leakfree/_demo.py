@@ -18,6 +18,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import leakfree
 from leakfree._device import accelerator
+from leakfree._shapes import context_loss
 from leakfree._text import format_bytes, format_table
 from leakfree.diagnostics.memory import Growth, MemoryTracker, fit_growth
 from leakfree.pipeline import RecvBufferPool
@@ -47,17 +48,7 @@ class ShapeResult:
 def _loss_dict(lf: bool, device: torch.device) -> Step:
     """Fast-LLM: per-microbatch losses kept in a dict; the loss Function keeps context."""
 
-    class ContextLoss(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            ctx.context = torch.empty(64 * 1024, device=x.device)  # 256 KiB per microbatch
-            ctx.save_for_backward(x)
-            return x.square().mean()
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            (x,) = ctx.saved_tensors
-            return g * 2 * x / x.numel()  # type: ignore[no-any-return]
+    ContextLoss = context_loss(64 * 1024)  # 256 KiB per microbatch
 
     w = torch.randn(256, device=device, requires_grad=True)
     losses: Any = leakfree.LossLog(["lm"]) if lf else {"lm": []}

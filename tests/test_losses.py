@@ -16,27 +16,16 @@ import pytest
 import torch
 
 import leakfree
+from leakfree._shapes import context_loss
 from leakfree.diagnostics import count_host_syncs
 
 # --- the real leak shape: a loss from a Function whose ctx holds a big tensor -----------------
 
 
-class ContextLoss(torch.autograd.Function):
-    """Fast-LLM's shape: the loss Function keeps a large context on ctx."""
-
-    refs: list[weakref.ref[torch.Tensor]] = []
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor) -> torch.Tensor:
-        ctx.context = torch.zeros(64, 1024)  # 256 KiB per microbatch
-        ContextLoss.refs.append(weakref.ref(ctx.context))
-        ctx.save_for_backward(logits)
-        return logits.square().mean()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        (logits,) = ctx.saved_tensors
-        return g * 2 * logits / logits.numel()
+_contexts: list[weakref.ref[torch.Tensor]] = []
+#: Fast-LLM's shape: the loss Function keeps a 256 KiB context on ctx.
+ContextLoss: Any = context_loss(64 * 1024, lambda t: ContextLoss.refs.append(weakref.ref(t)))
+ContextLoss.refs = _contexts
 
 
 def _microbatches(losses: Any, n: int = 8) -> None:
