@@ -1,0 +1,84 @@
+"""Pipeline-parallel receive buffers that autograd never ties to accumulation.
+
+A pipeline stage receives an activation into a buffer, runs forward on it, and later sends
+the buffer's gradient back. The usual way makes the buffer an autograd *leaf*
+(``buf.requires_grad_()``): its gradient then accumulates in ``buf.grad`` (kept until
+someone clears it), reused buffers collect tensor hooks across steps, every microbatch
+gets its own buffer for the whole run, and in one C++ framework the leaf and its
+accumulation node formed a reference cycle that kept every step's graph alive.
+
+Here the received activation is a *non-leaf* alias of the buffer, made by
+:func:`as_nonleaf`: its backward hands the gradient to a :class:`GradSlot` and returns
+nothing, so there is no accumulation node for the buffer and no ``.grad`` anywhere.
+
+Lifetime contract
+-----------------
+*A receive buffer* is kept by its non-leaf activation and by whatever saved that for
+backward. :class:`RecvBufferPool` takes it back once, at the first of: its slot delivered
+(the stage's backward through it is complete), its graph was dropped. So a buffer still
+needed by backward is never overwritten; free buffers stay with the pool until the pool
+is dropped (no trim), and a buffer in use keeps its pool alive until it returns.
+*The received gradient* is kept by the :class:`GradSlot` until ``take()`` (or passed
+straight to its ``callback``); autograd keeps nothing, and the slot leaves the node's
+``ctx`` after that node's backward.
+*A sent output's storage* is freed by :func:`release_output` once the send completed
+(unless something else still references it: then a :class:`PipelineWarning`, and it
+stays until that holder lets go). The returned :class:`ReleasedOutput` keeps only the
+graph, through its gradient edge, until the handle is dropped; :func:`backward_from`
+runs that graph's backward, which frees its saved tensors as any backward does.
+*A send in flight* (``isend``) keeps its header and a contiguous alias of its data in a
+:class:`PendingSends`, until ``poll()`` or ``wait_all()`` finishes it; the alias is
+dropped before the send's callback (typically the release) runs.
+*A schedule* (:func:`run_schedule`) keeps each microbatch's receive buffer entry and
+output (or loss) from its forward until its backward, and nothing after it returns but
+the :class:`ScheduleResult` (losses, live bytes, the pool).
+
+Layout
+------
+``slots`` (:class:`GradSlot`, :func:`as_nonleaf`), ``buffers`` (:class:`RecvBufferPool`),
+``release`` (:func:`release_output`, :func:`backward_from`), ``p2p`` (send / receive with
+headers, :class:`PendingSends`, aborts and timeouts), ``schedule`` (:func:`run_schedule`,
+the reference wiring; ``torch.distributed.pipelining`` is the path to take first).
+"""
+
+from leakfree.pipeline.buffers import PoolCounters, RecvBuffer, RecvBufferPool
+from leakfree.pipeline.p2p import (
+    PendingSends,
+    PipelineAborted,
+    PipelineTimeout,
+    recv_backward,
+    recv_forward,
+    send_abort,
+    send_backward,
+    send_forward,
+)
+from leakfree.pipeline.release import (
+    PipelineWarning,
+    ReleasedOutput,
+    backward_from,
+    release_output,
+)
+from leakfree.pipeline.schedule import ScheduleResult, run_schedule
+from leakfree.pipeline.slots import GradSlot, as_nonleaf
+
+__all__ = [
+    "GradSlot",
+    "PendingSends",
+    "PipelineAborted",
+    "PipelineTimeout",
+    "PipelineWarning",
+    "PoolCounters",
+    "RecvBuffer",
+    "RecvBufferPool",
+    "ReleasedOutput",
+    "ScheduleResult",
+    "as_nonleaf",
+    "backward_from",
+    "recv_backward",
+    "recv_forward",
+    "release_output",
+    "run_schedule",
+    "send_abort",
+    "send_backward",
+    "send_forward",
+]
