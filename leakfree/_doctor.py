@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 import leakfree
-from leakfree.patches import REGISTRY
-from leakfree.patches._registry import installed_version
+from leakfree.patches import Status
+from leakfree.patches._registry import REGISTRY, installed_version
+from leakfree.patches.transformer_engine import DISTRIBUTIONS as TE_DISTRIBUTIONS
 
 
 def _where_documented() -> str:
@@ -33,13 +34,13 @@ def run_doctor() -> int:
             "accelerator: none found (OffloadActivations offloads nothing here unless "
             "force_host_copy=True; the CPU storage tracker measures memory)"
         )
-    te = installed_version(("transformer_engine", "transformer-engine", "transformer_engine_torch"))
-    print(f"transformer_engine: {te if te is not None else 'not installed'}")
+    te = installed_version(TE_DISTRIBUTIONS)
+    print(f"transformer_engine: {te if te is not None else Status.NOT_INSTALLED}")
     trl = installed_version(("trl",))
-    print(f"trl: {trl if trl is not None else 'not installed'}")
+    print(f"trl: {trl if trl is not None else Status.NOT_INSTALLED}")
     print()
     plan = REGISTRY.plan(REGISTRY.select({}))
-    affecting = [r for r in plan if r.status in ("would apply", "applied")]
+    affecting = [r for r in plan if r.status in (Status.WOULD_APPLY, Status.APPLIED)]
     print(f"known leaks ({_where_documented()}) and what patch_all() would do:")
     print(plan)
     print()

@@ -833,3 +833,209 @@ def test_te_class_without_the_pattern_is_not_present_not_a_warning(tmp_path: Pat
     )
     reasons = {r["name"]: r["reason"] for r in result}
     assert reasons["transformer_engine.grouped_linear"].startswith("not present in this version")
+
+
+# --- [4/6]: one patch system: sweeps are records, one table of originals, one Status ---------
+
+
+def write_sweep_lib(root: Path) -> Path:
+    for rel, text in SWEEP_LIB.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(text))
+    return root
+
+
+def test_sweep_originals_are_in_the_table_and_unpatch_clears_them(tmp_path: Path) -> None:
+    result = run_py(
+        """
+        import json, sys
+        import leakfree
+        from leakfree.function import _ORIGINAL
+        from leakfree.patches import get_original, is_object_patched
+        from sweeplib.ops import Leaky
+
+        original = Leaky.__dict__["backward"]
+
+        def finders():  # leakfree's own import-system finders
+            return len([f for f in sys.meta_path if type(f).__module__.startswith("leakfree")])
+
+        before = is_object_patched(Leaky, "backward")
+        sweep = leakfree.patch_functions("sweeplib")
+        again = leakfree.patch_functions("sweeplib")       # a second sweep: nothing stacks
+        from sweeplib.later import LeakyLater               # swept by the post-import hook
+        later_original = get_original(LeakyLater, "backward")
+        during = dict(
+            patched=[is_object_patched(Leaky, "backward"),
+                     is_object_patched(LeakyLater, "backward")],
+            original=get_original(Leaky, "backward") is original,
+            replaced=Leaky.__dict__["backward"] is not original,
+            wrapped_once=getattr(Leaky.__dict__["backward"].__func__, _ORIGINAL) is original,
+            later_is_users=later_original.__func__.__module__ == "sweeplib.later"
+                           and not hasattr(later_original.__func__, _ORIGINAL),
+            second_sweep=[c.__name__ for c in again.classes],
+            new_finders=finders(),
+        )
+        sweep.remove()
+        removed = dict(
+            patched=[is_object_patched(Leaky, "backward"),
+                     is_object_patched(LeakyLater, "backward")],
+            restored=[Leaky.__dict__["backward"] is original,
+                      LeakyLater.__dict__["backward"] is later_original],
+            current=get_original(Leaky, "backward") is original,
+            classes=sweep.classes,
+            in_report=[r.name for r in leakfree.patch_report() if r.integration == "sweep"],
+        )
+        leakfree.unpatch_all()
+        print(json.dumps(dict(before=before, during=during, removed=removed,
+                              finders_after=finders())))
+        """,
+        write_sweep_lib(tmp_path),
+    )
+    assert result["before"] is False
+    assert result["during"] == {
+        "patched": [True, True],
+        "original": True,
+        "replaced": True,
+        "wrapped_once": True,
+        "later_is_users": True,
+        "second_sweep": [],
+        "new_finders": 1,  # one prefix watch for both sweeps (wrapt's finder does the rest)
+    }
+    assert result["removed"] == {
+        "patched": [False, False],
+        "restored": [True, True],
+        "current": True,
+        "classes": [],
+        "in_report": ["sweep.sweeplib"],  # the second sweep is still a record
+    }
+    assert result["finders_after"] == 0
+
+
+def test_te_originals_table_survives_option_changes_and_sweeps(te: dict[str, Path]) -> None:
+    result = run_py(
+        te_script(
+            "2.13.0",
+            """
+            import leakfree
+            from leakfree.patches import get_original, is_object_patched
+            probe()
+            cls = {n: getattr(importlib.import_module(m), c) for n, (m, c) in LOCATIONS.items()
+                   if hasattr(importlib.import_module(m), c)}
+            originals = {n: k.__dict__["backward"] for n, k in cls.items()}
+
+            def table():
+                return {n: [is_object_patched(k, "backward"),
+                            get_original(k, "backward") is originals[n]]
+                        for n, k in cls.items()}
+
+            sweep = leakfree.patch_functions("transformer_engine")  # first: all classes
+            swept = table()
+            leakfree.patch_all()                  # the patches take over their classes
+            leakfree.patch_all(transformer_engine="harden")    # re-applied: same originals
+            patched = table()
+            sweep.remove()                        # puts back only what it still holds
+            after_sweep = table()
+            leaks = probe()
+            leakfree.unpatch_all()
+            restored = all(k.__dict__["backward"] is originals[n] for n, k in cls.items())
+            print(json.dumps(dict(swept=swept, patched=patched, after_sweep=after_sweep,
+                                  leaks=leaks, unpatched=table(), restored=restored)))
+            """,
+        ),
+        te["2.13.0"],
+    )
+    affected = {
+        "fuser",
+        "fused_attention",
+        "cp_attention_p2p",
+        "cp_attention_a2a",
+        "grouped_linear",
+    }
+    assert all(v == [True, True] for v in result["swept"].values()), result["swept"]
+    assert all(v == [True, True] for v in result["patched"].values()), result["patched"]
+    for name, (patched, original) in result["after_sweep"].items():
+        assert original, name
+        assert patched == (name in affected), name
+        assert not result["leaks"][name]["leaks"] or name not in affected, name
+    assert all(v == [False, True] for v in result["unpatched"].values()), result["unpatched"]
+    assert result["restored"]
+
+
+def test_trl_originals_table_names_every_rebound_module() -> None:
+    result = run_py(
+        """
+        import json
+        import trl.trainer.sft_trainer as sft
+        import trl.models.activation_offloading as ao
+        import leakfree
+        from leakfree.patches import get_original, is_object_patched
+
+        original = ao.OffloadActivations
+        helper = ao.get_act_offloading_ctx_manager
+        leakfree.patch_all(trl="always")
+        during = dict(
+            patched=[is_object_patched(ao, "OffloadActivations"),
+                     is_object_patched(sft, "get_act_offloading_ctx_manager")],
+            original=[get_original(ao, "OffloadActivations") is original,
+                      get_original(sft, "get_act_offloading_ctx_manager") is helper],
+            replaced=ao.OffloadActivations is leakfree.OffloadActivations,
+        )
+        leakfree.unpatch_all()
+        after = dict(
+            patched=[is_object_patched(ao, "OffloadActivations"),
+                     is_object_patched(sft, "get_act_offloading_ctx_manager")],
+            restored=[ao.OffloadActivations is original,
+                      sft.get_act_offloading_ctx_manager is helper],
+        )
+        print(json.dumps(dict(during=during, after=after)))
+        """,
+        timeout=240,
+    )
+    assert result["during"] == {
+        "patched": [True, True],
+        "original": [True, True],
+        "replaced": True,
+    }
+    assert result["after"] == {"patched": [False, False], "restored": [True, True]}
+
+
+def test_get_original_of_an_unpatched_object_and_bad_owners() -> None:
+    import json as json_module
+
+    from leakfree.patches import get_original, is_object_patched
+
+    assert get_original(json_module, "dumps") is json_module.dumps
+    assert not is_object_patched(json_module, "dumps")
+    assert get_original(PatchLike, "method") is PatchLike.__dict__["method"]  # raw entry
+    assert get_original(SubPatchLike, "method") is PatchLike.__dict__["method"]  # inherited
+    with pytest.raises(TypeError, match=r"pass sys.modules\['json'\]"):
+        get_original("json", "dumps")
+    with pytest.raises(TypeError, match="expected a module or a class"):
+        is_object_patched(object(), "x")
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        get_original(json_module, "missing")
+
+
+class PatchLike:
+    @staticmethod
+    def method() -> None:
+        pass
+
+
+class SubPatchLike(PatchLike):
+    pass
+
+
+def test_one_status_enum_for_report_plan_and_doctor() -> None:
+    import leakfree
+    from leakfree.patches import Status
+    from leakfree.patches._registry import REGISTRY
+
+    assert Status.APPLIED == "applied" and Status.PENDING_IMPORT == "pending import"
+    assert str(Status.NOT_INSTALLED) == "not installed" and f"{Status.SKIPPED}" == "skipped"
+    assert json.dumps({"status": Status.WOULD_APPLY}) == '{"status": "would apply"}'
+    assert all(isinstance(r.status, Status) for r in leakfree.patch_report())
+    plan = REGISTRY.plan(REGISTRY.select({}))
+    assert all(isinstance(r.status, Status) for r in plan)
+    assert "not requested" in str(leakfree.patch_report())
+    assert "Status." not in str(plan)

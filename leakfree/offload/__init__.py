@@ -61,3 +61,11 @@ __all__ = [
     "offload_model",
     "remove_offload_hooks",
 ]
+
+# Public classes and functions report the package as their home (reprs, pickles, docs),
+# as they did before the split into modules.
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(_obj, type) or (callable(_obj) and hasattr(_obj, "__code__")):
+        _obj.__module__ = __name__
+del _name, _obj

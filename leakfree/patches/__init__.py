@@ -7,10 +7,14 @@ Each integration (``transformer_engine``, ``trl``) is a module holding a table o
 * only on affected versions (read from package metadata, never by importing the
   library), and only if the code is the code the patch expects (else it warns with
   :class:`leakfree.PatchWarning` and skips; ``strict=True`` raises instead);
-* idempotently, thread-safely, reversibly (``unpatch_all()`` puts back the exact original
-  objects), and it says what it did (``patch_report()``).
+* idempotently, thread-safely, reversibly: the registry keeps the original of everything
+  it changed in one table (:func:`get_original`, :func:`is_object_patched`) until
+  ``unpatch_all()`` puts those exact objects back; and it says what it did
+  (``patch_report()``, one :class:`Status` per record).
 
-Importing :mod:`leakfree` imports neither Transformer Engine nor TRL.
+``patch_functions`` sweeps are records of the same registry, applied by the same
+post-import hooks, their originals in the same table. Importing :mod:`leakfree` imports
+neither Transformer Engine nor TRL.
 """
 
 from __future__ import annotations
@@ -20,7 +24,15 @@ from typing import Any
 from leakfree._warnings import PatchWarning
 from leakfree.patches import transformer_engine as _te
 from leakfree.patches import trl as _trl
-from leakfree.patches._registry import Patch, PatchRecord, PatchReport, Registry
+from leakfree.patches._registry import (
+    REGISTRY,
+    Patch,
+    PatchRecord,
+    PatchReport,
+    Status,
+    get_original,
+    is_object_patched,
+)
 from leakfree.patches.sweep import Sweep, active_sweeps, patch_functions, remove_all_sweeps
 
 __all__ = [
@@ -28,14 +40,19 @@ __all__ = [
     "PatchRecord",
     "PatchReport",
     "PatchWarning",
+    "Status",
     "Sweep",
+    "active_sweeps",
+    "get_original",
+    "is_object_patched",
     "patch_all",
     "patch_functions",
     "patch_report",
+    "remove_all_sweeps",
     "unpatch_all",
 ]
 
-REGISTRY = Registry((*_te.PATCHES, *_trl.PATCHES))
+REGISTRY.add((*_te.PATCHES, *_trl.PATCHES))
 
 
 def patch_all(*, strict: bool = False, **only: Any) -> PatchReport:
@@ -47,6 +64,10 @@ def patch_all(*, strict: bool = False, **only: Any) -> PatchReport:
     ``patch_all(transformer_engine_fuser=False)`` skips one patch. Unknown keys raise
     ``TypeError`` before anything changes. Call it at startup, before or after importing
     the libraries: patches wait for their module to be imported.
+
+    Kept: the registry (``leakfree.patches.REGISTRY``) holds each applied patch's originals
+    (:func:`get_original`) and a post-import hook per module a patch waits for, until
+    :func:`unpatch_all`.
     """
     chosen = REGISTRY.select(only)
     REGISTRY.request(chosen, strict)
@@ -54,24 +75,13 @@ def patch_all(*, strict: bool = False, **only: Any) -> PatchReport:
 
 
 def unpatch_all() -> PatchReport:
-    """Revert every applied patch (and every ``patch_functions`` sweep) to the originals."""
+    """Revert every applied patch (and every ``patch_functions`` sweep) to the originals,
+    from the table of originals; pending patches become no-ops."""
     REGISTRY.revert_all()
-    remove_all_sweeps()
     return patch_report()
 
 
 def patch_report() -> PatchReport:
-    """What was applied, what is waiting for an import, what was skipped and why."""
-    report = REGISTRY.report()
-    for sweep in active_sweeps():
-        report.append(
-            PatchRecord(
-                f"sweep.{sweep.prefix}",
-                "sweep",
-                f"{len(sweep.handles)} Function classes",
-                None,
-                "applied",
-                "ctx state released after the last backward",
-            )
-        )
-    return report
+    """What was applied, what is waiting for an import, what was skipped and why: one
+    record per patch, then one per active sweep (``sweep.<prefix>``)."""
+    return REGISTRY.report()

@@ -1,11 +1,16 @@
-"""The one small mechanism behind every patch: data records, version gates, import hooks.
+"""The one small mechanism behind every patch: records, version gates, import hooks, and
+one table of originals.
 
 A :class:`Patch` is data: which distribution and module, which object, which versions
-are affected, how to check that the code is the code we expect, how to apply (returning
-an undo). The :class:`Registry` decides, applies lazily when the target module is first
-imported (a post-import hook) or at once when it already is, records what happened for
-:func:`patch_report`, and reverts to the exact original objects. Nothing here imports the
-target libraries: versions come from package metadata.
+are affected, how to check that the code is the code we expect, how to apply. A
+:class:`SweepRecord` is the other kind of record: not one object but every module under a
+package prefix (``patch_functions``). The one :class:`Registry` (``REGISTRY``) decides,
+applies lazily when a target module is first imported (one mechanism for both kinds:
+wrapt's post-import hooks) or at once when it already is, records what happened for
+``patch_report()`` with one :class:`Status` enum, and keeps the original of everything it
+changed in one table (:func:`get_original`, :func:`is_object_patched`, as ``gevent.monkey``
+does), from which unpatching puts the exact original objects back. Nothing here imports
+the target libraries: versions come from package metadata.
 """
 
 from __future__ import annotations
@@ -17,20 +22,67 @@ import types
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 import wrapt
+import wrapt.importer
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from leakfree._text import format_table
 from leakfree._warnings import PatchWarning
 
-__all__ = ["Patch", "PatchRecord", "PatchReport", "Registry", "installed_version"]
+if TYPE_CHECKING:
+    from leakfree.function import ReleaseHandle
 
-#: apply(target_object, module, option) -> undo
-Apply = Callable[[Any, types.ModuleType, Any], Callable[[], None]]
-#: check(target_object, module) -> None if it is the code we expect, else why not
+__all__ = [
+    "REGISTRY",
+    "Changes",
+    "Patch",
+    "PatchRecord",
+    "PatchReport",
+    "Registry",
+    "Status",
+    "SweepRecord",
+    "get_original",
+    "installed_version",
+    "is_object_patched",
+]
+
+
+class Status(str, Enum):
+    """Every state in ``patch_report()``, ``plan()`` and ``python -m leakfree doctor``.
+
+    A ``str``: ``record.status == "applied"``, printing and JSON give the value.
+    """
+
+    # what happened (patch_report)
+    NOT_REQUESTED = "not requested"
+    PENDING_IMPORT = "pending import"
+    APPLIED = "applied"
+    SKIPPED = "skipped"
+    DISABLED = "disabled"  # turned off by the caller (patch_all(name=False))
+    REVERTED = "reverted"
+    # what patch_all() would do (plan, doctor)
+    WOULD_APPLY = "would apply"
+    OFF = "off"  # not requested: off by default, or disabled
+    NOT_INSTALLED = "not installed"
+    NOT_AFFECTED = "not affected"
+    NO_LOCATION = "no location"
+    # why the code check skipped a patch (Skip.status, the start of a skipped reason)
+    ALREADY_FIXED = "already fixed upstream"
+    NOT_PRESENT = "not present in this version"  # the class is there, the leak's pattern is not
+    TARGET_NOT_FOUND = "target not found"  # a warning
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: ``apply(target, module, option, changes)``: make the repair through ``changes`` (which
+#: writes every original into the table); may return an undo for what the table cannot
+#: know (TRL: modules imported later that copied a replacement), run after the table's.
+Apply = Callable[[Any, types.ModuleType, Any, "Changes"], "Callable[[], None] | None"]
 #: ``check(target, module, option)``: None to apply, or why not.
 Check = Callable[[Any, types.ModuleType, Any], "Skip | None"]
 
@@ -39,9 +91,9 @@ Check = Callable[[Any, types.ModuleType, Any], "Skip | None"]
 class Skip:
     """Why a patch did not apply to the code it found."""
 
-    #: "already fixed upstream", "not present in this version" (the class is there, the
-    #: leak's pattern is not: nothing to repair) or "target not found" (a warning)
-    status: str
+    #: ALREADY_FIXED, NOT_PRESENT (nothing to repair: neither is a warning) or
+    #: TARGET_NOT_FOUND (a warning)
+    status: Status
     detail: str
 
 
@@ -106,14 +158,49 @@ class PatchRecord:
     integration: str
     target: str
     version: str | None
-    status: str  # applied | pending import | skipped | reverted | disabled
+    status: Status
     reason: str = ""
+    #: what to undo beyond the table of originals (see :data:`Apply`)
     undo: Callable[[], None] | None = field(default=None, repr=False, compare=False)
     option: Any = field(default=None, repr=False, compare=False)  #: what it was applied with
 
     @property
     def applied(self) -> bool:
-        return self.status == "applied"
+        return self.status == Status.APPLIED
+
+
+class SweepRecord(PatchRecord):
+    """The second kind of record: every module under ``prefix``, not one named object.
+
+    The registry applies it to what is already imported when it is added, then to each
+    module under ``prefix`` right after that module is imported (the same post-import hooks
+    as a :class:`Patch`), until it is removed. A subclass says what applying to a module
+    means (:meth:`apply`); its changes go into the table like a patch's. Compared by
+    identity: two sweeps of one prefix are two records.
+    """
+
+    #: what the sweep patches, for the report's target column ("3 Function classes")
+    unit = "objects"
+
+    def __init__(self, prefix: str, reason: str) -> None:
+        super().__init__(
+            f"sweep.{prefix}", "sweep", f"0 {self.unit}", None, Status.NOT_REQUESTED, reason
+        )
+        self.prefix = prefix
+
+    def covers(self, module_name: str) -> bool:
+        return module_name == self.prefix or module_name.startswith(self.prefix + ".")
+
+    def apply(self, module_names: set[str] | None, changes: Changes) -> None:
+        """Patch what is defined in ``module_names`` (None: every module it covers),
+        through ``changes``. Runs under the registry's lock."""
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
 
 
 class PatchReport(list[PatchRecord]):
@@ -130,7 +217,7 @@ class PatchReport(list[PatchRecord]):
     def __str__(self) -> str:
         return format_table(
             ("patch", "target", "version", "status", "reason"),
-            [(r.name, r.target, r.version or "-", r.status, r.reason) for r in self],
+            [(r.name, r.target, r.version or "-", str(r.status), r.reason) for r in self],
         )
 
 
@@ -155,19 +242,163 @@ def _resolve(module: types.ModuleType, qualname: str) -> Any:
     return obj
 
 
-class Registry:
-    """The patches, their records, and the lock that serialises every change to them."""
+# --- the table of originals ------------------------------------------------------------------
 
-    def __init__(self, patches: Iterable[Patch]) -> None:
-        self.patches = {p.name: p for p in patches}
-        self.records = {
-            p.name: PatchRecord(p.name, p.integration, p.target, None, "not requested")
-            for p in self.patches.values()
-        }
+#: In the table: the owner had no attribute of its own by that name (a class inherited it).
+_ABSENT: Any = object()
+
+
+@dataclass(eq=False)
+class _Row:
+    """One change: ``owner.name`` was ``original`` (its own namespace entry) before
+    ``holder`` (a record) put ``current`` there. ``via``: the object that made the change
+    and knows how to put it back (a :class:`~leakfree.function.ReleaseHandle`, which also
+    clears its marker), or None for a plain attribute."""
+
+    owner: Any
+    name: str
+    original: Any
+    current: Any
+    holder: PatchRecord
+    via: ReleaseHandle | None = None
+
+
+def _own(owner: Any, name: str) -> Any:
+    return vars(owner).get(name, _ABSENT)
+
+
+def _write(owner: Any, name: str, value: Any) -> None:
+    """``owner.name = value`` (``_ABSENT``: delete); a module's namespace directly."""
+    namespace = vars(owner)
+    if isinstance(namespace, dict):  # a module: past any __setattr__ of a lazy module
+        if value is _ABSENT:
+            namespace.pop(name, None)
+        else:
+            namespace[name] = value
+    elif value is _ABSENT:  # a class: its namespace is read-only
+        delattr(owner, name)
+    else:
+        setattr(owner, name, value)
+
+
+def _check_owner(call: str, owner: Any) -> None:
+    if not isinstance(owner, (types.ModuleType, type)):
+        hint = ""
+        if isinstance(owner, str):
+            hint = f"; for a module by name, pass sys.modules[{owner!r}]"
+        raise TypeError(f"{call}(owner={owner!r}): expected a module or a class{hint}")
+
+
+class Changes:
+    """The only way an ``apply`` changes anything: each change is written into the
+    registry's table of originals under the record making it, so unpatching is one walk
+    over the table and ``get_original`` answers for it."""
+
+    def __init__(self, registry: Registry, holder: PatchRecord) -> None:
+        self._registry = registry
+        self._holder = holder
+
+    def setattr(self, owner: Any, name: str, value: Any) -> None:
+        """``owner.name = value`` (a module's namespace is written directly)."""
+        self._registry._hold(owner, name, _own(owner, name), value, self._holder, None)
+        _write(owner, name, value)
+
+    def release_after_backward(self, cls: type, attrs: Iterable[str] | None) -> ReleaseHandle:
+        """:func:`leakfree.release_after_backward` on ``cls``, its original ``backward`` /
+        ``vjp`` kept in the table (a class that inherited it: absent, so the put-back
+        deletes the wrapper and the inherited one shows again)."""
+        from leakfree.function import release_after_backward
+
+        handle = release_after_backward(cls, attrs)  # type: ignore[arg-type]
+        own_raw = handle._own_raw  # what the class had before any release was installed
+        original = _ABSENT if own_raw is None else own_raw
+        self._registry._hold(
+            cls, handle.method, original, _own(cls, handle.method), self._holder, handle
+        )
+        return handle
+
+
+# --- post-import hooks for a prefix -----------------------------------------------------------
+#
+# wrapt's hooks are keyed by exact module names: its finder asks "is this name in my table
+# of hooks?" before it wraps a loader, so "every module under mylib, imported later" (names
+# nobody knows in advance) cannot be registered with it. This finder adds only that: when
+# the import system looks for a module under a watched prefix, it registers a wrapt hook for
+# that exact name and answers "not mine". wrapt's finder, next in sys.meta_path, then
+# wraps the loader and calls the registry right after the module executes, as it does for a
+# patch's named module. It finds and loads nothing itself, so patches and sweeps share one
+# hook mechanism. A reload (find_spec with a target) is not watched: wrapt's hooks do not
+# cope with reloads either.
+
+
+class _PrefixWatch:
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self.prefixes: tuple[str, ...] = ()  # replaced whole, read without the lock
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+        if (
+            target is None
+            and fullname not in sys.modules
+            and any(fullname == p or fullname.startswith(p + ".") for p in self.prefixes)
+        ):
+            self._registry._hook(fullname)
+        return None
+
+    def install(self) -> None:
+        if self in sys.meta_path:
+            return
+        # wrapt puts its finder at sys.meta_path[0] on its first registration: make sure
+        # it is there (a hook on a module already imported runs at once), then go just
+        # before it, so that the hook exists by the time wrapt's finder looks.
+        wrapt.register_post_import_hook(_nothing, __name__)
+        index = next(
+            (
+                i
+                for i, finder in enumerate(sys.meta_path)
+                if isinstance(finder, wrapt.importer.ImportHookFinder)
+            ),
+            0,
+        )
+        sys.meta_path.insert(index, self)  # type: ignore[arg-type]
+
+    def uninstall(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)  # type: ignore[arg-type]
+
+
+def _nothing(module: types.ModuleType) -> None:
+    pass
+
+
+class Registry:
+    """The records (patches and sweeps), the table of originals, and the one lock that
+    serialises every change to them.
+
+    Kept, until reverted: each applied record's changes in the table (owner, name,
+    original: the owners and originals stay alive), the active sweeps, and a wrapt
+    post-import hook per module that a pending patch or an active sweep waits for.
+    """
+
+    def __init__(self, patches: Iterable[Patch] = ()) -> None:
+        self.patches: dict[str, Patch] = {}
+        self.records: dict[str, PatchRecord] = {}
+        self.sweeps: list[SweepRecord] = []  # active ones, in the order they were added
         self._lock = threading.RLock()
         self._wanted: dict[str, Any] = {}  # patch name -> option, while a patch is requested
         self._hooked: set[str] = set()  # modules with a post-import hook registered
+        self._rows: dict[tuple[int, str], _Row] = {}  # (id(owner), name) -> the change
+        self._watch = _PrefixWatch(self)
         self.strict = False
+        self.add(patches)
+
+    def add(self, patches: Iterable[Patch]) -> None:
+        with self._lock:
+            for p in patches:
+                self.patches[p.name] = p
+                self.records[p.name] = PatchRecord(
+                    p.name, p.integration, p.target, None, Status.NOT_REQUESTED
+                )
 
     # -- selection ------------------------------------------------------------------------
 
@@ -220,32 +451,32 @@ class Registry:
             self.strict = strict
             for name, option in chosen.items():
                 record = self.records[name]
-                if record.status == "applied":
+                if record.status == Status.APPLIED:
                     if option == record.option:
                         continue  # idempotent
                     self._undo(record)  # asked for something else now: off, or harden...
                 if option is False:
                     self._wanted.pop(name, None)
-                    record.status, record.reason = "disabled", "disabled by the caller"
+                    record.status, record.reason = Status.DISABLED, "disabled by the caller"
                     continue
                 self._wanted[name] = option
                 self._decide(self.patches[name], option)
 
     @staticmethod
-    def _gate(patch: Patch, option: Any) -> tuple[Version | None, str | None, str]:
+    def _gate(patch: Patch, option: Any) -> tuple[Version | None, str | None, Status | None]:
         """Installed version, where the target lives (None if the patch does not apply),
-        and the reason it does not apply: "not installed", "not affected" or "no location".
+        and why it does not apply: NOT_INSTALLED, NOT_AFFECTED or NO_LOCATION.
 
         The one version and location decision, shared by ``request`` and ``plan``.
         """
         version = installed_version(patch.distributions)
         if version is None:
-            return None, None, "not installed"
+            return None, None, Status.NOT_INSTALLED
         affected = dict(patch.widen).get(option, patch.affected)
         if option != "always" and not version_matches(version, affected):
-            return version, None, "not affected"
+            return version, None, Status.NOT_AFFECTED
         module = patch.module_for(version)
-        return version, module, "no location" if module is None else ""
+        return version, module, Status.NO_LOCATION if module is None else None
 
     def _decide(self, patch: Patch, option: Any) -> None:
         record = self.records[patch.name]
@@ -253,17 +484,22 @@ class Registry:
         record.version = str(version) if version is not None else None
         if module_name is None:
             reason = {
-                "not installed": "not installed",
-                "not affected": f"version {version} not affected (fixed in {patch.fixed_in})",
-                "no location": f"no known location of {patch.target} in {version}",
-            }[blocked]
-            self._skip(record, "skipped", reason)
+                Status.NOT_INSTALLED: "not installed",
+                Status.NOT_AFFECTED: f"version {version} not affected (fixed in {patch.fixed_in})",
+                Status.NO_LOCATION: f"no known location of {patch.target} in {version}",
+            }[blocked or Status.NO_LOCATION]
+            self._skip(record, Status.SKIPPED, reason)
             return
         module = sys.modules.get(module_name)
         if module is not None:
             self._apply(patch, module)
             return
-        record.status, record.reason = "pending import", f"applies when {module_name} is imported"
+        record.status = Status.PENDING_IMPORT
+        record.reason = f"applies when {module_name} is imported"
+        self._hook(module_name)
+
+    def _hook(self, module_name: str) -> None:
+        """One wrapt post-import hook for ``module_name`` (runs at once if it is imported)."""
         if module_name not in self._hooked:
             self._hooked.add(module_name)
             wrapt.register_post_import_hook(self._on_import, module_name)
@@ -274,10 +510,13 @@ class Registry:
             self._hooked.discard(module.__name__)
             for patch in self.patches.values():
                 record = self.records[patch.name]
-                if patch.name in self._wanted and record.status == "pending import":
+                if patch.name in self._wanted and record.status == Status.PENDING_IMPORT:
                     version = installed_version(patch.distributions)
                     if version is not None and patch.module_for(version) == module.__name__:
                         self._apply(patch, module)
+            for sweep in self.sweeps:  # after the patches: a patched class is not swept
+                if sweep.covers(module.__name__):
+                    self._sweep(sweep, {module.__name__})
 
     def _apply(self, patch: Patch, module: types.ModuleType) -> None:
         record = self.records[patch.name]
@@ -290,27 +529,30 @@ class Registry:
                 raise
             self._skip(
                 record,
-                "skipped",
-                f"target not found: {module.__name__}.{patch.target} ({type(e).__name__})",
+                Status.SKIPPED,
+                f"{Status.TARGET_NOT_FOUND}: {module.__name__}.{patch.target} ({type(e).__name__})",
                 warn=True,
             )
             return
         if skip is not None:
             # Good news, or nothing to do: not warnings. Only a target that cannot be read is.
-            expected = skip.status in ("already fixed upstream", "not present in this version")
-            self._skip(record, "skipped", f"{skip.status}: {skip.detail}", warn=not expected)
+            expected = skip.status in (Status.ALREADY_FIXED, Status.NOT_PRESENT)
+            self._skip(record, Status.SKIPPED, f"{skip.status}: {skip.detail}", warn=not expected)
             return
         try:
-            undo = patch.apply(target, module, option)
+            undo = patch.apply(target, module, option, Changes(self, record))
         except Exception as e:  # a guest never breaks the host
+            self._restore(record)  # what it changed before it failed
             if self.strict:
                 raise
-            self._skip(record, "skipped", f"apply failed: {type(e).__name__}: {e}", warn=True)
+            self._skip(record, Status.SKIPPED, f"apply failed: {type(e).__name__}: {e}", warn=True)
             return
-        record.status, record.reason, record.undo = "applied", patch.description, undo
+        record.status, record.reason, record.undo = Status.APPLIED, patch.description, undo
         record.option = option
 
-    def _skip(self, record: PatchRecord, status: str, reason: str, *, warn: bool = False) -> None:
+    def _skip(
+        self, record: PatchRecord, status: Status, reason: str, *, warn: bool = False
+    ) -> None:
         record.status, record.reason, record.undo = status, reason, None
         self._wanted.pop(record.name, None)
         if warn:
@@ -319,30 +561,148 @@ class Registry:
                 raise RuntimeError(message)
             warnings.warn(message, PatchWarning, stacklevel=4)
 
+    # -- sweeps ------------------------------------------------------------------------------
+
+    def add_sweep(self, sweep: SweepRecord) -> None:
+        """Apply ``sweep`` to what is imported now, and to each module under its prefix
+        imported later, until :meth:`remove_sweep`."""
+        with self._lock:
+            if sweep in self.sweeps:
+                return
+            self.sweeps.append(sweep)
+            sweep.status = Status.APPLIED
+            self._watch.prefixes = tuple(s.prefix for s in self.sweeps)
+            self._watch.install()
+            self._sweep(sweep, None)
+
+    def apply_sweep(self, sweep: SweepRecord, module_names: Iterable[str] | None) -> None:
+        """Sweep again (new classes of a factory); nothing for a removed sweep."""
+        with self._lock:
+            if sweep in self.sweeps:
+                self._sweep(sweep, None if module_names is None else set(module_names))
+
+    def _sweep(self, sweep: SweepRecord, module_names: set[str] | None) -> None:
+        sweep.apply(module_names, Changes(self, sweep))
+        self._count(sweep)
+
+    def _count(self, sweep: SweepRecord) -> None:
+        """The sweep's target column: what it holds now (a patch may have taken a class)."""
+        sweep.target = f"{len(self.rows_of(sweep))} {sweep.unit}"
+
+    def remove_sweep(self, sweep: SweepRecord) -> None:
+        """Put back what ``sweep`` changed and stop sweeping modules imported later."""
+        with self._lock:
+            try:
+                self._restore(sweep)
+            finally:
+                self._count(sweep)
+                if sweep in self.sweeps:
+                    self.sweeps.remove(sweep)
+                    sweep.status, sweep.reason = Status.REVERTED, "removed"
+                self._watch.prefixes = tuple(s.prefix for s in self.sweeps)
+                if not self.sweeps:
+                    self._watch.uninstall()
+
+    def remove_sweeps(self) -> int:
+        with self._lock:
+            sweeps = list(self.sweeps)
+            for sweep in sweeps:
+                self.remove_sweep(sweep)
+        return len(sweeps)
+
+    # -- the table of originals ----------------------------------------------------------------
+
+    def _hold(
+        self,
+        owner: Any,
+        name: str,
+        original: Any,
+        current: Any,
+        holder: PatchRecord,
+        via: ReleaseHandle | None,
+    ) -> None:
+        """Write one change into the table. The first original stays: a second record
+        changing the same attribute (a patch over a sweep's class) takes the row over."""
+        with self._lock:
+            row = self._rows.get((id(owner), name))
+            if row is None:
+                self._rows[id(owner), name] = _Row(owner, name, original, current, holder, via)
+            else:
+                row.current, row.holder, row.via = current, holder, via
+
+    def rows_of(self, holder: PatchRecord) -> list[_Row]:
+        """The changes ``holder`` made and has not put back, in the order it made them."""
+        with self._lock:
+            return [row for row in self._rows.values() if row.holder is holder]
+
+    def _restore(self, holder: PatchRecord) -> None:
+        """Put back every change of ``holder``, from the table; each row goes."""
+        first: Exception | None = None
+        for row in reversed(self.rows_of(holder)):  # the last change first
+            del self._rows[id(row.owner), row.name]
+            try:
+                if row.via is not None:
+                    row.via.restore()  # the original is the handle's too (see Changes)
+                elif _own(row.owner, row.name) is row.current:  # else rebound since: theirs
+                    _write(row.owner, row.name, row.original)
+            except Exception as e:  # put back the others anyway
+                first = first or e
+        if first is not None:
+            raise first
+
+    def get_original(self, owner: Any, name: str) -> Any:
+        _check_owner("get_original", owner)
+        with self._lock:
+            klasses = owner.__mro__ if isinstance(owner, type) else (owner,)
+            for klass in klasses:
+                row = self._rows.get((id(klass), name))
+                if row is not None:
+                    if row.original is not _ABSENT:
+                        return row.original
+                    continue  # inherited before leakfree gave it one of its own
+                if name in vars(klass):
+                    return vars(klass)[name]
+        raise AttributeError(f"get_original({owner!r}, {name!r}): it has no attribute {name!r}")
+
+    def is_patched(self, owner: Any, name: str) -> bool:
+        _check_owner("is_object_patched", owner)
+        with self._lock:
+            return (id(owner), name) in self._rows
+
     # -- reverting ---------------------------------------------------------------------------
 
     def _undo(self, record: PatchRecord) -> None:
         undo, record.undo, record.option = record.undo, None, None
-        record.status, record.reason = "reverted", "unpatch_all()"
+        record.status, record.reason = Status.REVERTED, "unpatch_all()"
+        self._restore(record)
         if undo is not None:
             undo()
 
     def revert_all(self) -> None:
+        """Revert every applied patch and remove every sweep (``unpatch_all``)."""
         errors = []
         with self._lock:
             self._wanted.clear()  # pending hooks become no-ops
             for record in self.records.values():
-                if record.status == "applied":
+                if record.status == Status.APPLIED:
                     try:
                         self._undo(record)
                     except Exception as e:  # revert the others anyway
                         errors.append(f"{record.name}: {type(e).__name__}: {e}")
-                elif record.status == "pending import":
-                    record.status, record.reason = "reverted", "unpatch_all() before import"
+                elif record.status == Status.PENDING_IMPORT:
+                    record.status = Status.REVERTED
+                    record.reason = "unpatch_all() before import"
+            for sweep in list(self.sweeps):
+                try:
+                    self.remove_sweep(sweep)
+                except Exception as e:
+                    errors.append(f"{sweep.name}: {type(e).__name__}: {e}")
         if errors:
             warnings.warn(
                 "leakfree: could not revert " + "; ".join(errors), PatchWarning, stacklevel=3
             )
+
+    # -- reporting ---------------------------------------------------------------------------
 
     def plan(self, chosen: dict[str, Any]) -> PatchReport:
         """What ``request(chosen)`` would do, without doing it (``python -m leakfree doctor``)."""
@@ -351,25 +711,63 @@ class Registry:
             patch = self.patches[name]
             version, module, blocked = self._gate(patch, option)
             record = PatchRecord(
-                name, patch.integration, patch.target, str(version) if version else None, ""
+                name,
+                patch.integration,
+                patch.target,
+                str(version) if version else None,
+                Status.WOULD_APPLY,
             )
             if option is False:
-                record.status, record.reason = "off", "not requested (off by default or disabled)"
-            elif blocked == "not installed":
-                record.status, record.reason = "not installed", ""
-            elif blocked:
+                record.status, record.reason = (
+                    Status.OFF,
+                    "not requested (off by default or disabled)",
+                )
+            elif blocked is Status.NOT_INSTALLED:
+                record.status, record.reason = Status.NOT_INSTALLED, ""
+            elif blocked is not None:
                 record.status = blocked
-                record.reason = f"fixed in {patch.fixed_in}" if blocked == "not affected" else ""
+                record.reason = (
+                    f"fixed in {patch.fixed_in}" if blocked is Status.NOT_AFFECTED else ""
+                )
             else:
                 current = self.records[name].status
-                record.status = "applied" if current == "applied" else "would apply"
+                record.status = Status.APPLIED if current == Status.APPLIED else Status.WOULD_APPLY
                 record.reason = f"{patch.description} ({module}.{patch.target})"
             out.append(record)
         return out
 
     def report(self) -> PatchReport:
+        """Copies of the records: the patches, then the active sweeps."""
         with self._lock:
+            for sweep in self.sweeps:
+                self._count(sweep)
             return PatchReport(
                 PatchRecord(r.name, r.integration, r.target, r.version, r.status, r.reason)
-                for r in self.records.values()
+                for r in (*self.records.values(), *self.sweeps)
             )
+
+
+#: The one registry: the integrations add their patches to it (``leakfree.patches``).
+REGISTRY = Registry()
+
+
+def get_original(owner: Any, name: str) -> Any:
+    """What ``owner.name`` was before leakfree changed it (``gevent.monkey.get_original``).
+
+    ``owner`` is a module or a class. The answer is the object as the owner stored it:
+    for a class, its raw ``__dict__`` entry (the ``staticmethod`` object of a
+    ``backward``), looked up along the MRO; for a class that inherited the attribute
+    before leakfree gave it its own, the inherited original. If leakfree did not change
+    it (or has put it back), the current entry. Kept by the registry until the change is
+    put back (``unpatch_all()``, ``sweep.remove()``, a patch turned off).
+    """
+    return REGISTRY.get_original(owner, name)
+
+
+def is_object_patched(owner: Any, name: str) -> bool:
+    """Did leakfree (a patch or a sweep) change ``owner.name`` and not put it back yet?
+
+    ``owner`` is a module or a class; only its own attribute counts (a subclass that a
+    sweep patched has its own entry). ``gevent.monkey.is_object_patched``, by object.
+    """
+    return REGISTRY.is_patched(owner, name)

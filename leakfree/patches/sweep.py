@@ -3,35 +3,23 @@
 For libraries with the same bug that nobody has listed yet: ``patch_functions("mylib")``
 applies :func:`leakfree.release_after_backward` to every ``torch.autograd.Function``
 subclass defined in ``mylib`` or its submodules, those already imported and those in
-modules imported later (a meta-path finder wraps their loaders and sweeps each module
-right after it executes). Classes created later at run time (in a factory function) are
-not seen; call ``patch_functions`` again after creating them.
+modules imported later. A :class:`Sweep` is a record of the registry, of the sweep kind:
+the registry's post-import hooks (the ones the patches use) sweep each module under the
+prefix right after it executes, and its table of originals keeps each class's original
+``backward``. Classes created later at run time (in a factory function) are not seen;
+call ``patch_functions`` again after creating them.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
-import threading
-import types
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 
-from leakfree.function import (
-    _HANDLE,
-    Function,
-    ReleaseHandle,
-    _backward_name,
-    release_after_backward,
-)
+from leakfree.function import _HANDLE, Function, ReleaseHandle, _backward_name
+from leakfree.patches._registry import REGISTRY, Changes, SweepRecord
 
-__all__ = ["Sweep", "patch_functions"]
-
-_lock = threading.RLock()
-_sweeps: list[Sweep] = []
+__all__ = ["Sweep", "active_sweeps", "patch_functions", "remove_all_sweeps"]
 
 
 def _subclasses(cls: type) -> Iterator[type]:
@@ -45,95 +33,53 @@ def _subclasses(cls: type) -> Iterator[type]:
             stack.extend(sub.__subclasses__())
 
 
-class Sweep:
-    """One ``patch_functions(prefix)``: what it patched, and how to undo it."""
+class Sweep(SweepRecord):
+    """One ``patch_functions(prefix)``: what it patched, and how to undo it.
+
+    Kept, until :meth:`remove` or :func:`leakfree.unpatch_all`: the record in the registry
+    (``patch_report()`` lists it as ``sweep.<prefix>``), a post-import hook for each module
+    under the prefix that starts importing, and, in the registry's table of originals, each
+    patched class with its original ``backward`` / ``vjp`` (so the classes stay alive).
+    """
+
+    unit = "Function classes"
 
     def __init__(self, prefix: str, attrs: tuple[str, ...] | None) -> None:
-        self.prefix = prefix
+        super().__init__(prefix, "ctx state released after the last backward")
         self.attrs = attrs
-        self.handles: dict[type, ReleaseHandle] = {}
-        self._finder: _SweepFinder | None = None
+
+    @property
+    def handles(self) -> dict[type, ReleaseHandle]:
+        """The classes this sweep patched and has not put back, with their handles."""
+        return {row.owner: row.via for row in REGISTRY.rows_of(self) if row.via is not None}
 
     @property
     def classes(self) -> list[type]:
         return list(self.handles)
 
-    def covers(self, module_name: str) -> bool:
-        return module_name == self.prefix or module_name.startswith(self.prefix + ".")
+    def apply(self, module_names: set[str] | None, changes: Changes) -> None:
+        for cls in _subclasses(torch.autograd.Function):
+            mod = getattr(cls, "__module__", "") or ""
+            if module_names is not None and mod not in module_names:
+                continue
+            if not self.covers(mod) or issubclass(cls, Function):
+                continue
+            if "_backward_cls" not in cls.__dict__ or _backward_name(cls) is None:
+                continue  # not a concrete Function, or nothing to release after
+            if _HANDLE in cls.__dict__:
+                continue  # already released: by this sweep, a patch, another sweep, the user
+            changes.release_after_backward(cls, self.attrs)
 
     def sweep(self, module_names: Iterable[str] | None = None) -> None:
-        names = set(module_names) if module_names is not None else None
-        with _lock:
-            for cls in _subclasses(torch.autograd.Function):
-                mod = getattr(cls, "__module__", "") or ""
-                if names is not None and mod not in names:
-                    continue
-                if not self.covers(mod) or cls in self.handles or issubclass(cls, Function):
-                    continue
-                if "_backward_cls" not in cls.__dict__ or _backward_name(cls) is None:
-                    continue  # not a concrete Function, or nothing to release after
-                if _HANDLE in cls.__dict__:
-                    continue  # already released by someone else (a patch, another sweep)
-                self.handles[cls] = release_after_backward(cls, self.attrs)  # type: ignore[arg-type]
+        """Sweep again: all the modules it covers, or only ``module_names``."""
+        REGISTRY.apply_sweep(self, module_names)
 
     def remove(self) -> None:
         """Restore every class this sweep patched and stop sweeping new modules."""
-        with _lock:
-            for handle in self.handles.values():
-                handle.restore()
-            self.handles.clear()
-            if self._finder is not None and self._finder in sys.meta_path:
-                sys.meta_path.remove(self._finder)
-            self._finder = None
-            if self in _sweeps:
-                _sweeps.remove(self)
+        REGISTRY.remove_sweep(self)
 
     def __repr__(self) -> str:
-        return f"<Sweep {self.prefix!r}: {len(self.handles)} classes>"
-
-
-class _SweepLoader(importlib.abc.Loader):
-    """Delegates to the real loader; sweeps the module once it has executed."""
-
-    def __init__(self, loader: Any, sweep: Sweep) -> None:
-        self._loader = loader
-        self._sweep = sweep
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        create = getattr(self._loader, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        self._loader.exec_module(module)
-        self._sweep.sweep([module.__name__])
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-
-class _SweepFinder(importlib.abc.MetaPathFinder):
-    def __init__(self, sweep: Sweep) -> None:
-        self._sweep = sweep
-        self._busy = threading.local()
-
-    def find_spec(
-        self, fullname: str, path: Any, target: types.ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if not self._sweep.covers(fullname) or getattr(self._busy, "on", False):
-            return None
-        self._busy.on = True
-        try:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                        spec.loader = _SweepLoader(spec.loader, self._sweep)
-                    return spec  # type: ignore[no-any-return]
-            return None
-        finally:
-            self._busy.on = False
+        return f"<Sweep {self.prefix!r}: {len(self.classes)} classes>"
 
 
 def patch_functions(prefix: str, attrs: Iterable[str] | None = None) -> Sweep:
@@ -157,24 +103,16 @@ def patch_functions(prefix: str, attrs: Iterable[str] | None = None) -> Sweep:
         raise ValueError(f"patch_functions(prefix={prefix!r}): expected a module name like 'mylib'")
     if isinstance(attrs, str):
         raise TypeError(f"patch_functions(attrs={attrs!r}): write attrs=({attrs!r},)")
-    names = tuple(attrs) if attrs is not None else None
-    with _lock:
-        sweep = Sweep(prefix, names)
-        sweep.sweep()
-        sweep._finder = _SweepFinder(sweep)
-        sys.meta_path.insert(0, sweep._finder)
-        _sweeps.append(sweep)
+    sweep = Sweep(prefix, tuple(attrs) if attrs is not None else None)
+    REGISTRY.add_sweep(sweep)
     return sweep
 
 
 def remove_all_sweeps() -> int:
-    with _lock:
-        sweeps = list(_sweeps)
-    for sweep in sweeps:
-        sweep.remove()
-    return len(sweeps)
+    """Remove every active sweep (:meth:`Sweep.remove`); how many there were."""
+    return REGISTRY.remove_sweeps()
 
 
 def active_sweeps() -> list[Sweep]:
-    with _lock:
-        return list(_sweeps)
+    """The sweeps in effect, oldest first."""
+    return [s for s in list(REGISTRY.sweeps) if isinstance(s, Sweep)]

@@ -7,7 +7,8 @@ objects in ``ctx.tensor_objects``. Backward's ``restore_from_saved`` puts the bu
 into those same objects, which stay pinned by ``ctx`` until the graph dies: +20 GB with
 full activation checkpointing, an OOM on Llama3 405B. Only FP8-type recipes leak.
 
-The repair is :func:`leakfree.release_after_backward` with ``attrs=("tensor_objects",)``:
+The repair is :func:`leakfree.release_after_backward` with ``attrs=("tensor_objects",)``
+(the class's original ``backward`` kept in the registry's table of originals):
 the attribute is set to ``None`` after the last backward, exactly as TE 2.15's own fix
 does. The table below is REFERENCE's; versions are read from package metadata, never by
 importing TE (which loads CUDA libraries).
@@ -21,8 +22,7 @@ from typing import Any
 
 import torch
 
-from leakfree.function import release_after_backward
-from leakfree.patches._registry import Patch, Skip
+from leakfree.patches._registry import Changes, Patch, Skip, Status
 
 __all__ = ["PATCHES"]
 
@@ -120,21 +120,21 @@ def _backward_facts(target: type, module: types.ModuleType, fn: Any) -> tuple[se
 
 def _check(target: Any, module: types.ModuleType, option: Any = True) -> Skip | None:
     if not (isinstance(target, type) and issubclass(target, torch.autograd.Function)):
-        return Skip("target not found", f"{target!r} is not an autograd Function")
+        return Skip(Status.TARGET_NOT_FOUND, f"{target!r} is not an autograd Function")
     backward = target.__dict__.get("backward")
     fn = getattr(backward, "__func__", backward)
     if fn is None:
-        return Skip("target not found", f"{target.__qualname__} defines no backward")
+        return Skip(Status.TARGET_NOT_FOUND, f"{target.__qualname__} defines no backward")
     names, stored = _backward_facts(target, module, fn)
     if "restore_from_func_ctx" in names or ATTR in stored:
         if _hardens(target, option) and FUSER_EXTRA not in stored:
             # Upstream (2.14+) releases tensor_objects but never the per-op contexts that
             # an early exit of the fuser's backward skips: hardening still adds that.
             return None
-        return Skip("already fixed upstream", f"{target.__qualname__}.backward releases {ATTR}")
+        return Skip(Status.ALREADY_FIXED, f"{target.__qualname__}.backward releases {ATTR}")
     if "restore_from_saved" not in names or ATTR not in names:
         return Skip(
-            "not present in this version",
+            Status.NOT_PRESENT,
             f"{target.__qualname__}.backward (and the helpers it calls) does not use "
             f"restore_from_saved / ctx.{ATTR}",
         )
@@ -145,9 +145,9 @@ def _hardens(target: Any, option: Any) -> bool:
     return option == "harden" and "Fuser" in target.__name__
 
 
-def _apply(target: Any, module: types.ModuleType, option: Any) -> Any:
+def _apply(target: Any, module: types.ModuleType, option: Any, changes: Changes) -> None:
     attrs = (ATTR, FUSER_EXTRA) if _hardens(target, option) else (ATTR,)
-    return release_after_backward(target, attrs=attrs).restore
+    changes.release_after_backward(target, attrs)
 
 
 def _patch(

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from leakfree.patches._registry import Patch, Skip
+from leakfree.patches._registry import Changes, Patch, Skip, Status
 
 __all__ = ["PATCHES", "get_act_offloading_ctx_manager"]
 
@@ -63,68 +63,65 @@ def get_act_offloading_ctx_manager(
     )
 
 
-def _rebind(
-    old: Any, new: Any, name: str, modules: list[types.ModuleType]
-) -> list[types.ModuleType]:
-    done = []
-    for module in modules:
-        namespace = getattr(module, "__dict__", None)
-        if namespace is not None and namespace.get(name) is old:
-            namespace[name] = new
-            done.append(module)
-    return done
-
-
 def _imported_modules(prefix: str | None = None) -> list[types.ModuleType]:
     out = []
     for module_name, module in list(sys.modules.items()):
         if module_name == "leakfree" or module_name.startswith("leakfree."):
             continue  # where the replacements themselves are defined
+        if not isinstance(getattr(module, "__dict__", None), dict):
+            continue  # a placeholder in sys.modules (None), not a module
         if prefix is None or module_name == prefix or module_name.startswith(prefix + "."):
             out.append(module)
     return out
 
 
-def _replace_everywhere(original: Any, replacement: Any, name: str) -> Callable[[], None]:
-    """Rebind ``name`` wherever it is bound to ``original``; return the undo.
-
-    The undo restores exactly the modules rebound here, plus TRL's own modules imported
-    since (they copied the replacement from the patched module); never a user module that
-    imported leakfree's object on purpose.
+def _replace_everywhere(
+    original: Any, replacement: Any, name: str, changes: Changes
+) -> Callable[[], None]:
+    """Rebind ``name`` wherever it is bound to ``original``, each rebinding written into
+    the table of originals (which puts exactly those back); return the undo of what the
+    table cannot know: TRL's own modules imported since, which copied the replacement from
+    the patched module. Never a user module that imported leakfree's object on purpose.
     """
-    rebound = _rebind(original, replacement, name, _imported_modules())
+    for module in _imported_modules():
+        if vars(module).get(name) is original:
+            changes.setattr(module, name, replacement)
 
-    def undo() -> None:
-        seen = {id(m) for m in rebound}
-        later = [m for m in _imported_modules("trl") if id(m) not in seen]
-        _rebind(replacement, original, name, rebound + later)
+    def undo_later_copies() -> None:  # runs after the table's put-back
+        for module in _imported_modules("trl"):
+            if vars(module).get(name) is replacement:
+                vars(module)[name] = original
 
-    return undo
+    return undo_later_copies
 
 
 def _check_class(target: Any, module: types.ModuleType, option: Any = True) -> Skip | None:
     if not isinstance(target, type) or not hasattr(target, "update_model_params"):
-        return Skip("target not found", f"{target!r} is not TRL's OffloadActivations class")
+        return Skip(Status.TARGET_NOT_FOUND, f"{target!r} is not TRL's OffloadActivations class")
     return None
 
 
 def _check_function(target: Any, module: types.ModuleType, option: Any = True) -> Skip | None:
     if not callable(target) or getattr(target, "__code__", None) is None:
-        return Skip("target not found", f"{target!r} is not a function")
+        return Skip(Status.TARGET_NOT_FOUND, f"{target!r} is not a function")
     if "model" not in target.__code__.co_varnames[: target.__code__.co_argcount]:
-        return Skip("target not found", "get_act_offloading_ctx_manager(model, ...) expected")
+        return Skip(Status.TARGET_NOT_FOUND, "get_act_offloading_ctx_manager(model, ...) expected")
     return None
 
 
-def _apply_class(target: Any, module: types.ModuleType, option: Any) -> Callable[[], None]:
+def _apply_class(
+    target: Any, module: types.ModuleType, option: Any, changes: Changes
+) -> Callable[[], None]:
     from leakfree.offload import OffloadActivations
 
-    return _replace_everywhere(target, OffloadActivations, "OffloadActivations")
+    return _replace_everywhere(target, OffloadActivations, "OffloadActivations", changes)
 
 
-def _apply_function(target: Any, module: types.ModuleType, option: Any) -> Callable[[], None]:
+def _apply_function(
+    target: Any, module: types.ModuleType, option: Any, changes: Changes
+) -> Callable[[], None]:
     return _replace_everywhere(
-        target, get_act_offloading_ctx_manager, "get_act_offloading_ctx_manager"
+        target, get_act_offloading_ctx_manager, "get_act_offloading_ctx_manager", changes
     )
 
 
