@@ -70,3 +70,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _INTEGRATION in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _frozen_heap() -> Iterator[None]:
+    """Move what importing torch, transformers and the test modules made into the
+    collector's permanent generation: the full collections that fixtures run per test
+    then scan only what the tests made (a tenth of a second each, instead of 0.3)."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()

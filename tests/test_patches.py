@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._fresh import run_py
 from tests.standins.transformer_engine_factory import build, location
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,23 +28,6 @@ TE_PATCHES = [
     "layernorm_linear",
     "layernorm_mlp",
 ]
-
-
-def run_py(code: str, *paths: Path, timeout: float = 180) -> Any:
-    """Run ``code`` in a fresh interpreter with ``paths`` first on sys.path; parse its JSON."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), str(ROOT)])
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    if done.returncode != 0:
-        raise AssertionError(f"subprocess failed:\n{done.stdout}\n{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
 
 # Exercise every stand-in Function: is its quantized storage object (and the restored
 # buffers inside it) still alive after backward, while the output (and graph) is alive?

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_patches import old_trl, run_py, trl_check
+from tests._fresh import run_py
+from tests.test_patches import old_trl, trl_check
 
 
 def test_trl_current_version_not_affected_by_default() -> None:
