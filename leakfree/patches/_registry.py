@@ -32,13 +32,14 @@ from packaging.version import InvalidVersion, Version
 
 from leakfree._text import format_table
 from leakfree._warnings import PatchWarning
+from leakfree.patches._originals import Changes, Originals, _check_owner
 
 if TYPE_CHECKING:
     from leakfree.function import ReleaseHandle
+    from leakfree.patches._originals import _Row
 
 __all__ = [
     "REGISTRY",
-    "Changes",
     "Patch",
     "PatchRecord",
     "PatchReport",
@@ -242,82 +243,6 @@ def _resolve(module: types.ModuleType, qualname: str) -> Any:
     return obj
 
 
-# --- the table of originals ------------------------------------------------------------------
-
-#: In the table: the owner had no attribute of its own by that name (a class inherited it).
-_ABSENT: Any = object()
-
-
-@dataclass(eq=False)
-class _Row:
-    """One change: ``owner.name`` was ``original`` (its own namespace entry) before
-    ``holder`` (a record) put ``current`` there. ``via``: the object that made the change
-    and knows how to put it back (a :class:`~leakfree.function.ReleaseHandle`, which also
-    clears its marker), or None for a plain attribute."""
-
-    owner: Any
-    name: str
-    original: Any
-    current: Any
-    holder: PatchRecord
-    via: ReleaseHandle | None = None
-
-
-def _own(owner: Any, name: str) -> Any:
-    return vars(owner).get(name, _ABSENT)
-
-
-def _write(owner: Any, name: str, value: Any) -> None:
-    """``owner.name = value`` (``_ABSENT``: delete); a module's namespace directly."""
-    namespace = vars(owner)
-    if isinstance(namespace, dict):  # a module: past any __setattr__ of a lazy module
-        if value is _ABSENT:
-            namespace.pop(name, None)
-        else:
-            namespace[name] = value
-    elif value is _ABSENT:  # a class: its namespace is read-only
-        delattr(owner, name)
-    else:
-        setattr(owner, name, value)
-
-
-def _check_owner(call: str, owner: Any) -> None:
-    if not isinstance(owner, (types.ModuleType, type)):
-        hint = ""
-        if isinstance(owner, str):
-            hint = f"; for a module by name, pass sys.modules[{owner!r}]"
-        raise TypeError(f"{call}(owner={owner!r}): expected a module or a class{hint}")
-
-
-class Changes:
-    """The only way an ``apply`` changes anything: each change is written into the
-    registry's table of originals under the record making it, so unpatching is one walk
-    over the table and ``get_original`` answers for it."""
-
-    def __init__(self, registry: Registry, holder: PatchRecord) -> None:
-        self._registry = registry
-        self._holder = holder
-
-    def setattr(self, owner: Any, name: str, value: Any) -> None:
-        """``owner.name = value`` (a module's namespace is written directly)."""
-        self._registry._hold(owner, name, _own(owner, name), value, self._holder, None)
-        _write(owner, name, value)
-
-    def release_after_backward(self, cls: type, attrs: Iterable[str] | None) -> ReleaseHandle:
-        """:func:`leakfree.release_after_backward` on ``cls``, its original ``backward`` /
-        ``vjp`` kept in the table (a class that inherited it: absent, so the put-back
-        deletes the wrapper and the inherited one shows again)."""
-        from leakfree.function import release_after_backward
-
-        handle = release_after_backward(cls, attrs)  # type: ignore[arg-type]
-        own_raw = handle._own_raw  # what the class had before any release was installed
-        original = _ABSENT if own_raw is None else own_raw
-        self._registry._hold(
-            cls, handle.method, original, _own(cls, handle.method), self._holder, handle
-        )
-        return handle
-
-
 # --- post-import hooks for a prefix -----------------------------------------------------------
 #
 # wrapt's hooks are keyed by exact module names: its finder asks "is this name in my table
@@ -372,8 +297,9 @@ def _nothing(module: types.ModuleType) -> None:
 
 
 class Registry:
-    """The records (patches and sweeps), the table of originals, and the one lock that
-    serialises every change to them.
+    """The records (patches and sweeps), the table of originals (``originals``, an
+    :class:`~leakfree.patches._originals.Originals`), and the one lock that serialises
+    every change to them.
 
     Kept, until reverted: each applied record's changes in the table (owner, name,
     original: the owners and originals stay alive), the active sweeps, and a wrapt
@@ -387,7 +313,7 @@ class Registry:
         self._lock = threading.RLock()
         self._wanted: dict[str, Any] = {}  # patch name -> option, while a patch is requested
         self._hooked: set[str] = set()  # modules with a post-import hook registered
-        self._rows: dict[tuple[int, str], _Row] = {}  # (id(owner), name) -> the change
+        self.originals = Originals()  # what was changed, and what was there before
         self._watch = _PrefixWatch(self)
         self.strict = False
         self.add(patches)
@@ -610,7 +536,7 @@ class Registry:
                 self.remove_sweep(sweep)
         return len(sweeps)
 
-    # -- the table of originals ----------------------------------------------------------------
+    # -- the table of originals (kept by self.originals; its updates under the lock) ------
 
     def _hold(
         self,
@@ -621,53 +547,29 @@ class Registry:
         holder: PatchRecord,
         via: ReleaseHandle | None,
     ) -> None:
-        """Write one change into the table. The first original stays: a second record
-        changing the same attribute (a patch over a sweep's class) takes the row over."""
+        """Write one change into the table (see :meth:`Originals.hold`)."""
         with self._lock:
-            row = self._rows.get((id(owner), name))
-            if row is None:
-                self._rows[id(owner), name] = _Row(owner, name, original, current, holder, via)
-            else:
-                row.current, row.holder, row.via = current, holder, via
+            self.originals.hold(owner, name, original, current, holder, via)
 
     def rows_of(self, holder: PatchRecord) -> list[_Row]:
         """The changes ``holder`` made and has not put back, in the order it made them."""
         with self._lock:
-            return [row for row in self._rows.values() if row.holder is holder]
+            return self.originals.rows_of(holder)
 
     def _restore(self, holder: PatchRecord) -> None:
         """Put back every change of ``holder``, from the table; each row goes."""
-        first: Exception | None = None
-        for row in reversed(self.rows_of(holder)):  # the last change first
-            del self._rows[id(row.owner), row.name]
-            try:
-                if row.via is not None:
-                    row.via.restore()  # the original is the handle's too (see Changes)
-                elif _own(row.owner, row.name) is row.current:  # else rebound since: theirs
-                    _write(row.owner, row.name, row.original)
-            except Exception as e:  # put back the others anyway
-                first = first or e
-        if first is not None:
-            raise first
+        with self._lock:
+            self.originals.restore(holder)
 
     def get_original(self, owner: Any, name: str) -> Any:
         _check_owner("get_original", owner)
         with self._lock:
-            klasses = owner.__mro__ if isinstance(owner, type) else (owner,)
-            for klass in klasses:
-                row = self._rows.get((id(klass), name))
-                if row is not None:
-                    if row.original is not _ABSENT:
-                        return row.original
-                    continue  # inherited before leakfree gave it one of its own
-                if name in vars(klass):
-                    return vars(klass)[name]
-        raise AttributeError(f"get_original({owner!r}, {name!r}): it has no attribute {name!r}")
+            return self.originals.get_original(owner, name)
 
     def is_patched(self, owner: Any, name: str) -> bool:
         _check_owner("is_object_patched", owner)
         with self._lock:
-            return (id(owner), name) in self._rows
+            return self.originals.is_patched(owner, name)
 
     # -- reverting ---------------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from leakfree.function import _HANDLE, Function, ReleaseHandle, _backward_name
-from leakfree.patches._registry import REGISTRY, Changes, SweepRecord
+from leakfree.patches._originals import Changes
+from leakfree.patches._registry import REGISTRY, SweepRecord
 
 __all__ = ["Sweep", "active_sweeps", "patch_functions", "remove_all_sweeps"]
 

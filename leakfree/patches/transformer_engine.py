@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from leakfree.patches._registry import Changes, Patch, Skip, Status
+from leakfree.patches._originals import Changes
+from leakfree.patches._registry import Patch, Skip, Status
 
 __all__ = ["PATCHES"]
 

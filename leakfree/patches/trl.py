@@ -27,7 +27,8 @@ from typing import Any
 
 from torch import nn
 
-from leakfree.patches._registry import Changes, Patch, Skip, Status
+from leakfree.patches._originals import Changes
+from leakfree.patches._registry import Patch, Skip, Status
 
 __all__ = ["PATCHES", "get_act_offloading_ctx_manager"]
 
