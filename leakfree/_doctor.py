@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 import leakfree
+from leakfree._device import accelerator
 from leakfree.patches import Status
 from leakfree.patches._registry import REGISTRY, installed_version
 from leakfree.patches.transformer_engine import DISTRIBUTIONS as TE_DISTRIBUTIONS
@@ -25,8 +26,8 @@ def _where_documented() -> str:
 def run_doctor() -> int:
     print(f"leakfree {leakfree.__version__}")
     print(f"python {platform.python_version()}, torch {torch.__version__}")
-    if torch.accelerator.is_available():
-        acc = torch.accelerator.current_accelerator()
+    acc = accelerator()
+    if acc is not None:
         count = torch.accelerator.device_count()
         print(f"accelerator: {acc} ({count} device{'s' if count != 1 else ''})")
     else:

@@ -35,6 +35,8 @@ from typing import Any, Literal, SupportsIndex, TypeVar, overload
 
 import torch
 
+from leakfree._device import device_module
+
 __all__ = ["REDUCTIONS", "LossList", "LossLog", "RunningLoss", "detach_tree"]
 
 Reduction = Literal["sum", "mean", "min", "max"]
@@ -695,7 +697,7 @@ def _check_device(device: Any) -> torch.device:
     if dev.type in ("cpu", "meta"):
         return dev
     try:
-        module = torch.get_device_module(dev.type)
+        module = device_module(dev)
         available, count = module.is_available(), module.device_count()
     except (AttributeError, RuntimeError) as e:
         raise ValueError(

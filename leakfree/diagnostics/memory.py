@@ -24,6 +24,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from leakfree._device import accelerator, device_index, device_module
 from leakfree._text import format_bytes, format_table
 
 __all__ = ["Growth", "MemoryTracker", "StorageTracker", "fit_growth"]
@@ -197,10 +198,9 @@ def _storages_of(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[in
 
 def _default_devices() -> list[torch.device]:
     devices = [torch.device("cpu")]
-    if torch.accelerator.is_available():
-        acc = torch.accelerator.current_accelerator()
-        if acc is not None:
-            devices.append(torch.device(acc.type, torch.accelerator.current_device_index()))
+    acc = accelerator()
+    if acc is not None:
+        devices.append(torch.device(acc.type, device_index(acc)))
     return devices
 
 
@@ -245,8 +245,7 @@ class MemoryTracker:
     def _allocator_bytes(self, device: torch.device) -> int | None:
         if not self.use_allocator or device.type in ("cpu", "meta"):
             return None
-        module = torch.get_device_module(device.type)
-        allocated = getattr(module, "memory_allocated", None)
+        allocated = getattr(device_module(device), "memory_allocated", None)
         return int(allocated(device)) if allocated is not None else None
 
     def sample(self) -> dict[str, int]:
