@@ -221,7 +221,7 @@ KEPT_ON_PURPOSE = {
     "loss dict": "w.grad and the logged scalars (4 B each)",
     "ctx attributes": "w.grad and the kept outputs",
     "activation offloading": "the parameters' .grad (132 KiB) and the offloader's host "
-    "blocks, reused every step",
+    "blocks of the branch whose backward never runs, cached and reused every step",
     "pipeline receive": "w.grad, the pool's reused receive buffer and the kept entries",
     "third-party Function": "w.grad and the kept outputs (4 B each)",
 }
