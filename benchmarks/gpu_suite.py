@@ -115,23 +115,25 @@ def build_model(size: dict[str, int], device: torch.device, dtype: torch.dtype) 
     return LlamaForCausalLM(config).to(device=device, dtype=dtype)
 
 
-def contexts(model: Any, device: torch.device) -> dict[str, Callable[[], Any]]:
-    """Each mode's context for one step (None where it cannot run here, with the reason)."""
+def context(name: str, model: Any, device: torch.device) -> Callable[[], Any]:
+    """Mode ``name``'s context for one step of ``model``. Only that mode touches the model:
+    TRL's and leakfree's helpers register hooks on its head, which the other modes'
+    models must not carry. A mode that cannot run here raises with the reason."""
     cpu = device.type == "cpu"
-    out: dict[str, Callable[[], Any]] = {
-        "none": contextlib.nullcontext,
-        "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=not cpu),
-    }
-    try:
-        from trl.models.activation_offloading import get_act_offloading_ctx_manager
+    if name == "none":
+        return contextlib.nullcontext
+    if name == "save_on_cpu":
+        return lambda: torch.autograd.graph.save_on_cpu(pin_memory=not cpu)
+    if name == "trl":
+        try:
+            from trl.models.activation_offloading import get_act_offloading_ctx_manager
 
-        trl_ctx = get_act_offloading_ctx_manager(model)
-        out["trl"] = lambda: trl_ctx
-    except Exception as e:  # not installed, or not on this machine
-        out["trl"] = _raiser(f"{type(e).__name__}: {e}")
+            trl_ctx = get_act_offloading_ctx_manager(model)
+        except Exception as e:  # not installed, or not on this machine
+            return _raiser(f"{type(e).__name__}: {e}")
+        return lambda: trl_ctx
     ctx = offload_model(model, force_host_copy=cpu)
-    out["leakfree"] = lambda: ctx
-    return out
+    return lambda: ctx
 
 
 def _raiser(message: str) -> Callable[[], Any]:
@@ -180,7 +182,7 @@ def grads_identical(
         for name in MODES:
             model = build_model(size, device, dtype)
             try:
-                with contexts(model, device)[name]():
+                with context(name, model, device)():
                     loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
             except Exception as e:
@@ -291,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name in MODES:
             model = build_model(size, device, dtype)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-            runs.append(Run(name, model, optimizer, contexts(model, device)[name]))
+            runs.append(Run(name, model, optimizer, context(name, model, device)))
         for _ in range(size["steps"]):
             for run in runs:  # interleaved: each round takes one step of every mode
                 if run.error is None:
