@@ -249,7 +249,7 @@ def is_last_backward(ctx: BackwardCFunction, method: str, wrapper: Callable[...,
         and not _keep_graph()
         and not _grad_enabled()
         and (_current_node is None or _current_node() is ctx)
-        and (_dispatch_cache.get(type(ctx)) or _dispatch_target(ctx, method)) is wrapper
+        and _dispatched(ctx, method, wrapper)
     )
 
 

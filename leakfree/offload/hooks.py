@@ -237,9 +237,10 @@ class OffloadActivations(saved_tensors_hooks):
         device: the device to offload from; by default the current accelerator. Tensors on
             other device types stay put.
         force_host_copy: on a machine without an accelerator, offload CPU tensors to
-            separate host buffers and back, so the whole path (handles, pool, dedup,
-            lifetimes) runs and is tested on CPU. Without it, on such a machine, nothing is
-            offloaded and the context is a cheap no-op.
+            separate host buffers, so the whole path (handles, pool, dedup, lifetimes) runs
+            and is tested on CPU; restored tensors view those buffers (nothing is copied
+            back on CPU). Without it, on such a machine, nothing is offloaded and the
+            context is a cheap no-op.
         pin_memory_budget: bytes of pinned host memory the pool may hold (in use plus
             cached, counted as PyTorch's pinned allocator rounds them: powers of two);
             beyond it copies use pageable memory. Default (None): one budget for the
@@ -293,7 +294,7 @@ class OffloadActivations(saved_tensors_hooks):
         self.use_pin_memory = bool(use_pin_memory) and accelerated
         self.min_offload_size = min_offload_size
         self.max_fwd_stash_size = max_fwd_stash_size
-        self._device_type = target.type if target is not None else None
+        self._device_type = target.type if target is not None else None  # for the pack hook
         self.pool = HostBlockPool(pin_memory_budget, pin=self.use_pin_memory)
         self._device_module: Any = device_module(target) if accelerated and target else None
         self._side_streams: dict[torch.device, Any] = {}  # device (with index) -> side stream
