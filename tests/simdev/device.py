@@ -778,9 +778,6 @@ class SimDevice:
     def allocated(self) -> int:
         return _STATE.allocated
 
-    def is_pinned(self, t: torch.Tensor) -> bool:
-        return _pinned(t)
-
 
 @contextlib.contextmanager
 def enabled() -> Iterator[SimDevice]:
