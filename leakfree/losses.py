@@ -92,9 +92,10 @@ def _check(key: str, value: Any, device: torch.device | None) -> Any:
 
 
 def _pins_more(value: torch.Tensor) -> bool:
-    """Does ``value`` (one element) share a storage worth more than a copy of itself?"""
+    """Does ``value`` share a storage worth more than a copy of itself (a view of a bigger
+    tensor, or a ``detach()`` / ``.data`` of one)? Up to 8 bytes are never worth a copy."""
     try:
-        return bool(value.untyped_storage().nbytes() > max(8, value.itemsize))
+        return bool(value.untyped_storage().nbytes() > max(8, value.numel() * value.itemsize))
     except (RuntimeError, NotImplementedError):  # no plain storage (sparse, wrappers...)
         return True
 
@@ -144,31 +145,38 @@ def _admit_many(key: str, values: Iterable[Any], owner: _Owner) -> list[Any]:
 _list_append = list.append
 
 
-class LossList(list[Any]):
-    """The list behind ``log[name]`` in list mode: every entry path stores detached values.
+_AL = TypeVar("_AL", bound="AdmittingList")
+
+
+class AdmittingList(list[Any]):
+    """A list whose every entry path stores what :meth:`_admit_many` returns.
 
     ``append``, ``extend``, ``insert``, ``+=``, ``lst[i] = v`` and ``lst[a:b] = [...]`` all
-    validate first (nothing is stored when one value is bad), then store detached values.
-    Reading, removing and reordering behave as for a plain list.
+    pass through it (which validates every value before storing any, then detaches);
+    reading, removing and reordering behave as for a plain list. Copies and pickles as a
+    plain list of the stored values. The base of :class:`LossList` and of
+    :class:`leakfree.pipeline.PipelineLosses`.
     """
 
-    __slots__ = ("_key", "_owner")
+    __slots__ = ()
 
-    def __init__(self, key: str, owner: _Owner, values: Iterable[Any] = ()) -> None:
-        self._key = key
-        self._owner = owner
-        super().__init__(_admit_many(key, values, owner))
+    def _admit_many(self, values: Iterable[Any]) -> list[Any]:
+        raise NotImplementedError
+
+    def _admit(self, value: Any) -> Any:
+        (stored,) = self._admit_many((value,))
+        return stored
 
     def append(self, value: Any) -> None:
-        _list_append(self, _admit(self._key, value, self._owner))
+        _list_append(self, self._admit(value))
 
     def extend(self, values: Iterable[Any]) -> None:
-        super().extend(_admit_many(self._key, values, self._owner))
+        super().extend(self._admit_many(values))
 
     def insert(self, index: SupportsIndex, value: Any) -> None:
-        super().insert(index, _admit(self._key, value, self._owner))
+        super().insert(index, self._admit(value))
 
-    def __iadd__(self, values: Iterable[Any]) -> LossList:  # type: ignore[override, misc]
+    def __iadd__(self: _AL, values: Iterable[Any]) -> _AL:  # type: ignore[override, misc]
         self.extend(values)
         return self
 
@@ -178,12 +186,33 @@ class LossList(list[Any]):
     def __setitem__(self, index: slice, value: Iterable[Any]) -> None: ...
     def __setitem__(self, index: Any, value: Any) -> None:
         if isinstance(index, slice):
-            super().__setitem__(index, _admit_many(self._key, value, self._owner))
+            super().__setitem__(index, self._admit_many(value))
         else:
-            super().__setitem__(index, _admit(self._key, value, self._owner))
+            super().__setitem__(index, self._admit(value))
 
-    def copy(self) -> list[Any]:  # a plain list of the (already detached) values
+    def copy(self) -> list[Any]:  # a plain list of the (already admitted) values
         return list(self)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        return (list, (list(self),))  # pickles/copies as a plain list
+
+
+class LossList(AdmittingList):
+    """The list behind ``log[name]`` in list mode: every entry path stores detached values
+    (:class:`AdmittingList`), validated against the log's key and device."""
+
+    __slots__ = ("_key", "_owner")
+
+    def __init__(self, key: str, owner: _Owner, values: Iterable[Any] = ()) -> None:
+        self._key = key
+        self._owner = owner
+        super().__init__(_admit_many(key, values, owner))
+
+    def _admit_many(self, values: Iterable[Any]) -> list[Any]:
+        return _admit_many(self._key, values, self._owner)
+
+    def _admit(self, value: Any) -> Any:  # the hot path: one value, no list built
+        return _admit(self._key, value, self._owner)
 
     @classmethod
     def _restore(cls, key: str, owner: _Owner, values: list[Any]) -> LossList:
@@ -191,9 +220,6 @@ class LossList(list[Any]):
         entry = cls(key, owner)
         list.extend(entry, _fresh(values))
         return entry
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
-        return (list, (list(self),))  # pickles/copies as a plain list
 
 
 class RunningLoss:

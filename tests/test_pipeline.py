@@ -1,18 +1,20 @@
-"""leakfree.pipeline: non-leaf receive buffers, slots, released outputs, real gloo pipelines."""
+"""leakfree.pipeline: non-leaf receive buffers, slots, released outputs, PipelineLosses."""
 
 from __future__ import annotations
 
 import warnings
 import weakref
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from leakfree import pipeline
+from leakfree import LossLog
 from leakfree.pipeline import (
     GradSlot,
+    PipelineLosses,
     PipelineWarning,
     RecvBufferPool,
     as_nonleaf,
@@ -248,12 +250,83 @@ def test_release_and_backward_bad_input() -> None:
         backward_from(w, torch.ones(3))  # type: ignore[arg-type]
 
 
-def test_schedule_argument_errors() -> None:
-    with pytest.raises(ValueError, match="schedule='zb'"):
-        pipeline.run_schedule(
-            nn.Identity(), stage_id=0, num_stages=1, num_microbatches=1, schedule="zb"
-        )
-    with pytest.raises(ValueError, match="needs inputs="):
-        pipeline.run_schedule(nn.Identity(), stage_id=0, num_stages=2, num_microbatches=1)
-    with pytest.raises(ValueError, match="needs loss_fn="):
-        pipeline.run_schedule(nn.Identity(), stage_id=1, num_stages=2, num_microbatches=1)
+# --- PipelineLosses: the losses= container for torch.distributed.pipelining ------------------
+
+
+class _Park(torch.autograd.Function):
+    """Identity that parks a tensor on ctx: only the graph's death frees it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.extra = torch.zeros(256)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+def test_pipeline_losses_detach_on_every_path_and_free_the_graph() -> None:
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    def loss() -> torch.Tensor:
+        w = torch.randn(3, requires_grad=True)
+        y = _Park.apply(w * 2)
+        made.append(weakref.ref(y.grad_fn.extra))  # the graph's node owns ctx.extra
+        return (y * y).sum()
+
+    plain: list[torch.Tensor] = []
+    plain.append(loss())
+    assert made[-1]() is not None  # a plain list keeps the graph, and what ctx holds
+    sink = PipelineLosses()
+    sink.append(loss())
+    sink.extend([loss(), loss()])
+    sink.insert(0, loss())
+    sink += [loss()]
+    sink[0] = loss()
+    sink[1:2] = [loss()]
+    assert len(sink) == 5 and all(t.grad_fn is None and not t.requires_grad for t in sink)
+    assert [r() is None for r in made[1:]] == [True] * (len(made) - 1)
+    assert made[0]() is not None
+    assert type(sink.copy()) is list and isinstance(sink, list)
+    assert repr(PipelineLosses()) == "PipelineLosses([])"
+
+
+def test_pipeline_losses_copy_a_loss_that_pins_a_bigger_storage() -> None:
+    per_sample = torch.randn(1000)
+    sink = PipelineLosses()
+    sink.append(per_sample[3])
+    assert sink[0].untyped_storage().nbytes() == 4
+    assert sink[0].item() == per_sample[3].item()
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_pipeline_losses_forward_to_a_log_that_keeps_history(running: bool) -> None:
+    log = LossLog(["loss"], running=running)
+    sink = PipelineLosses(log)
+    for step in range(3):  # what torch's schedule does at each step: clear(), extend()
+        sink.clear()
+        sink.extend([torch.tensor(float(step)), torch.tensor(float(step) + 1)])
+        assert [t.item() for t in sink] == [step, step + 1]  # this step's losses only
+    assert log.reduce()["loss"] == pytest.approx((0 + 1 + 1 + 2 + 2 + 3) / 6)
+    log["loss"] = [torch.tensor(5.0)]  # a new entry object: the sink follows the log
+    sink.append(torch.tensor(7.0))
+    assert log.reduce()["loss"] == 6.0
+
+
+def test_pipeline_losses_bad_input_raises_before_storing() -> None:
+    log = LossLog(["loss", "aux"])
+    with pytest.raises(ValueError, match=r"key=.*'loss', 'aux'"):
+        PipelineLosses(log)
+    with pytest.raises(KeyError, match="key='lm'"):
+        PipelineLosses(log, "lm")
+    with pytest.raises(ValueError, match="needs a log="):
+        PipelineLosses(key="loss")
+    with pytest.raises(TypeError, match="LossLog, got dict"):
+        PipelineLosses({"loss": []})  # type: ignore[arg-type]
+    sink = PipelineLosses(log, "aux")
+    with pytest.raises(TypeError, match="got float"):
+        sink.extend([torch.tensor(1.0), 2.0])
+    with pytest.raises(ValueError, match="1-element"):
+        sink.extend([torch.tensor(1.0), torch.ones(2)])  # the log refuses: nothing stored
+    assert len(sink) == 0 and len(log["aux"]) == 0

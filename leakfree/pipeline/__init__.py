@@ -1,15 +1,22 @@
-"""Pipeline-parallel receive buffers that autograd never ties to accumulation.
+"""Pipeline parallelism: ``torch.distributed.pipelining`` first, and primitives for your own.
 
-A pipeline stage receives an activation into a buffer, runs forward on it, and later sends
-the buffer's gradient back. The usual way makes the buffer an autograd *leaf*
-(``buf.requires_grad_()``): its gradient then accumulates in ``buf.grad`` (kept until
-someone clears it), reused buffers collect tensor hooks across steps, every microbatch
-gets its own buffer for the whole run, and in one C++ framework the leaf and its
-accumulation node formed a reference cycle that kept every step's graph alive.
+**With ``torch.distributed.pipelining``** (the supported path): no torch release from 2.4
+to 2.13 grows per step, and its ``PipelineStage`` drops the receive buffers' ``.grad``
+itself (after each backward from 2.10, when the next step begins before that:
+docs/pipeline.md has the measured table). What it hands back through ``losses=`` is each
+microbatch's loss with its graph: pass a :class:`PipelineLosses` to keep only detached
+losses (optionally forwarded to a :class:`leakfree.LossLog`, across steps).
 
-Here the received activation is a *non-leaf* alias of the buffer, made by
+**Writing your own send / receive**: a stage receives an activation into a buffer, runs
+forward on it, and later sends the buffer's gradient back. The usual way makes the buffer
+an autograd *leaf* (``buf.requires_grad_()``): its gradient then accumulates in
+``buf.grad`` (kept until someone clears it), reused buffers collect tensor hooks across
+steps, every microbatch gets its own buffer for the whole run, and in one C++ framework
+the leaf and its accumulation node formed a reference cycle that kept every step's graph
+alive. Here the received activation is a *non-leaf* alias of the buffer, made by
 :func:`as_nonleaf`: its backward hands the gradient to a :class:`GradSlot` and returns
 nothing, so there is no accumulation node for the buffer and no ``.grad`` anywhere.
+``examples/pipeline_two_stages.py`` wires them into GPipe / 1F1B.
 
 Lifetime contract
 -----------------
@@ -29,19 +36,19 @@ runs that graph's backward, which frees its saved tensors as any backward does.
 *A send in flight* (``isend``) keeps its header and a contiguous alias of its data in a
 :class:`PendingSends`, until ``poll()`` or ``wait_all()`` finishes it; the alias is
 dropped before the send's callback (typically the release) runs.
-*A schedule* (:func:`run_schedule`) keeps each microbatch's receive buffer entry and
-output (or loss) from its forward until its backward, and nothing after it returns but
-the :class:`ScheduleResult` (losses, live bytes, the pool).
+*Pipeline losses*: a :class:`PipelineLosses` keeps one step's losses, detached, until
+the schedule clears it at the next step; its log (if any) keeps them until reduced.
 
 Layout
 ------
 ``slots`` (:class:`GradSlot`, :func:`as_nonleaf`), ``buffers`` (:class:`RecvBufferPool`),
 ``release`` (:func:`release_output`, :func:`backward_from`), ``p2p`` (send / receive with
-headers, :class:`PendingSends`, aborts and timeouts), ``schedule`` (:func:`run_schedule`,
-the reference wiring; ``torch.distributed.pipelining`` is the path to take first).
+headers, :class:`PendingSends`, aborts and timeouts), ``losses``
+(:class:`PipelineLosses`).
 """
 
 from leakfree.pipeline.buffers import PoolCounters, RecvBuffer, RecvBufferPool
+from leakfree.pipeline.losses import PipelineLosses
 from leakfree.pipeline.p2p import (
     PendingSends,
     PipelineAborted,
@@ -58,26 +65,24 @@ from leakfree.pipeline.release import (
     backward_from,
     release_output,
 )
-from leakfree.pipeline.schedule import ScheduleResult, run_schedule
 from leakfree.pipeline.slots import GradSlot, as_nonleaf
 
 __all__ = [
     "GradSlot",
     "PendingSends",
     "PipelineAborted",
+    "PipelineLosses",
     "PipelineTimeout",
     "PipelineWarning",
     "PoolCounters",
     "RecvBuffer",
     "RecvBufferPool",
     "ReleasedOutput",
-    "ScheduleResult",
     "as_nonleaf",
     "backward_from",
     "recv_backward",
     "recv_forward",
     "release_output",
-    "run_schedule",
     "send_abort",
     "send_backward",
     "send_forward",

@@ -267,8 +267,8 @@ def send_forward(
 ) -> None:
     """Send a stage's output to stage ``dst`` (a header with shape and dtype, then data).
 
-    Blocking by default; with ``pending`` (a :class:`PendingSends`, as
-    :func:`~leakfree.pipeline.run_schedule` uses) the sends are ``isend``, ``pending``
+    Blocking by default; with ``pending`` (a :class:`PendingSends`, as the schedule in
+    ``examples/pipeline_two_stages.py`` uses) the sends are ``isend``, ``pending``
     keeps the header and a contiguous alias of the data until they have left, and
     ``then`` runs once they have (e.g. to release the output). Blocking, ``then`` runs
     before this returns.

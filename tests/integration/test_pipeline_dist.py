@@ -1,5 +1,9 @@
-"""Real pipelines between processes: gloo on 127.0.0.1, spawned by each test, bounded in
-time."""
+"""Hand-written pipelines between processes (gloo on 127.0.0.1, spawned by each test,
+bounded in time): leakfree's primitives wired by the reference schedule of
+examples/pipeline_two_stages.py (``run_schedule``), and the p2p failure paths: aborts that
+reach a waiting peer at once, timeouts on a stuck one, header mismatches.
+
+``torch.distributed.pipelining`` itself is tested in test_pipelining.py."""
 
 from __future__ import annotations
 
@@ -14,7 +18,22 @@ from torch import nn
 from leakfree import pipeline
 from tests._dist import run_workers
 
-# --- non-leaf receive -------------------------------------------------------------------------
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pipeline_two_stages.py"
+
+
+def _example() -> Any:
+    """examples/pipeline_two_stages.py as a module (the reference ``run_schedule``)."""
+    import importlib.util
+    import sys
+
+    module = sys.modules.get("pipeline_two_stages")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("pipeline_two_stages", EXAMPLE)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["pipeline_two_stages"] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    return module
 
 
 # --- real pipelines: gloo on 127.0.0.1 --------------------------------------------------------
@@ -56,7 +75,7 @@ def _single_process(num_stages: int, m: int) -> list[list[list[float]]]:
 
 def _pipeline_worker(rank: int, world: int, schedule: str, m: int) -> dict[str, Any]:
     stage = _chunks(_full_model(), world)[rank]
-    result = pipeline.run_schedule(
+    result = _example().run_schedule(
         stage,
         stage_id=rank,
         num_stages=world,
@@ -148,7 +167,7 @@ def _failing_worker(rank: int, world: int, mode: str, timeout: float) -> dict[st
 
     t0 = time.monotonic()
     try:
-        pipeline.run_schedule(
+        _example().run_schedule(
             first_stage if rank == 0 else stage,
             stage_id=rank,
             num_stages=world,
@@ -166,15 +185,25 @@ def _failing_worker(rank: int, world: int, mode: str, timeout: float) -> dict[st
     return {"error": error, "elapsed": elapsed}
 
 
-def test_run_schedule_failure_reaches_the_peer_at_once(tmp_path: Path) -> None:
+def test_stage_failure_reaches_the_peer_at_once(tmp_path: Path) -> None:
     results = run_workers(_failing_worker, 2, tmp_path, "raises", 6.0, timeout=120)
     assert results[0]["error"].startswith("ValueError: boom in stage 0")
     assert results[1]["error"].startswith("PipelineAborted: recv_forward: rank 0 failed")
     assert results[1]["elapsed"] < 3  # told at once, not timed out (the timeout is 6 s)
 
 
-def test_run_schedule_times_out_on_a_stuck_peer(tmp_path: Path) -> None:
+def test_receive_times_out_on_a_stuck_peer(tmp_path: Path) -> None:
     # A timed-out receive leaves gloo's connection closed: no final barrier on that group.
     results = run_workers(_failing_worker, 2, tmp_path, "stuck", 1.0, timeout=120, barrier=False)
     assert results[1]["error"].startswith("PipelineTimeout: recv_forward from rank 0")
     assert 0.8 < results[1]["elapsed"] < 6
+
+
+def test_reference_schedule_argument_errors() -> None:
+    run_schedule = _example().run_schedule
+    with pytest.raises(ValueError, match="schedule='zb'"):
+        run_schedule(nn.Identity(), stage_id=0, num_stages=1, num_microbatches=1, schedule="zb")
+    with pytest.raises(ValueError, match="needs inputs="):
+        run_schedule(nn.Identity(), stage_id=0, num_stages=2, num_microbatches=1)
+    with pytest.raises(ValueError, match="needs loss_fn="):
+        run_schedule(nn.Identity(), stage_id=1, num_stages=2, num_microbatches=1)
