@@ -1,5 +1,6 @@
 """``python -m leakfree doctor``: what is installed, which known leaks affect it, what
-``patch_all()`` would do, and whether an accelerator is there."""
+``patch_all()`` would do, whether an accelerator is there, and every known failure mode
+of the installed integrations on this machine with the call that repairs it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,32 @@ import torch
 
 import leakfree
 from leakfree._device import accelerator
+from leakfree._text import format_table
 from leakfree.patches import Status
+from leakfree.patches import torchtune as torchtune_patches
+from leakfree.patches import trl as trl_patches
 from leakfree.patches._registry import REGISTRY, installed_version
 from leakfree.patches.transformer_engine import DISTRIBUTIONS as TE_DISTRIBUTIONS
+
+#: the columns of the failure-mode table: one row per known failure mode of an installed
+#: package on this machine
+FAILURE_HEADER = ("package", "failure mode", "what happens", "repaired by")
+
+
+#: the integrations whose known failure modes the doctor lists: (name, module with
+#: ``DISTRIBUTIONS`` and ``failure_modes(version)``)
+WITH_FAILURE_MODES = (("trl", trl_patches), ("torchtune", torchtune_patches))
+
+
+def failure_rows() -> list[tuple[str, str, str, str]]:
+    """The failure-mode table's rows, for the installed versions on this machine."""
+    rows: list[tuple[str, str, str, str]] = []
+    for name, module in WITH_FAILURE_MODES:
+        version = installed_version(module.DISTRIBUTIONS)
+        if version is not None:
+            modes = module.failure_modes(version)
+            rows += [(f"{name} {version}", m.name, m.what, fix) for m, fix in modes]
+    return rows
 
 
 def _where_documented() -> str:
@@ -37,8 +61,9 @@ def run_doctor() -> int:
         )
     te = installed_version(TE_DISTRIBUTIONS)
     print(f"transformer_engine: {te if te is not None else Status.NOT_INSTALLED}")
-    trl = installed_version(("trl",))
-    print(f"trl: {trl if trl is not None else Status.NOT_INSTALLED}")
+    for name, module in WITH_FAILURE_MODES:
+        version = installed_version(module.DISTRIBUTIONS)
+        print(f"{name}: {version if version is not None else Status.NOT_INSTALLED}")
     print()
     plan = REGISTRY.plan(REGISTRY.select({}))
     affecting = [r for r in plan if r.status in (Status.WOULD_APPLY, Status.APPLIED)]
@@ -47,8 +72,15 @@ def run_doctor() -> int:
     print()
     if affecting:
         names = ", ".join(r.name for r in affecting)
-        print(f"{len(affecting)} known leak(s) affect the installed versions: {names}.")
+        print(f"{len(affecting)} known problem(s) affect the installed versions: {names}.")
         print("call leakfree.patch_all() at startup to repair them.")
     else:
         print("no known leak affects the installed versions.")
+    rows = failure_rows()
+    print()
+    if rows:
+        print("known failure modes of the installed packages on this machine:")
+        print(format_table(FAILURE_HEADER, rows))
+    else:
+        print("no known failure mode of the installed packages on this machine.")
     return 0

@@ -42,8 +42,99 @@ def test_doctor_command(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert f"torch {torch.__version__}" in out
     assert "transformer_engine: not installed" in out
-    assert "trl.offload_activations" in out and "not affected" in out
+    assert "trl.offload_activations" in out and "known failure mode" in out
     assert "accelerator:" in out
+
+
+TRL_ROWS = {
+    # no accelerator: TRL's constructor raises on every 1.x; the default patch replaces it
+    False: (
+        {"crash without an accelerator"},
+        "patch_all()",
+        "would apply",
+        "raises AttributeError without an accelerator",
+    ),
+    # an accelerator, TRL >= 1.5: what remains is repaired by "always" alone
+    True: (
+        {
+            "forward without backward kept",
+            "two with blocks, one backward",
+            "retain_graph twice",
+            "head hooks stack",
+        },
+        "patch_all(trl='always')",
+        "not affected",
+        "clears its stashes",
+    ),
+}
+
+
+@pytest.mark.parametrize("has_accelerator", [False, True], ids=["cpu-only", "accelerator"])
+def test_doctor_names_each_trl_failure_mode_and_the_call_that_repairs_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], has_accelerator: bool
+) -> None:
+    from packaging.version import Version
+
+    from leakfree.patches import trl as trl_patches
+    from leakfree.patches._registry import installed_version
+
+    version = installed_version(("trl",))
+    if version is None or not Version("1.5") <= version < Version("2"):
+        pytest.skip(f"the rows below are TRL 1.5 - 1.x's; installed: {version}")
+    # leakfree's device seam, as the TRL decision sees it (the machine is not changed)
+    device = torch.device("cuda") if has_accelerator else None
+    monkeypatch.setattr(trl_patches, "accelerator", lambda: device)
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    modes, fix, plan_status, plan_reason = TRL_ROWS[has_accelerator]
+    failures = [x.rstrip() for x in lines if x.startswith(f"trl {version}")]
+    if version >= Version("1.16"):  # the stream race was fixed in 1.16
+        assert {m for m in modes if any(m in x for x in failures)} == modes, failures
+        assert len(failures) == len(modes), failures
+    assert failures and all(x.endswith(fix) for x in failures), failures
+    planned = next(x for x in lines if x.startswith("trl.offload_activations"))
+    assert plan_status in planned and plan_reason in planned, planned
+
+
+@pytest.mark.parametrize(
+    ("has_accelerator", "device_type", "expected"),
+    [
+        (False, None, {"crash without CUDA", "forward without backward kept", "head hooks stack"}),
+        (True, "cuda", {"event stash grows", "forward without backward kept", "head hooks stack"}),
+        (
+            True,
+            "mps",
+            {"crash without CUDA", "event stash grows", "forward without backward kept"}
+            | {"head hooks stack"},
+        ),
+    ],
+)
+def test_torchtune_failure_modes_follow_the_machine_and_the_default_patch_repairs_them(
+    has_accelerator: bool, device_type: str | None, expected: set[str]
+) -> None:
+    from packaging.version import Version
+
+    from leakfree.patches import torchtune as torchtune_patches
+
+    rows = torchtune_patches.failure_modes(
+        Version("0.6.1"), has_accelerator=has_accelerator, device_type=device_type
+    )
+    assert {m.name for m, _ in rows} == expected
+    assert {fix for _, fix in rows} == {"patch_all()"}
+    # 0.3.1 had no get_act_offloading_ctx_manager: no hook rows there
+    old = torchtune_patches.failure_modes(Version("0.3.1"), has_accelerator=False)
+    assert "head hooks stack" not in {m.name for m, _ in old}
+
+
+def test_doctor_lists_the_installed_torchtune(capsys: pytest.CaptureFixture[str]) -> None:
+    from leakfree.patches._registry import installed_version
+
+    version = installed_version(("torchtune",))
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert f"torchtune: {version if version is not None else 'not installed'}" in out
+    if version is not None:
+        assert f"torchtune {version}" in out  # its failure-mode rows
 
 
 def test_snapshot_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

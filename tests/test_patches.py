@@ -506,6 +506,154 @@ def old_trl() -> Path:
     return path
 
 
+@pytest.mark.parametrize(
+    ("version", "has_accelerator", "option", "verdict", "why"),
+    [
+        ("1.0.0", False, True, "applies", "keeps offloaded payloads past the step"),
+        ("1.3.0", True, True, "applies", "keeps offloaded payloads past the step"),
+        ("1.4.0", True, True, "applies", "keeps offloaded payloads past the step"),
+        ("1.5.0", True, True, "already fixed upstream", "runs on this machine's accelerator"),
+        ("1.5.0", False, True, "applies", "raises AttributeError without an accelerator"),
+        ("1.16.0", False, True, "applies", "raises AttributeError without an accelerator"),
+        ("1.16.0", True, True, "already fixed upstream", "clears its stashes (1.5)"),
+        ("1.16.0", True, "always", "applies", "patch_all(trl='always')"),
+        ("2.0.0", False, True, "not present in this version", "newer than the releases"),
+        ("2.0.0", True, "always", "applies", "patch_all(trl='always')"),
+    ],
+)
+def test_trl_default_decision_per_version_and_machine(
+    version: str, has_accelerator: bool, option: Any, verdict: str, why: str
+) -> None:
+    from packaging.version import Version
+
+    from leakfree.patches._registry import Applies
+    from leakfree.patches.trl import expect
+
+    decision = expect(Version(version), option, has_accelerator=has_accelerator)
+    got = "applies" if isinstance(decision, Applies) else str(decision.status)
+    assert (got, why in decision.detail) == (verdict, True), decision
+
+
+def test_trl_a_constructor_that_no_longer_reads_the_accelerator_is_not_patched() -> None:
+    from packaging.version import Version
+
+    from leakfree.patches import Status
+    from leakfree.patches.trl import expect
+
+    decision = expect(Version("1.16.0"), True, has_accelerator=False, reads_accelerator=False)
+    assert decision.status is Status.NOT_PRESENT  # type: ignore[union-attr]
+    assert "does not call current_accelerator()" in decision.detail
+
+
+def test_trl_failure_modes_on_an_accelerator_without_cuda_streams() -> None:
+    from packaging.version import Version
+
+    from leakfree.patches.trl import failure_modes
+
+    def names(version: str, device_type: str) -> list[tuple[str, str]]:
+        modes = failure_modes(Version(version), has_accelerator=True, device_type=device_type)
+        return [(mode.name, fix) for mode, fix in modes]
+
+    assert ("torch.cuda streams", "patch_all(trl='always')") in names("1.10.0", "mps")
+    assert ("torch.cuda streams", "patch_all()") in names("1.3.0", "mps")  # the leak's patch
+    assert "torch.cuda streams" not in {n for n, _ in names("1.10.0", "cuda")}
+    assert "torch.cuda streams" not in {n for n, _ in names("1.16.0", "mps")}
+
+
+@pytest.mark.parametrize(
+    ("version", "has_accelerator", "expected"),
+    [
+        ("1.16.0", False, [("crash without an accelerator", "patch_all()")]),
+        (
+            "1.16.0",
+            True,
+            [
+                ("forward without backward kept", "patch_all(trl='always')"),
+                ("two with blocks, one backward", "patch_all(trl='always')"),
+                ("retain_graph twice", "patch_all(trl='always')"),
+                ("head hooks stack", "patch_all(trl='always')"),
+            ],
+        ),
+        (
+            "1.3.0",
+            True,
+            [
+                ("stashes never cleared", "patch_all()"),
+                ("unfinished forwards kept", "patch_all()"),
+                ("stale dedup keys", "patch_all()"),
+                ("stream race", "patch_all()"),
+                ("retain_graph twice", "patch_all()"),
+                ("head hooks stack", "patch_all()"),
+            ],
+        ),
+        ("1.3.0", False, [("crash without an accelerator", "patch_all()")]),
+        ("1.10.0", False, [("crash without an accelerator", "patch_all()")]),
+    ],
+)
+def test_trl_failure_modes_name_the_call_that_repairs_them(
+    version: str, has_accelerator: bool, expected: list[tuple[str, str]]
+) -> None:
+    from packaging.version import Version
+
+    from leakfree.patches.trl import failure_modes
+
+    modes = failure_modes(Version(version), has_accelerator=has_accelerator)
+    assert [(mode.name, fix) for mode, fix in modes] == expected
+
+
+def test_registry_reports_why_a_patch_applied_and_plans_what_expect_says() -> None:
+    """``check`` may return ``Applies(why)``: the report says why; ``expect`` lets the plan
+    (the doctor) tell a patch that the code check will skip, without importing anything."""
+    import sys
+    import types
+
+    from leakfree.patches import Status
+    from leakfree.patches._registry import Applies, Patch, Registry, Skip
+
+    module = types.ModuleType("leakfree_demo_target")
+    module.thing = object()  # type: ignore[attr-defined]
+    decision: list[Skip | Applies] = [Applies("the reason")]
+    registry = Registry()
+    registry.add(
+        (
+            Patch(
+                name="demo.thing",
+                integration="demo",
+                distributions=("packaging",),  # installed wherever leakfree is
+                modules=(("", module.__name__),),
+                target="thing",
+                affected=">=0",
+                fixed_in="-",
+                check=lambda target, mod, option: decision[0],
+                apply=lambda target, mod, option, changes: changes.setattr(mod, "thing", 1),
+                description="replaced",
+                expect=lambda version, option: decision[0],
+            ),
+        )
+    )
+    plan = registry.plan(registry.select({}))
+    assert (plan["demo.thing"].status, plan["demo.thing"].reason) == (
+        Status.WOULD_APPLY,
+        "replaced: the reason (leakfree_demo_target.thing)",
+    )
+    original = module.thing  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    try:
+        registry.request(registry.select({}), strict=False)
+        record = registry.report()["demo.thing"]
+        assert (record.status, record.reason) == (Status.APPLIED, "replaced: the reason")
+        registry.revert_all()
+        assert module.thing is original  # type: ignore[attr-defined]
+        decision[0] = Skip(Status.ALREADY_FIXED, "fixed here")
+        plan = registry.plan(registry.select({}))
+        assert (plan["demo.thing"].status, plan["demo.thing"].reason) == (
+            Status.NOT_AFFECTED,
+            "fixed here",
+        )
+    finally:
+        del sys.modules[module.__name__]
+
+
 # --- regressions from review: state changes, re-imports, overlapping owners ------------------
 
 

@@ -1,6 +1,6 @@
 """``leakfree.patch_all()``: lazy, version-gated, reversible repairs of known leaks.
 
-Each integration (``transformer_engine``, ``trl``) is a module holding a table of
+Each integration (``transformer_engine``, ``trl``, ``torchtune``) is a module holding a table of
 :class:`~leakfree.patches._registry.Patch` records; one registry applies them:
 
 * when the target module is first imported (a post-import hook), or at once if it is;
@@ -14,7 +14,7 @@ Each integration (``transformer_engine``, ``trl``) is a module holding a table o
 
 ``patch_functions`` sweeps are records of the same registry, applied by the same
 post-import hooks, their originals in the same table. Importing :mod:`leakfree` imports
-neither Transformer Engine nor TRL.
+none of Transformer Engine, TRL or torchtune.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from leakfree._warnings import PatchWarning
+from leakfree.patches import torchtune as _torchtune
 from leakfree.patches import transformer_engine as _te
 from leakfree.patches import trl as _trl
 from leakfree.patches._registry import (
@@ -52,7 +53,7 @@ __all__ = [
     "unpatch_all",
 ]
 
-REGISTRY.add((*_te.PATCHES, *_trl.PATCHES))
+REGISTRY.add((*_te.PATCHES, *_trl.PATCHES, *_torchtune.PATCHES))
 
 
 def patch_all(*, strict: bool = False, **only: Any) -> PatchReport:

@@ -84,8 +84,9 @@ class Status(str, Enum):
 #: writes every original into the table); may return an undo for what the table cannot
 #: know (TRL: modules imported later that copied a replacement), run after the table's.
 Apply = Callable[[Any, types.ModuleType, Any, "Changes"], "Callable[[], None] | None"]
-#: ``check(target, module, option)``: None to apply, or why not.
-Check = Callable[[Any, types.ModuleType, Any], "Skip | None"]
+#: ``check(target, module, option)``: None to apply, :class:`Applies` to apply saying why
+#: (a patch with more than one reason to apply), or :class:`Skip`: why not.
+Check = Callable[[Any, types.ModuleType, Any], "Skip | Applies | None"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,28 @@ class Skip:
     #: TARGET_NOT_FOUND (a warning)
     status: Status
     detail: str
+
+
+@dataclass(frozen=True)
+class Applies:
+    """Why a patch applies to the code it found, for the report (after its description)."""
+
+    detail: str
+
+
+@dataclass(frozen=True)
+class FailureMode:
+    """One known way an integration's own code goes wrong, in ``versions`` (a specifier;
+    empty: every version), on machines with or without an accelerator (``accelerator``:
+    True, False, or None for both). ``python -m leakfree doctor`` lists the ones that fit
+    the installed version and this machine, with the call that repairs each."""
+
+    name: str
+    versions: str
+    accelerator: bool | None
+    what: str
+    #: accelerator types it spares (listed only where the type is known and not one of them)
+    spares: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,6 +143,10 @@ class Patch:
     description: str
     default: bool = True
     widen: tuple[tuple[Any, str], ...] = ()
+    #: ``expect(version, option)``: what ``check`` will say on this machine, decided
+    #: without importing the target (``plan``, the doctor), for a patch whose check
+    #: depends on more than the code (TRL: whether an accelerator is there)
+    expect: Callable[[Version, Any], Skip | Applies | None] | None = None
 
     def module_for(self, version: Version) -> str | None:
         for spec, module in self.modules:
@@ -460,7 +487,8 @@ class Registry:
                 warn=True,
             )
             return
-        if skip is not None:
+        why = skip.detail if isinstance(skip, Applies) else None
+        if isinstance(skip, Skip):
             # Good news, or nothing to do: not warnings. Only a target that cannot be read is.
             expected = skip.status in (Status.ALREADY_FIXED, Status.NOT_PRESENT)
             self._skip(record, Status.SKIPPED, f"{skip.status}: {skip.detail}", warn=not expected)
@@ -473,7 +501,8 @@ class Registry:
                 raise
             self._skip(record, Status.SKIPPED, f"apply failed: {type(e).__name__}: {e}", warn=True)
             return
-        record.status, record.reason, record.undo = Status.APPLIED, patch.description, undo
+        reason = patch.description if why is None else f"{patch.description}: {why}"
+        record.status, record.reason, record.undo = Status.APPLIED, reason, undo
         record.option = option
 
     def _skip(
@@ -633,8 +662,18 @@ class Registry:
                 )
             else:
                 current = self.records[name].status
+                expected = (
+                    None
+                    if patch.expect is None or version is None
+                    else patch.expect(version, option)
+                )
+                if isinstance(expected, Skip) and current != Status.APPLIED:
+                    record.status, record.reason = Status.NOT_AFFECTED, expected.detail
+                    out.append(record)
+                    continue
+                why = f": {expected.detail}" if isinstance(expected, Applies) else ""
                 record.status = Status.APPLIED if current == Status.APPLIED else Status.WOULD_APPLY
-                record.reason = f"{patch.description} ({module}.{patch.target})"
+                record.reason = f"{patch.description}{why} ({module}.{patch.target})"
             out.append(record)
         return out
 

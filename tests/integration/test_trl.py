@@ -1,20 +1,89 @@
 """The TRL patch against the real TRL: the installed release and an affected one (1.3.0,
-from .ci-deps), in subprocesses."""
+from .ci-deps), in subprocesses; and the real ``SFTTrainer(activation_offloading=True)``
+on a tiny random Llama, with and without the default ``patch_all()``."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from leakfree._device import accelerator
 from tests._fresh import run_py
-from tests.test_patches import old_trl, trl_check
+from tests.test_patches import ROOT, old_trl, trl_check
+
+BENCHMARK = ROOT / "benchmarks" / "trl_versions.py"
+STEPS = 4
 
 
-def test_trl_current_version_not_affected_by_default() -> None:
+def sft(mode: str, *paths: Path) -> dict[str, Any]:
+    """One ``SFTTrainer`` run (benchmarks/trl_versions.py's worker) in a child interpreter,
+    with ``paths`` (an older TRL) first on its path."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(map(str, (*paths, ROOT)))
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--worker", mode, "--steps", str(STEPS)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def check_sft_trainer(*paths: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """TRL's own offloading, then the default ``patch_all()``, each against no offloading."""
+    reference = sft("none", *paths)
+    upstream = sft("upstream", *paths)
+    patched = sft("patch_all()", *paths)
+    assert reference["ok"] and len(reference["losses"]) == STEPS
+    if accelerator() is None:
+        # TRL's constructor reads torch.accelerator.current_accelerator().type: None.type
+        assert not upstream["ok"]
+        assert upstream["error"] == "AttributeError: 'NoneType' object has no attribute 'type'"
+        assert upstream["stage"] == "SFTTrainer(...)"
+        assert upstream["where"].startswith("trl/models/activation_offloading.py:")
+        assert upstream["where"].endswith(" in __init__")
+    assert patched["ok"], patched["error"]
+    assert patched["context"] == "leakfree.offload"  # leakfree's manager drives the steps
+    assert patched["losses"] == reference["losses"]  # exact, every step
+    live = patched["live_bytes"]
+    assert len(live) == STEPS and live[-1] <= live[1], live  # no growth after step 1
+    assert patched["head_hooks"] == 2  # two more helper calls replaced the pair
+    return upstream, patched
+
+
+def test_sft_trainer_offloading_runs_on_the_installed_trl_with_the_default_patch() -> None:
+    _, patched = check_sft_trainer()
+    status, reason = patched["patches"]["trl.offload_activations"]
+    assert status == "applied"
+    if accelerator() is None:
+        assert "raises AttributeError without an accelerator" in reason
+
+
+def test_sft_trainer_offloading_runs_on_trl_1_3_with_the_default_patch() -> None:
+    path = old_trl()
+    _, patched = check_sft_trainer(path)
+    assert patched["trl"] == "1.3.0"
+    status, reason = patched["patches"]["trl.offload_activations"]
+    assert (status, "keeps offloaded payloads past the step" in reason) == ("applied", True)
+
+
+def test_trl_current_version_default_patch_follows_the_machine() -> None:
     result = trl_check("patch_first", None)
-    assert result["applied"]["trl.offload_activations"] == "skipped"
-    assert not result["patched"]
+    if accelerator() is None:  # TRL's own class cannot be built here: replaced
+        assert result["applied"]["trl.offload_activations"] == "applied"
+        assert result["patched"] and result["everywhere"] and result["restored"]
+        assert result["same_grads"] and result["head_hooks"] == 2
+    else:  # 1.5+ on an accelerator: TRL's class works, left in place
+        assert result["applied"]["trl.offload_activations"] == "skipped"
+        assert not result["patched"]
 
 
 @pytest.mark.parametrize("order", ["patch_first", "import_first"])
