@@ -18,11 +18,17 @@ From a value, the walk follows strong references a Python program can create:
   ``keywords``); ``lambda: v`` is a function with a closure cell;
 * any other object: its ``__dict__`` and ``__slots__`` (read without running properties;
   a ``collections.ChainMap`` is walked through its ``maps``), and, for a C-level object
-  with neither, what ``gc.get_referents`` reports.
+  with neither, what ``gc.get_referents`` reports;
+* with ``classes=True`` (diagnostics only): the class attributes of every walked object's
+  class and of its bases (``class Model: history = []`` is shared by every instance and
+  lives as long as the class), except classes defined by Python itself or by torch, names
+  with double underscores, and descriptors (functions, properties, ``staticmethod``...).
+  Such a path starts at the class: ``Model.history[3]``.
 
 What is not searched
 --------------------
-Instances of classes that declare themselves opaque (:data:`OPAQUE`), classes, modules,
+Instances of classes that declare themselves opaque (:data:`OPAQUE`), classes (unless
+``classes=True``), modules,
 code objects, builtin functions, a function's ``__globals__``,
 ``torch.nn.Module`` instances (model state that lives anyway; walking it would visit
 every parameter on every ``apply``), weak references (they keep nothing alive), and what
@@ -51,6 +57,7 @@ __all__ = [
     "OPAQUE",
     "SCALARS",
     "SCALAR_TYPES",
+    "Located",
     "holds_no_memory",
     "is_scalar",
     "object_fields",
@@ -279,7 +286,91 @@ def _handler(kind: type) -> Callable[[Any], Iterable[Edge]]:
     return handler
 
 
+def _class_fields(cls: type) -> Iterator[Edge]:
+    """A class's own data attributes: what a ``class C: registry = []`` keeps alive."""
+    for name, v in list(vars(cls).items()):
+        if name.startswith("__") and name.endswith("__"):
+            continue
+        if isinstance(v, type) or hasattr(type(v), "__get__"):  # methods, properties...
+            continue
+        yield f".{name}", v
+
+
+#: type -> the classes along its MRO whose attributes a ``classes=True`` walk visits.
+_class_chains: dict[type, tuple[type, ...]] = {}
+
+
+def _own_module(cls: type) -> bool:
+    module = str(getattr(cls, "__module__", ""))
+    return module not in ("builtins", "abc", "typing", "enum") and not (
+        module == "torch" or module.startswith("torch.")
+    )
+
+
+def _class_chain(kind: type) -> tuple[type, ...]:
+    chain = _class_chains.get(kind)
+    if chain is None:
+        if issubclass(kind, torch.Tensor) or (
+            issubclass(kind, _SKIP) and not issubclass(kind, torch.nn.Module)
+        ):
+            chain = ()
+        else:
+            chain = tuple(c for c in kind.__mro__ if _own_module(c))
+        _class_chains[kind] = chain
+    return chain
+
+
+#: A label that starts a path afresh (a class attribute is reached from the class).
+_ABSOLUTE = "\0"
+
 R = TypeVar("R")
+
+
+class Located:
+    """Where a walk found a tensor: call it for the path from the root; :meth:`holders`
+    gives the objects along that path. Built only on a hit; keeps the walk's trail."""
+
+    __slots__ = ("_at", "_trail")
+
+    def __init__(self, trail: list[tuple[int, str, Any]], at: int) -> None:
+        self._trail = trail
+        self._at = at
+
+    def __call__(self) -> str:
+        return _path(self._trail, self._at)
+
+    def named(self, root: str) -> str:
+        """The path, prefixed with ``root``'s name unless it starts at a class."""
+        path = _path(self._trail, self._at)
+        return path if self._absolute() else root + path
+
+    def _absolute(self) -> bool:
+        at = self._at
+        while at >= 0:
+            parent, label, _ = self._trail[at]
+            if label.startswith(_ABSOLUTE):
+                return True
+            at = parent
+        return False
+
+    def above(self, levels: int) -> Located:
+        """Where the object ``levels`` edges above this one was found (0: its holder)."""
+        at = self._trail[self._at][0]
+        for _ in range(levels):
+            at = self._trail[at][0]
+        return Located(self._trail, at)
+
+    def holders(self) -> list[tuple[Any, str]]:
+        """``(object, label)`` from the tensor's direct holder up to the root: the label
+        is the edge by which that object reached the next one down (``"[3]"``)."""
+        out = []
+        at = self._trail[self._at][0]
+        label = self._trail[self._at][1]
+        while at >= 0:
+            parent, up, obj = self._trail[at]
+            out.append((obj, label))
+            at, label = parent, up
+        return out
 
 
 def walk(
@@ -289,17 +380,19 @@ def walk(
     depth: int | None = None,
     modules: bool = False,
     visited: set[int] | None = None,
-) -> Iterator[tuple[torch.Tensor, Callable[[], str]]]:
-    """Every tensor reachable from ``root``, once each, with a function giving its path
-    from ``root`` (built only when asked: ``"[0].data"``, ``"['loss']"``...).
+    classes: bool = False,
+) -> Iterator[tuple[torch.Tensor, Located]]:
+    """Every tensor reachable from ``root``, once each, with a :class:`Located` giving its
+    path from ``root`` (built only when called: ``"[0].data"``, ``"['loss']"``...).
 
     ``depth`` bounds how many edges deep the walk goes (None: no bound); ``modules=True``
     also walks into ``torch.nn.Module`` instances (their attributes), which the hot path
-    skips; ``visited`` (object ids) is shared between calls to walk several roots once.
-    Stops after ``limit`` visited objects.
+    skips; ``classes=True`` also walks the class attributes of walked objects' classes
+    (see the module doc); ``visited`` (object ids) is shared between calls to walk several
+    roots once. Stops after ``limit`` visited objects.
     """
     stack: list[tuple[Any, int, str, int]] = [(root, -1, "", 0)]
-    trail: list[tuple[int, str]] = []
+    trail: list[tuple[int, str, Any]] = []
     seen = set() if visited is None else visited
     count = 0
     while stack:
@@ -311,19 +404,24 @@ def walk(
         count += 1
         if count > limit:
             return
-        trail.append((parent, label))
+        trail.append((parent, label, obj))
         here = len(trail) - 1
         if isinstance(obj, torch.Tensor):
-            yield obj, functools.partial(_path, trail, here)
+            yield obj, Located(trail, here)
         if depth is not None and level >= depth:
             continue
         if modules and isinstance(obj, torch.nn.Module):
             children: Iterable[Edge] = _fields(obj)
+        elif classes and isinstance(obj, type):
+            children = _class_fields(obj) if _own_module(obj) else ()
         else:
             children = _handler(type(obj))(obj)
         for edge, child in itertools.islice(children, limit):
             if type(child) not in SCALAR_TYPES:
                 stack.append((child, here, edge, level + 1))
+        if classes and not isinstance(obj, type):
+            for cls in _class_chain(type(obj)):
+                stack.append((cls, here, _ABSOLUTE + cls.__qualname__, level + 1))
 
 
 def search(
@@ -342,10 +440,13 @@ def search(
     return None
 
 
-def _path(trail: list[tuple[int, str]], at: int) -> str:
+def _path(trail: list[tuple[int, str, Any]], at: int) -> str:
     parts = []
     while at >= 0:
-        parent, label = trail[at]
+        parent, label, _ = trail[at]
+        if label.startswith(_ABSOLUTE):  # a class attribute: the path starts at the class
+            parts.append(label[len(_ABSOLUTE) :])
+            break
         parts.append(label)
         at = parent
     return "".join(reversed(parts))

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import leakfree
 from leakfree.diagnostics import MemoryTracker, StorageTracker, find_retained, fit_growth
@@ -190,3 +191,161 @@ def test_find_retained_never_runs_unpack_hooks_nor_properties() -> None:
     report = find_retained(holder, names=["holder"])
     assert [r.where for r in report if r.kind == "graph"] == ["holder.value"]
     assert calls == [1, 1]  # the walk unpacked nothing
+
+
+# --- what find_retained charges, and to whom -------------------------------------------------
+
+
+def test_find_retained_charges_a_pinned_leaf_and_its_grad() -> None:
+    lin = nn.Linear(64, 64)
+    kept = []
+    for _ in range(2):
+        x = torch.randn(32, 64, requires_grad=True)  # a per-step leaf (an input needing grad)
+        loss = lin(x).square().mean()
+        loss.backward()
+        kept.append(loss)  # its graph's AccumulateGrad holds x, and x holds x.grad
+    ref = StorageWeakRef(x.grad.untyped_storage())  # type: ignore[union-attr,no-untyped-call]
+    del x, loss
+    assert not ref.expired()  # alive through the kept graph only
+    report = find_retained(kept, lin, names=["kept", "lin"])
+    leaf = 32 * 64 * 4
+    # the loss (4 B), the leaf and its .grad; lin's parameters and their grads live anyway
+    assert {r.where: r.nbytes for r in report} == {"kept[0]": 4 + 2 * leaf, "kept[1]": 4 + 2 * leaf}
+    kept.clear()
+    assert ref.expired()
+
+
+def test_find_retained_leaf_held_elsewhere_is_not_charged_twice() -> None:
+    w = torch.randn(1024, requires_grad=True)  # a leaf the caller holds: it lives anyway
+    kept = []
+    for _ in range(2):
+        loss = (w * 2).sum()
+        loss.backward()
+        kept.append(loss)
+    report = find_retained(kept, w, names=["kept", "w"])
+    assert {r.where: r.nbytes for r in report} == {"kept[0]": 4, "kept[1]": 4}
+
+
+class Registry:
+    entries: list[Any] = []  # a class-level list: shared by instances, lives with the class
+
+
+class Trainer(Registry):
+    def __init__(self) -> None:
+        self.steps = 0
+
+
+def test_find_retained_walks_class_attributes() -> None:
+    trainer = Trainer()
+    w = torch.randn(16, requires_grad=True)
+    try:
+        for _ in range(3):
+            loss = (w * 3).sum()
+            loss.backward()
+            Registry.entries.append({"loss": loss})
+        del loss
+        report = find_retained(trainer, names=["trainer"])
+        assert sorted(r.where for r in report) == [
+            f"Registry.entries[{i}]['loss']" for i in range(3)
+        ]
+    finally:
+        Registry.entries.clear()
+
+
+def test_find_retained_explains_detached_growth() -> None:
+    model = nn.Linear(64, 64)
+    model.history = []  # type: ignore[assignment]
+    opt = torch.optim.Adam(model.parameters())
+    for _ in range(5):
+        out = model(torch.randn(16, 64))
+        out.square().mean().backward()
+        opt.step()
+        model.history.append({"out": out.detach()})  # type: ignore[operator]
+    del out
+    report = find_retained(model, opt, names=["model", "opt"])
+    assert not report  # nothing backward should have freed
+    [held] = report.detached  # not the parameters, nor the optimizer's state
+    assert (held.where, held.nbytes) == ("model.history", 5 * 16 * 64 * 4)
+    assert held.detail.startswith("5 tensor(s)")
+    text = str(report)
+    assert text.startswith("nothing retained") and "no graph kept; 20.0 KiB" in text
+    model.history.append({"out": torch.zeros(16, 64)})  # type: ignore[operator]
+    [again] = find_retained(model, opt, names=["model", "opt"], since=report).detached
+    assert again.count == 6
+    assert again.detail.endswith("growing: +1 tensors, +4.0 KiB since the last report")
+
+
+def test_find_retained_does_not_flag_parameters_saved_on_ctx() -> None:
+    class QuantLinear(torch.autograd.Function):  # bitsandbytes' MatMul4Bit keeps its weight
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, state: Any) -> torch.Tensor:
+            ctx.state = state  # the weight's quantization state: lives with the weight
+            ctx.tensors = (None, weight.view(-1, 1))  # a view of the parameter
+            ctx.scratch = torch.zeros(100)  # truly kept only by the ctx
+            return x @ weight.t()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> Any:
+            _, w = ctx.tensors
+            return g @ w.view(8, 8), None, None
+
+    class Quantized(nn.Parameter):  # like Params4bit: a Parameter subclass, frozen
+        pass
+
+    weight = Quantized(torch.randn(8, 8), requires_grad=False)
+    weight.quant_state = {"absmax": torch.ones(64)}  # type: ignore[attr-defined]
+    x = torch.randn(4, 8, requires_grad=True)
+    out = QuantLinear.apply(x, weight, weight.quant_state)  # type: ignore[attr-defined]
+    out.sum().backward()
+    del weight  # only the graph holds the parameter now: still a parameter, not charged
+    report = find_retained([out], names=["kept"])
+    ctx = [(r.where.rsplit(".", 3)[-3:], r.nbytes) for r in report if r.kind == "ctx attribute"]
+    assert ctx == [(["QuantLinear", "ctx", "scratch"], 400)]
+
+
+def test_sampled_tracking_measures_the_same_growth_per_step() -> None:
+    kept: list[torch.Tensor] = []
+    w = torch.randn(64, 64)
+    tracked: list[bool] = []
+
+    def step(keep: bool) -> None:
+        tracked.append(torch._C._len_torch_dispatch_stack() > 0)
+        out = torch.tanh(torch.randn(16, 64) @ w)
+        if keep:
+            kept.append(out)  # 4 KiB per step
+
+    results = {}
+    for keep in (False, True):
+        tracked.clear()
+        tracker = MemoryTracker(devices=["cpu"], sample_every=4)
+        with tracker:
+            for _ in range(64):
+                step(keep)
+                tracker.step()
+        results[keep] = tracker.growth("cpu")
+        steps = tracker.steps["cpu"]
+        assert steps == [i for i, on in enumerate(tracked) if on]  # one value per tracked step
+        assert 8 <= len(steps) <= 32 and steps[0] == 0
+    assert results[True].bytes_per_step == pytest.approx(16 * 64 * 4) and results[True].exceeds(0)
+    assert not results[False].exceeds(0)
+    assert " of 64" in tracker.report()
+    with pytest.raises(ValueError, match="sample_every"):
+        MemoryTracker(sample_every=0)
+
+
+def test_sampling_never_pops_another_mode() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Other(TorchDispatchMode):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    tracker = MemoryTracker(devices=["cpu"], sample_every=8)
+    with tracker, Other():  # entered inside the tracker, alive at every step(): no toggling
+        for _ in range(6):
+            torch.ones(4)
+            tracker.step()
+    assert tracker.steps["cpu"] == list(range(6))
+    assert torch._C._len_torch_dispatch_stack() == 0

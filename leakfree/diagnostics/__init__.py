@@ -3,8 +3,9 @@
 * :class:`MemoryTracker` / :func:`fit_growth`: live bytes per device per step, growth per
   step with a noise bound (CUDA allocator statistics, or tracked tensor storages on any
   device);
-* :func:`find_retained`: containers holding backpropagated graphs, and ctx attributes kept
-  after their backward;
+* :func:`find_retained`: containers (class attributes included) holding backpropagated
+  graphs, with the leaves and gradients they pin; ctx attributes kept after their backward;
+  growable containers of tensors without a graph;
 * :mod:`leakfree.diagnostics.snapshot`: analysis of ``torch.cuda.memory._snapshot()`` files;
 * :func:`count_host_syncs`: device-to-host synchronisations at the aten level.
 """

@@ -11,18 +11,28 @@
 ``growth()`` fits bytes against step by least squares and returns the slope with a noise
 bound (three standard errors of the slope, and never less than the residual spread over
 the run), so "grows by 1.0 MiB per step +- 2 KiB" separates a leak from noise.
+
+Cost. The storage tracker is a Python dispatch mode: every aten op of a tracked step goes
+through Python (about 2x the step time of a small model of many small ops; that is the
+mode itself, an empty dispatch mode costs nearly as much). So it runs only where it is
+needed (no device read from an allocator) and, with ``sample_every=k``, only during about
+one step in ``k`` (randomly spaced, so a leak every other step is not aliased away). A
+sampled series holds one value per tracked step: the bytes still alive of the storages
+created during tracked steps. Each tracked step adds what it left behind, so the slope
+over the samples is still bytes per step.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from leakfree._device import accelerator, device_index, device_module
 from leakfree._text import format_bytes, format_table
@@ -221,25 +231,60 @@ class MemoryTracker:
         devices: devices to sample (default: the CPU and the current accelerator).
         use_allocator: read accelerator devices from their allocator (default True); with
             False, or where a device has no allocator statistics, the storage tracker counts.
+        sample_every: track storages during about one step in this many (1: every step,
+            exact). Devices read from an allocator are read at every step regardless.
+            Sampling needs ``step()`` called on the thread that entered the tracker, and no
+            other dispatch mode entered inside it still active at ``step()``; otherwise
+            every step is tracked.
+        seed: seeds the random spacing of sampled steps (reproducible runs).
+
+    ``series[device]`` holds the values, ``steps[device]`` the step index of each (0 is
+    the step that ends at the first ``step()``).
     """
 
     devices: list[torch.device] = field(default_factory=_default_devices)
     use_allocator: bool = True
     series: dict[str, list[int]] = field(default_factory=dict)
+    sample_every: int = 1
+    seed: int = 0
+    steps: dict[str, list[int]] = field(default_factory=dict)
     _storages: StorageTracker | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.sample_every, bool)
+            or not isinstance(self.sample_every, int)
+            or self.sample_every < 1
+        ):
+            raise ValueError(
+                f"MemoryTracker(sample_every={self.sample_every!r}): expected an int >= 1"
+            )
         self.devices = [torch.device(d) for d in self.devices]
         for d in self.devices:
             self.series.setdefault(str(d), [])
+            self.steps.setdefault(str(d), [])
+        self._step = 0
+        self._next = 0  #: the next step index to track
+        self._rng = random.Random(self.seed)
+        self._tracking = False  #: the storage tracker is on the dispatch stack now
+        self._depth = 0  #: dispatch stack depth outside the tracker
+
+    def _counted(self, device: torch.device) -> bool:
+        """Is ``device`` counted by the storage tracker (no allocator statistics)?"""
+        return self._allocator_bytes(device) is None
 
     def __enter__(self) -> MemoryTracker:
-        self._storages = StorageTracker()
-        self._storages.__enter__()  # type: ignore[no-untyped-call]
+        self._storages = None  # on an allocator's count alone, no op pays for tracking
+        if any(self._counted(d) for d in self.devices):
+            self._storages = StorageTracker()
+            self._depth = torch._C._len_torch_dispatch_stack()
+            self._storages.__enter__()  # type: ignore[no-untyped-call]
+            self._tracking = True
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._storages is not None:
+        if self._storages is not None and self._tracking:
+            self._tracking = False
             self._storages.__exit__(*exc)  # type: ignore[no-untyped-call]
 
     def _allocator_bytes(self, device: torch.device) -> int | None:
@@ -264,17 +309,47 @@ class MemoryTracker:
         return out
 
     def step(self) -> dict[str, int]:
-        """Record the live bytes of each device as one step; returns them."""
-        now = self.sample()
+        """Record the live bytes of each device as one step; returns what was recorded
+        (devices counted by storages only when this step was tracked)."""
+        index = self._step
+        self._step += 1
+        tracked = self._tracking or self._storages is None
+        now = {
+            key: value
+            for key, value in self.sample().items()
+            if tracked or not self._counted(torch.device(key))
+        }
         for key, value in now.items():
             self.series.setdefault(key, []).append(value)
+            self.steps.setdefault(key, []).append(index)
+        if self._storages is not None and self.sample_every > 1:
+            if index + 1 > self._next:  # draw the next tracked step: gaps average k
+                self._next = index + self._rng.randint(1, 2 * self.sample_every - 1)
+            self._track(index + 1 == self._next)
         return now
+
+    def _track(self, on: bool) -> None:
+        """Put the storage tracker on or off the dispatch stack, where that is safe: only
+        at the depth where it was entered, never under or over another mode."""
+        storages = self._storages
+        if storages is None or on == self._tracking:
+            return
+        depth = torch._C._len_torch_dispatch_stack()
+        if on and depth == self._depth:
+            storages.__enter__()  # type: ignore[no-untyped-call]
+            self._tracking = True
+        elif not on and depth == self._depth + 1 and _get_current_dispatch_mode() is storages:
+            storages.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self._tracking = False
 
     def growth(self, device: str | torch.device | None = None, *, skip: int = 1) -> Growth:
         """Bytes per step on ``device`` (default: the accelerator if tracked, else the CPU),
         ignoring the first ``skip`` steps (warm-up: caches, optimizer state)."""
         key = self._key(device)
-        return fit_growth(self.series[key][skip:])
+        return fit_growth(self._after(key, skip))
+
+    def _after(self, key: str, skip: int) -> list[int]:
+        return [v for v, i in zip(self.series[key], self.steps[key]) if i >= skip]
 
     def _key(self, device: str | torch.device | None) -> str:
         if device is None:
@@ -292,12 +367,15 @@ class MemoryTracker:
         for key, values in self.series.items():
             if not values:
                 continue
-            g = fit_growth(values[skip:])
+            g = fit_growth(self._after(key, skip))
             verdict = "" if not g.exceeds() else "  <- grows"
+            count = str(len(values))
+            if len(values) < self._step:
+                count = f"{len(values)} of {self._step}"
             rows.append(
                 (
                     key,
-                    str(len(values)),
+                    count,
                     format_bytes(values[0]),
                     format_bytes(values[-1]),
                     f"{g}{verdict}",
