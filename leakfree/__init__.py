@@ -35,6 +35,7 @@ _EXPORTS = {
     "unpatch_all": "leakfree.patches",
     "LeakfreeWarning": "leakfree._warnings",
     "PatchWarning": "leakfree._warnings",
+    "MemoryGrowthWarning": "leakfree._warnings",
 }
 _SUBMODULES = ("pipeline",)
 
@@ -43,6 +44,7 @@ __all__ = [
     "LeakfreeWarning",
     "LossList",
     "LossLog",
+    "MemoryGrowthWarning",
     "NoOffload",
     "OffloadActivations",
     "PatchWarning",
@@ -80,7 +82,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from leakfree import pipeline
-    from leakfree._warnings import LeakfreeWarning, PatchWarning
+    from leakfree._warnings import LeakfreeWarning, MemoryGrowthWarning, PatchWarning
     from leakfree.function import (
         Function,
         ReferenceCycleError,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["LeakfreeWarning", "PatchWarning"]
+__all__ = ["LeakfreeWarning", "MemoryGrowthWarning", "PatchWarning"]
 
 
 class LeakfreeWarning(UserWarning):
@@ -11,3 +11,9 @@ class LeakfreeWarning(UserWarning):
 
 class PatchWarning(LeakfreeWarning):
     """A patch could not find the code it expects and did nothing (``patch_all``)."""
+
+
+class MemoryGrowthWarning(LeakfreeWarning):
+    """Live memory grew per optimizer step after the warm-up (an integration callback's
+    verdict, :mod:`leakfree.integrations`). Turn it into an error with
+    ``warnings.filterwarnings("error", category=...)`` or the callback's ``fail=True``."""

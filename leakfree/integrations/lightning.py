@@ -1,0 +1,127 @@
+"""Lightning: a callback that warns (or fails) when live memory grows per optimizer step.
+
+:class:`LeakfreeCallback` is a Lightning ``Callback``: from ``lightning.pytorch`` when the
+``lightning`` package is installed, else from the standalone ``pytorch_lightning`` (whose
+``Trainer`` runs either: both call callbacks by hook name). It samples live bytes after
+every optimizer step (``trainer.global_step`` moving, so gradient accumulation and manual
+optimization count optimizer steps, not batches), judges growth per window after a
+warm-up, and logs ``leakfree/live_bytes`` and ``leakfree/growth_bytes_per_step`` through
+``pl_module.log_dict`` (so they reach the Trainer's loggers, at their ``log_every_n_steps``
+cadence).
+
+Lifetime contract
+-----------------
+The watcher (see :mod:`leakfree.integrations._growth`) runs from ``on_train_start`` to
+``on_train_end``, or ``on_exception`` when training raises; on the CPU that includes a
+storage tracker active on the training thread. The trainer and module are walked only
+when a window grows, and not kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+try:
+    from lightning.pytorch import Callback, LightningModule, Trainer
+except ModuleNotFoundError as missing:
+    if missing.name not in ("lightning", "lightning.pytorch"):
+        raise  # Lightning is there but broken: its own error says why
+    try:
+        from pytorch_lightning import (  # type: ignore[assignment]
+            Callback,
+            LightningModule,
+            Trainer,
+        )
+    except ModuleNotFoundError as e:
+        if e.name != "pytorch_lightning":
+            raise
+        raise ImportError(
+            "leakfree.integrations.lightning needs Lightning: pip install lightning "
+            "(or the standalone pytorch-lightning)"
+        ) from e
+
+import torch
+
+from leakfree.integrations._growth import GrowthWatch
+
+__all__ = ["LeakfreeCallback"]
+
+
+class LeakfreeCallback(Callback):
+    """Warn (or fail) when live memory grows per optimizer step; log the numbers.
+
+    Args:
+        warmup: optimizer steps not judged (default 3: optimizer state and caches).
+        window: optimizer steps per verdict (default 10, at least 4).
+        tolerance: bytes per step of growth accepted beyond the noise bound (default 0).
+        fail: raise :class:`~leakfree.testing.LeakError` (out of ``trainer.fit``) instead
+            of warning :class:`~leakfree.integrations.MemoryGrowthWarning`.
+        sample_every: on the CPU, track tensor storages during about one optimizer step in
+            this many (default 1: every step, exact; 8 costs about 1.1x step time instead of
+            2.5x on a small causal LM, see docs/diagnostics.md); ``window`` then counts
+            tracked steps. An accelerator is read from its allocator at every step, free.
+        device: the device judged (default: the accelerator if any, read from its
+            allocator; else the CPU, where tensor storages created during training are
+            tracked).
+        roots: more objects to search for holders, ``{name: object}`` or a list. Always
+            searched: the LightningModule (``pl_module``) and the Trainer.
+        log: log the numbers with ``pl_module.log`` (default True).
+    """
+
+    def __init__(
+        self,
+        *,
+        warmup: int = 3,
+        window: int = 10,
+        tolerance: float = 0.0,
+        fail: bool = False,
+        sample_every: int = 1,
+        device: str | torch.device | None = None,
+        roots: Mapping[str, Any] | Iterable[Any] | None = None,
+        log: bool = True,
+    ) -> None:
+        if not isinstance(log, bool):
+            raise TypeError(f"LeakfreeCallback(log={log!r}): expected True or False")
+        self.watch = GrowthWatch(
+            type(self).__name__,
+            warmup=warmup,
+            window=window,
+            tolerance=tolerance,
+            fail=fail,
+            sample_every=sample_every,
+            device=device,
+            roots=roots,
+        )
+        self._log = log
+        self._last_step = -1
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.watch.stop()
+        self.watch.start()
+        self._last_step = trainer.global_step
+
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if trainer.global_step == self._last_step:
+            return  # accumulating gradients: no optimizer step in this batch
+        self._last_step = trainer.global_step
+        self.watch.step(lambda: {"pl_module": pl_module, "trainer": trainer})
+        if self._log:
+            metrics = self.watch.metrics()
+            if metrics:
+                pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.watch.stop()
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        self.watch.stop()

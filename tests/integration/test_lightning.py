@@ -1,0 +1,179 @@
+"""leakfree.integrations.lightning with a real Lightning ``Trainer``: a tiny module, CPU,
+a CSV logger under tmp_path, no checkpoints, no progress bar."""
+
+from __future__ import annotations
+
+import csv
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning.pytorch")
+
+from leakfree.integrations import MemoryGrowthWarning  # noqa: E402
+from leakfree.integrations.lightning import LeakfreeCallback  # noqa: E402
+from leakfree.testing import LeakError  # noqa: E402
+
+BATCH, WIDTH = 4, 32
+
+
+class Tiny(L.LightningModule):  # type: ignore[misc]
+    def __init__(self, leaky: bool) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, 1)
+        )
+        self.leaky = leaky
+        self.kept: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        hidden = self.net[1](self.net[0](x))
+        loss = self.net[2](hidden).square().mean()
+        if self.leaky:
+            self.kept.append(hidden)  # should be hidden.detach()
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def fit(tmp_path: Path, callback: LeakfreeCallback, leaky: bool, steps: int, **kw: Any) -> Any:
+    data = torch.utils.data.TensorDataset(torch.randn(BATCH * steps * 2, WIDTH))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        callbacks=[callback],
+        logger=L.loggers.CSVLogger(tmp_path, name="run"),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kw,
+    )
+    trainer.fit(Tiny(leaky), torch.utils.data.DataLoader(data, batch_size=BATCH))
+    return trainer
+
+
+def logged(trainer: Any) -> list[dict[str, str]]:
+    trainer.logger.save()
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+pytestmark = [
+    # Lightning's advice about dataloader workers, and its use of a torch API deprecated
+    # in 2.13, are not the point here.
+    pytest.mark.filterwarnings("ignore:.*does not have many workers"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.* is deprecated"),
+]
+
+
+def test_leaky_step_is_reported_with_growth_and_holder(tmp_path: Path) -> None:
+    callback = LeakfreeCallback(warmup=2, window=6)
+    with pytest.warns(MemoryGrowthWarning) as caught:
+        trainer = fit(tmp_path, callback, leaky=True, steps=8)
+    message = str(next(w for w in caught if w.category is MemoryGrowthWarning).message)
+    assert "grew by" in message and "over optimizer steps 3-8 (6 steps" in message
+    assert "pl_module.kept[" in message  # the holder, named by find_retained
+    growth = callback.watch.growth
+    assert growth is not None and growth.bytes_per_step > 0.9 * BATCH * WIDTH * 4
+    # The numbers went through pl_module.log to the logger (one row per step).
+    rows = [r for r in logged(trainer) if r.get("leakfree/live_bytes")]
+    assert len(rows) == 8
+    assert float(rows[-1]["leakfree/growth_bytes_per_step"]) == growth.bytes_per_step
+    assert trainer.logged_metrics["leakfree/growth_bytes_per_step"] == growth.bytes_per_step
+    assert not callback.watch.active
+
+
+def test_fail_raises_out_of_fit(tmp_path: Path) -> None:
+    callback = LeakfreeCallback(warmup=2, window=4, fail=True)
+    with pytest.raises(LeakError, match=r"(?s)grew by .*pl_module\.kept\["):
+        fit(tmp_path, callback, leaky=True, steps=8)
+    assert callback.watch.steps == 6 and not callback.watch.active
+
+
+def test_clean_training_is_not_reported(tmp_path: Path) -> None:
+    callback = LeakfreeCallback(warmup=2, window=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryGrowthWarning)
+        fit(tmp_path, callback, leaky=False, steps=8)
+    growth = callback.watch.growth
+    assert growth is not None and not growth.exceeds()
+
+
+def test_steps_are_optimizer_steps_under_gradient_accumulation(tmp_path: Path) -> None:
+    callback = LeakfreeCallback(warmup=0, window=4)
+    trainer = fit(tmp_path, callback, leaky=False, steps=4, accumulate_grad_batches=2)
+    assert trainer.global_step == 4 and callback.watch.steps == 4
+
+
+def test_standalone_pytorch_lightning_trainer_runs_it(tmp_path: Path) -> None:
+    """The standalone package calls callbacks by hook name, as ``lightning`` does."""
+    PL = pytest.importorskip("pytorch_lightning")
+
+    class Module(PL.LightningModule):  # type: ignore[misc]
+        training_step = Tiny.training_step
+        configure_optimizers = Tiny.configure_optimizers
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Tiny(leaky=True).net
+            self.leaky, self.kept = True, []
+
+    callback = LeakfreeCallback(warmup=2, window=6)
+    data = torch.utils.data.TensorDataset(torch.randn(BATCH * 16, WIDTH))
+    trainer = PL.Trainer(
+        accelerator="cpu",
+        max_steps=8,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.warns(MemoryGrowthWarning, match=r"pl_module\.kept\["):
+        trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=BATCH))
+    assert callback.watch.steps == 8 and not callback.watch.active
+    assert trainer.logged_metrics["leakfree/growth_bytes_per_step"] > 0
+
+
+def test_bad_options_name_the_argument() -> None:
+    with pytest.raises(ValueError, match=r"LeakfreeCallback\(warmup=-1\): expected an int >= 0"):
+        LeakfreeCallback(warmup=-1)
+    with pytest.raises(TypeError, match=r"LeakfreeCallback\(log='yes'\): expected True or False"):
+        LeakfreeCallback(log="yes")  # type: ignore[arg-type]
+
+
+def test_a_raising_step_leaves_no_tracker_behind(tmp_path: Path) -> None:
+    """on_exception stops the CPU storage tracker: no dispatch mode outlives the fit."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    class Raises(Tiny):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 2:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    callback = LeakfreeCallback(warmup=0, window=4)
+    data = torch.utils.data.TensorDataset(torch.randn(BATCH * 8, WIDTH))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=8,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Raises(leaky=False), torch.utils.data.DataLoader(data, batch_size=BATCH))
+    assert callback.watch.steps == 2
+    assert not callback.watch.active and _get_current_dispatch_mode() is None
