@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["function_overhead", "losslog", "offload", "pipeline", "tracker"]
+BENCHMARKS = ["function_overhead", "losslog", "offload", "pipeline", "tracker", "tracker_hf"]
 
 
 def summary(results: dict[str, Any]) -> str:
@@ -124,6 +124,17 @@ def summary(results: dict[str, Any]) -> str:
                 f"{r['on_ms']:.1f} ms",
                 f"{r['off_ms']:.1f} ms",
                 f"{r['ratio']:.2f}x (goal 1.5x)",
+            )
+        )
+    for r in results["tracker_hf"]["results"]:
+        q = r["ratio"]
+        rows.append(
+            (
+                "MemoryTracker",
+                f"causal LM, {r['case']}, tracked every {r['sample_every']} step(s)",
+                f"{r['on_ms_per_step']:.1f} ms",
+                f"{r['off_ms_per_step']:.1f} ms",
+                f"{q['median']:.2f}x, IQR {q['q1']:.2f}-{q['q3']:.2f} (goal 1.5x)",
             )
         )
     lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]

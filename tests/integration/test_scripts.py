@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from leakfree import _demo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,3 +144,11 @@ def test_demo_out_no_progress_bar_when_redirected_and_says_what_stays(tmp_path: 
     for name in _demo.KEPT_ON_PURPOSE:
         assert f"  {name}: " in done.stdout
     assert "offloader's host blocks" in done.stdout
+
+
+def test_tracker_hf_benchmark_runs(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    data = run_benchmark("tracker_hf", tmp_path)
+    every = {r["sample_every"] for r in data["results"]}
+    assert 1 in every and max(every) > 1  # exact and sampled, against the same untracked run
+    assert all(r["off_ms_per_step"] > 0 and r["ratio"]["median"] > 0 for r in data["results"])
