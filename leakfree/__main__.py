@@ -4,6 +4,8 @@ Subcommands:
     doctor                installed versions, known leaks that affect them, what patch_all() does
     demo                  the five leak shapes naive vs leakfree: bytes per step, and a plot
     snapshot FILE [FILE2] analyse a torch.cuda.memory._snapshot() pickle, or diff two
+    scan PATH_OR_PACKAGE  find autograd lifetime leaks in source code (ast only; exit 1 on
+                          findings, 0 when clean, 2 on usage errors)
 """
 
 from __future__ import annotations
@@ -44,7 +46,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     snap = sub.add_parser("snapshot", help="analyse a CUDA memory snapshot, or diff two")
     snap.add_argument("files", nargs="+", metavar="FILE", help="one snapshot, or two to diff")
+    scan = sub.add_parser(
+        "scan",
+        help="find autograd lifetime leaks in source code, without running or importing it",
+        description="Find autograd lifetime leaks in Python source, read with ast only "
+        "(nothing is imported). Exit status: 1 findings, 0 clean, 2 usage error. "
+        "Suppress one finding with `# leakfree: ignore[LF001]` on its line.",
+    )
+    scan.add_argument(
+        "paths",
+        nargs="*",
+        metavar="PATH_OR_PACKAGE",
+        help="files, folders, or installed packages by import name (located, never imported)",
+    )
+    scan.add_argument("--format", choices=("text", "json", "sarif"), default="text")
+    scan.add_argument("--select", default="", help="rule codes or prefixes, comma-separated")
+    scan.add_argument("--ignore", default="", help="rule codes or prefixes to skip")
+    scan.add_argument(
+        "--exclude", action="append", default=[], metavar="GLOB", help="skip matching paths"
+    )
+    scan.add_argument("--output", "-o", default=None, help="write the report here")
+    scan.add_argument(
+        "--jobs", "-j", type=int, default=None, help="processes (default: one per CPU)"
+    )
+    scan.add_argument("--list-rules", action="store_true", help="print the rules and exit")
     args = parser.parse_args(argv)
+    if args.command == "scan":
+        return _scan(args, scan)
     if args.command == "doctor":
         from leakfree._doctor import run_doctor
 
@@ -60,6 +88,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     from leakfree.diagnostics.snapshot import main as snapshot_main
 
     return snapshot_main(list(args.files))
+
+
+def _scan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from leakfree.scan import UsageError, render, scan
+    from leakfree.scan.rules import RULES
+
+    if args.list_rules:
+        for rule in RULES:
+            print(f"{rule.code}  {rule.name}: {rule.summary} (confirm: {rule.confirm})")
+        return 0
+    if not args.paths:
+        parser.error("give at least one PATH_OR_PACKAGE (or --list-rules)")
+    try:
+        result = scan(
+            args.paths,
+            select=args.select.split(","),
+            ignore=args.ignore.split(","),
+            exclude=args.exclude,
+            jobs=args.jobs,
+        )
+    except UsageError as e:
+        parser.error(str(e))  # exit status 2
+    report = render(result, args.format)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(report + "\n")
+    else:
+        print(report)
+    return 1 if result.findings else 0
 
 
 if __name__ == "__main__":

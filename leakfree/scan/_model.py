@@ -1,0 +1,149 @@
+"""What the scanner passes around: a parsed file, the scanned tree, a rule, a finding.
+
+Nothing here imports torch or the code being scanned: a file is read as text and parsed
+with :mod:`ast`, so a package that needs CUDA to import (Transformer Engine) scans on any
+machine.
+"""
+
+from __future__ import annotations
+
+import ast
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+__all__ = ["Finding", "Project", "Rule", "Source", "parse"]
+
+
+@dataclass(frozen=True, order=True)
+class Finding:
+    """One place a rule flags: ``path:line:col: RULE symbol: message``.
+
+    ``symbol`` names what holds the memory (``Class.attr``, ``self.history``,
+    ``context.losses``); ``message`` says why and what to do.
+    """
+
+    path: str
+    line: int
+    col: int
+    rule: str
+    symbol: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}:{self.col}: {self.rule} {self.symbol}: {self.message}"
+
+
+@dataclass
+class Source:
+    """One parsed file. ``module`` is its dotted name where it lies in a package."""
+
+    path: str
+    text: str
+    tree: ast.Module
+    module: str = ""
+    lines: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.lines:
+            self.lines = self.text.splitlines()
+
+    def finding(self, node: ast.AST, rule: str, symbol: str, message: str) -> Finding:
+        """A finding at ``node``'s position in this file."""
+        return Finding(
+            self.path,
+            getattr(node, "lineno", 1),
+            getattr(node, "col_offset", 0) + 1,
+            rule,
+            symbol,
+            message,
+        )
+
+
+FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def parse(path: str, text: str, module: str = "") -> Source:
+    """Parse ``text`` (raises :class:`SyntaxError`); invalid escape sequences in old code
+    are not the scanner's business, so their warnings are silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        tree = ast.parse(text, filename=path)
+    return Source(path, text, tree, module)
+
+
+@dataclass
+class Project:
+    """Everything scanned in one run, so a rule can follow a call into a helper defined in
+    another scanned file (``restore_from_func_ctx(ctx)``).
+
+    Files are parsed on demand: :meth:`helpers` looks a name up in the text of every
+    scanned file (``def name``) and parses only the files that define it. Names are not
+    resolved through imports: every function or method of that name counts.
+    """
+
+    texts: dict[str, tuple[str, str]] = field(default_factory=dict)  #: path -> (text, module)
+    parsed: dict[str, Source | None] = field(default_factory=dict)  #: None: did not parse
+    _helpers: dict[str, list[tuple[Source, FunctionNode]]] = field(default_factory=dict)
+
+    def add(self, source: Source) -> None:
+        """Add an already parsed file."""
+        self.texts[source.path] = (source.text, source.module)
+        self.parsed[source.path] = source
+
+    def add_text(self, path: str, text: str, module: str = "") -> None:
+        """Add a file to be parsed when a rule or a helper look-up needs it."""
+        self.texts[path] = (text, module)
+
+    def source(self, path: str) -> Source | None:
+        """The parsed file (None if it does not parse)."""
+        if path not in self.parsed:
+            text, module = self.texts[path]
+            try:
+                self.parsed[path] = parse(path, text, module)
+            except (SyntaxError, ValueError):
+                self.parsed[path] = None
+        return self.parsed[path]
+
+    def helpers(self, name: str) -> Iterator[tuple[Source, FunctionNode]]:
+        """The functions (and methods) named ``name`` defined anywhere in the scanned tree."""
+        found = self._helpers.get(name)
+        if found is None:
+            found = []
+            needle = f"def {name}("
+            for path, (text, _) in self.texts.items():
+                if needle not in text:
+                    continue
+                source = self.source(path)
+                if source is None:
+                    continue
+                found += [
+                    (source, node)
+                    for node in ast.walk(source.tree)
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and node.name == name
+                ]
+            self._helpers[name] = found
+        yield from found
+
+
+Check = Callable[[Source, Project], Iterable[Finding]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule: its code (``LF001``), a short name, what it finds, the runtime tool that
+    confirms a finding, and its check (one call per file; the project is for following
+    calls)."""
+
+    code: str
+    name: str
+    summary: str
+    confirm: str
+    check: Check
+    #: the check runs only on files whose text contains one of these strings (a cheap
+    #: filter before parsing; empty: every file)
+    needs: tuple[str, ...] = ()
+
+    def wants(self, text: str) -> bool:
+        return not self.needs or any(n in text for n in self.needs)

@@ -1,0 +1,227 @@
+"""Run the rules over files: parse, index the tree, check, drop suppressed findings.
+
+All files are parsed first, so that a rule can follow a call into a helper defined in
+another scanned file; then each rule checks each file. A ``# leakfree: ignore[LF001]``
+comment on a flagged line drops that rule's finding there (``# leakfree: ignore`` drops
+every rule's).
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import re
+import time
+import tokenize
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from leakfree.scan._locate import Target, UsageError, python_files, resolve
+from leakfree.scan._model import Finding, Project, Rule, Source, parse
+
+__all__ = ["ScanResult", "choose_rules", "scan", "scan_sources", "suppressions"]
+
+_SUPPRESS = re.compile(r"#\s*leakfree:\s*ignore\b(?:\[([^\]]*)\])?")
+#: in a suppression's set of codes: every rule
+ALL = "*"
+
+
+def suppressions(text: str) -> dict[int, set[str]]:
+    """Line -> rule codes suppressed there by ``# leakfree: ignore[...]`` comments (real
+    comments only, read with :mod:`tokenize`, so the text inside a string never counts)."""
+    if "leakfree:" not in text:
+        return {}
+    out: dict[int, set[str]] = {}
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            if token.type != tokenize.COMMENT:
+                continue
+            match = _SUPPRESS.search(token.string)
+            if match is None:
+                continue
+            codes = match.group(1)
+            chosen = {c.strip().upper() for c in codes.split(",") if c.strip()} if codes else {ALL}
+            out.setdefault(token.start[0], set()).update(chosen or {ALL})
+    except (tokenize.TokenError, SyntaxError):
+        pass  # the file did not parse either; nothing is reported for it
+    return out
+
+
+def choose_rules(
+    rules: Sequence[Rule], select: Iterable[str] = (), ignore: Iterable[str] = ()
+) -> list[Rule]:
+    """The rules chosen by ``select`` (default: all) minus ``ignore``; a code may be a
+    prefix (``LF00``). Raises :class:`UsageError` naming a code that matches no rule."""
+    known = [r.code for r in rules]
+
+    def matching(option: str, codes: Iterable[str]) -> set[str]:
+        out: set[str] = set()
+        for code in codes:
+            code = code.strip().upper()
+            if not code:
+                continue
+            hits = {k for k in known if k.startswith(code)}
+            if not hits:
+                raise UsageError(f"--{option} {code}: no such rule (rules: {', '.join(known)})")
+            out |= hits
+        return out
+
+    selected = matching("select", select) or set(known)
+    ignored = matching("ignore", ignore)
+    return [r for r in rules if r.code in selected and r.code not in ignored]
+
+
+@dataclass
+class ScanResult:
+    """What one scan found: the findings (sorted by path, line, column, rule), how many
+    files were read, those that could not be parsed (``path: reason``), the rules run and
+    the seconds it took."""
+
+    findings: list[Finding] = field(default_factory=list)
+    files: int = 0
+    unparsed: list[str] = field(default_factory=list)
+    rules: list[Rule] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def files_per_second(self) -> float:
+        return self.files / self.seconds if self.seconds > 0 else float("inf")
+
+
+def _display(path: Path, base: Path) -> str:
+    try:
+        return path.relative_to(base).as_posix() if base != Path(".") else path.as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def _module_name(path: Path, target: Target) -> str:
+    if not target.module:
+        return ""
+    relative = path.relative_to(target.base).with_suffix("")
+    parts = list(relative.parts)
+    if parts and parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+#: below this many files to parse, one process (a pool costs more than it saves)
+PARALLEL_FROM = 64
+_WORK: tuple[Project, Sequence[Rule]] | None = None  #: what forked workers inherit
+
+
+def _check(
+    project: Project, paths: Iterable[str], rules: Sequence[Rule]
+) -> tuple[list[Finding], list[str]]:
+    """Findings in ``paths`` (suppressed ones dropped), and the paths a rule wanted that
+    did not parse."""
+    findings: set[Finding] = set()
+    unparsed = []
+    for path in paths:
+        text = project.texts[path][0]
+        wanted = [r for r in rules if r.wants(text)]
+        if not wanted:
+            continue
+        source = project.source(path)
+        if source is None:
+            unparsed.append(path)
+            continue
+        quiet = suppressions(text)
+        for rule in wanted:
+            for finding in rule.check(source, project):
+                codes = quiet.get(finding.line, ())
+                if finding.rule not in codes and ALL not in codes:
+                    findings.add(finding)
+    return sorted(findings), unparsed
+
+
+def _check_part(paths: list[str]) -> tuple[list[Finding], list[str]]:
+    assert _WORK is not None
+    return _check(_WORK[0], paths, _WORK[1])
+
+
+def _check_all(
+    project: Project, rules: Sequence[Rule], jobs: int
+) -> tuple[list[Finding], list[str]]:
+    """:func:`_check` over every file, in ``jobs`` forked processes when there is enough
+    to parse (``ast.parse`` is most of the time: torch's tree is 46 MB of source). Each
+    worker inherits the project's texts and parses on demand, helpers included."""
+    global _WORK
+    paths = [p for p, (text, _) in project.texts.items() if any(r.wants(text) for r in rules)]
+    if jobs <= 1 or len(paths) < PARALLEL_FROM or "fork" not in mp.get_all_start_methods():
+        return _check(project, paths, rules)
+    parts = min(len(paths), jobs * 4)  # interleaved slices: big files spread out
+    _WORK = (project, rules)
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork")) as pool:
+            done = list(pool.map(_check_part, [paths[i::parts] for i in range(parts)]))
+    finally:
+        _WORK = None
+    return (
+        sorted({f for found, _ in done for f in found}),
+        sorted({p for _, bad in done for p in bad}),
+    )
+
+
+def scan_sources(sources: Sequence[Source], rules: Sequence[Rule]) -> list[Finding]:
+    """Check ``sources`` (already parsed) with ``rules``; suppressed findings dropped."""
+    project = Project()
+    for source in sources:
+        project.add(source)
+    return _check(project, [s.path for s in sources], rules)[0]
+
+
+def scan(
+    paths: Iterable[str],
+    *,
+    rules: Sequence[Rule] | None = None,
+    select: Iterable[str] = (),
+    ignore: Iterable[str] = (),
+    exclude: Iterable[str] = (),
+    jobs: int | None = None,
+) -> ScanResult:
+    """Scan files, folders and installed packages (by import name, never imported), in
+    ``jobs`` processes (default: one per CPU) when there are many files to parse.
+
+    Raises :class:`UsageError` (before reading anything) for a path or package that does
+    not exist or a rule code that matches no rule. A file that cannot be read, or that a
+    rule needed and does not parse, is listed in :attr:`ScanResult.unparsed`, not raised.
+    """
+    if rules is None:
+        from leakfree.scan.rules import RULES
+
+        rules = RULES
+    chosen = choose_rules(rules, select, ignore)
+    targets = resolve(paths)
+    started = time.perf_counter()
+    result = ScanResult(rules=chosen)
+    project = Project()
+    seen: set[Path] = set()
+    for target in targets:
+        for path in python_files(target, exclude):
+            key = path.resolve()
+            if key in seen:
+                continue
+            seen.add(key)
+            result.files += 1
+            shown = _display(path, target.base)
+            try:
+                with tokenize.open(path) as f:  # honours the file's coding cookie
+                    text = f.read()
+            except (OSError, SyntaxError, UnicodeDecodeError) as e:
+                result.unparsed.append(f"{shown}: {type(e).__name__}: {e}")
+                continue
+            project.add_text(shown, text, _module_name(path, target))
+    if jobs is None:
+        jobs = os.cpu_count() or 1
+    result.findings, unparsed = _check_all(project, chosen, jobs)
+    for shown in unparsed:  # a rule needed it: say why it was not checked
+        try:
+            parse(shown, project.texts[shown][0])
+        except (SyntaxError, ValueError) as e:
+            result.unparsed.append(f"{shown}: {type(e).__name__}: {e}")
+    result.seconds = time.perf_counter() - started
+    return result
