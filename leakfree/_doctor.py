@@ -83,4 +83,11 @@ def run_doctor() -> int:
         print(format_table(FAILURE_HEADER, rows))
     else:
         print("no known failure mode of the installed packages on this machine.")
+    print()
+    print(
+        "the next leak, before it runs: python -m leakfree scan PATH_OR_PACKAGE finds the "
+        "leak shapes in source code (ctx state kept past backward, outputs on ctx, logged "
+        "losses with graphs, offloader side tables, leaf receive buffers) without importing "
+        "it; see docs/scan.md"
+    )
     return 0

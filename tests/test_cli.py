@@ -126,6 +126,11 @@ def test_torchtune_failure_modes_follow_the_machine_and_the_default_patch_repair
     assert "head hooks stack" not in {m.name for m, _ in old}
 
 
+def test_doctor_points_at_scan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor"]) == 0
+    assert "python -m leakfree scan PATH_OR_PACKAGE" in capsys.readouterr().out
+
+
 def test_doctor_lists_the_installed_torchtune(capsys: pytest.CaptureFixture[str]) -> None:
     from leakfree.patches._registry import installed_version
 
