@@ -117,8 +117,19 @@ class FailureMode:
     versions: str
     accelerator: bool | None
     what: str
-    #: accelerator types it spares (listed only where the type is known and not one of them)
+    #: accelerator types it spares: on a machine with an accelerator, listed only where
+    #: the type is known and not one of them
     spares: tuple[str, ...] = ()
+
+    def applies(self, version: Version, has_accelerator: bool, device_type: str | None) -> bool:
+        """Does this mode hit ``version`` on a machine with (or without) an accelerator
+        of type ``device_type``?"""
+        if not version_matches(version, self.versions or ">=0"):
+            return False
+        if self.accelerator not in (None, has_accelerator):
+            return False
+        spared = device_type is None or device_type in self.spares
+        return not (self.spares and has_accelerator and spared)
 
 
 @dataclass(frozen=True)

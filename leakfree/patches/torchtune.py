@@ -49,7 +49,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from leakfree._device import accelerator
 from leakfree.offload import OffloadActivations as _LeakfreeOffloadActivations
 from leakfree.patches._rebind import replacing
-from leakfree.patches._registry import FailureMode, Patch, Skip, Status, version_matches
+from leakfree.patches._registry import FailureMode, Patch, Skip, Status
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -108,11 +108,9 @@ def failure_modes(
         has_accelerator = device is not None
         device_type = None if device is None else device.type
     return [
-        (mode, "patch_all()")
-        for mode in FAILURE_MODES
-        if version_matches(version, mode.versions)
-        and mode.accelerator in (None, has_accelerator)
-        and not (has_accelerator and device_type in mode.spares)
+        (m, "patch_all()")
+        for m in FAILURE_MODES
+        if m.applies(version, has_accelerator, device_type)
     ]
 
 

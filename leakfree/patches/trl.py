@@ -196,13 +196,7 @@ def failure_modes(
         device_type = None if device is None else device.type
     default = expect(version, True, has_accelerator=has_accelerator)
     fix = DEFAULT if isinstance(default, Applies) else ALWAYS
-    return [
-        (mode, fix)
-        for mode in FAILURE_MODES
-        if version_matches(version, mode.versions or ">=0")
-        and mode.accelerator in (None, has_accelerator)
-        and (not mode.spares or (device_type is not None and device_type not in mode.spares))
-    ]
+    return [(m, fix) for m in FAILURE_MODES if m.applies(version, has_accelerator, device_type)]
 
 
 def get_act_offloading_ctx_manager(
