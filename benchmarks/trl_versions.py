@@ -106,7 +106,6 @@ def worker(mode: str, steps: int) -> dict[str, Any]:
     from datasets import Dataset
     from tokenizers import Tokenizer, models
     from transformers import (
-        LlamaConfig,
         LlamaForCausalLM,
         PreTrainedTokenizerFast,
         TrainerCallback,
@@ -115,16 +114,7 @@ def worker(mode: str, steps: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     vocab = 64
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(_tiny_config(vocab))
     words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=words, unk_token="t0", pad_token="t1", eos_token="t2"
@@ -249,13 +239,12 @@ def sim_worker(mode: str, steps: int) -> dict[str, Any]:
     return result
 
 
-def _tiny_llama(device: str, steps: int) -> tuple[Any, list[Any]]:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _tiny_config(vocab: int) -> Any:
+    """The random 2-layer Llama every run of this script trains (no download)."""
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
+    return LlamaConfig(
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -263,7 +252,14 @@ def _tiny_llama(device: str, steps: int) -> tuple[Any, list[Any]]:
         num_key_value_heads=2,
         max_position_embeddings=64,
     )
-    model = LlamaForCausalLM(config).to(device)
+
+
+def _tiny_llama(device: str, steps: int) -> tuple[Any, list[Any]]:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_tiny_config(64)).to(device)
     g = torch.Generator().manual_seed(0)
     return model, [torch.randint(3, 64, (4, 24), generator=g).to(device) for _ in range(steps)]
 
