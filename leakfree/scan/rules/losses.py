@@ -987,17 +987,9 @@ def check(source: Source, project: Project) -> Iterator[Finding]:
             yield from _FunctionScan(source, project, facts, func, cls).run()
 
 
-#: a loss-like name, a loss function, or a container word of _LOG_WORDS must appear
-_NEEDS = (
-    "loss", "Loss", "criterion", "metric", "logs", "logged", "histor", "stats", "record",
-    "tracker", "summar", "scalars", "running",
-)  # fmt: skip
-
-#: a loss-like name, a loss function, or a container word of _LOG_WORDS must appear
-_NEEDS = (
-    "loss", "Loss", "criterion", "metric", "logs", "logged", "histor", "stats", "record",
-    "tracker", "summar", "scalars", "running",
-)  # fmt: skip
+#: the text filter: a file can match only if it names a loss, a loss function or a log-like
+#: container ("log" itself is left out: every file that logs anything says it)
+_NEEDS = ("Loss", "criterion", *sorted(_LOG_WORDS - {"log"}))
 
 RULES: tuple[Rule, ...] = (
     Rule(
