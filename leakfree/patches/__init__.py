@@ -1,6 +1,7 @@
 """``leakfree.patch_all()``: lazy, version-gated, reversible repairs of known leaks.
 
-Each integration (``transformer_engine``, ``trl``, ``torchtune``) is a module holding a table of
+Each integration (``transformer_engine``, ``trl``, ``torchtune``, ``torch_pipelining``:
+``torch.distributed.pipelining``) is a module holding a table of
 :class:`~leakfree.patches._registry.Patch` records; one registry applies them:
 
 * when the target module is first imported (a post-import hook), or at once if it is;
@@ -22,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from leakfree._warnings import PatchWarning
+from leakfree.patches import pipelining as _pipelining
 from leakfree.patches import torchtune as _torchtune
 from leakfree.patches import transformer_engine as _te
 from leakfree.patches import trl as _trl
@@ -53,7 +55,7 @@ __all__ = [
     "unpatch_all",
 ]
 
-REGISTRY.add((*_te.PATCHES, *_trl.PATCHES, *_torchtune.PATCHES))
+REGISTRY.add((*_te.PATCHES, *_trl.PATCHES, *_torchtune.PATCHES, *_pipelining.PATCHES))
 
 
 def patch_all(*, strict: bool = False, **only: Any) -> PatchReport:

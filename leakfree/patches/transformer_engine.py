@@ -16,12 +16,12 @@ importing TE (which loads CUDA libraries).
 
 from __future__ import annotations
 
-import dis
 import types
 from typing import Any
 
 import torch
 
+from leakfree.patches._code import code_facts as _code_facts
 from leakfree.patches._originals import Changes
 from leakfree.patches._registry import Patch, Skip, Status
 
@@ -39,43 +39,6 @@ FUSER_EXTRA = "basic_op_ctxs"
 _OLD_ATTENTION = "transformer_engine.pytorch.attention"
 _NEW_BACKENDS = "transformer_engine.pytorch.attention.dot_product_attention.backends"
 _NEW_CP = "transformer_engine.pytorch.attention.dot_product_attention.context_parallel"
-
-
-def _code_facts(fn: Any) -> tuple[set[str], set[str]]:
-    """Names a function's code loads or calls, and attribute names it stores: nested code,
-    and through decorators (``functools.wraps`` chains, functions in closure cells, as
-    ``torch.amp.custom_bwd`` makes)."""
-    names: set[str] = set()
-    stored: set[str] = set()
-    stack: list[types.CodeType] = []
-    seen_fns: set[int] = set()
-    fns = [fn]
-    while fns:
-        f = fns.pop()
-        if id(f) in seen_fns:
-            continue
-        seen_fns.add(id(f))
-        code = getattr(f, "__code__", None)
-        if code is not None:
-            stack.append(code)
-        wrapped = getattr(f, "__wrapped__", None)
-        if wrapped is not None:
-            fns.append(wrapped)
-        for cell in getattr(f, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if isinstance(value, types.FunctionType):
-                fns.append(value)
-    while stack:
-        c = stack.pop()
-        names.update(c.co_names)
-        for ins in dis.get_instructions(c):
-            if ins.opname == "STORE_ATTR":
-                stored.add(str(ins.argval))
-        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-    return names, stored
 
 
 def _helpers(target: type, module: types.ModuleType, names: set[str]) -> list[Any]:

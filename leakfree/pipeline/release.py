@@ -9,7 +9,7 @@ the gradient the next stage sends back (Megatron's trick, with public autograd A
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,18 +49,48 @@ class ReleasedOutput:
     held_bytes: int = 0  #: bytes still held because the storage could not be freed
 
 
-def _others_hold(t: torch.Tensor) -> bool | None:
-    """Does anything besides ``t`` hold its storage? None if this torch cannot tell."""
+def _others_hold(t: torch.Tensor, aliases: int = 0) -> bool | None:
+    """Does anything besides ``t`` (and ``aliases`` known aliases of it) hold its storage?
+    None if this torch cannot tell."""
     if _use_count is None:
         return None
-    # One reference from the tensor, one from the temporary storage object made here.
-    return int(_use_count(t.untyped_storage()._cdata)) > 2
+    # One reference per tensor (``t`` and its aliases), one from the temporary storage
+    # object made here.
+    return int(_use_count(t.untyped_storage()._cdata)) > 2 + aliases
 
 
 _RELEASED_MARK = "_leakfree_released_output"
 
 
-def release_output(y: torch.Tensor) -> ReleasedOutput:
+def _swap_out(y: torch.Tensor, aliases: Sequence[torch.Tensor], keep_shape: bool) -> bool:
+    """Free ``y``'s storage if ``y`` and ``aliases`` are its only holders; True if freed.
+
+    The one place that frees a sent output. Swaps in a new storage rather than resizing
+    the old one to 0: whatever holds this very tensor (a later node that saved it as an
+    input, a list) then sees a valid tensor, and the version bump makes such a node raise
+    autograd's "modified by an inplace operation" instead of reading freed memory.
+    ``keep_shape``: the swapped-in data is one element expanded to ``y``'s shape (stride
+    0), so code that still checks the output's shape against its gradient (autograd's own
+    ``backward(tensors, grad_tensors)``) keeps working; else an empty ``(0,)`` tensor.
+    """
+    if y._base is not None or _others_hold(y, len(aliases)) is not False:
+        return False
+    if any(a.untyped_storage().data_ptr() != y.untyped_storage().data_ptr() for a in aliases):
+        return False
+    if keep_shape:
+        empty = torch.empty((), dtype=y.dtype, device=y.device).expand(y.shape)
+    else:
+        empty = torch.empty((0,), dtype=y.dtype, device=y.device)
+    for alias in aliases:  # e.g. the send's own tensor, still held by its Work
+        alias.data = empty
+    y.data = empty
+    _increment_version(y)
+    return True
+
+
+def release_output(
+    y: torch.Tensor, *, aliases: Sequence[torch.Tensor] = (), keep_shape: bool = False
+) -> ReleasedOutput:
     """Free the storage of an output that was sent to the next stage; keep its graph.
 
     Returns a :class:`ReleasedOutput` holding the output's gradient edge (public API,
@@ -71,6 +101,11 @@ def release_output(y: torch.Tensor) -> ReleasedOutput:
     garbage. If anything else still references the storage (a node saved ``y`` as its
     output, a view of it is alive), nothing is freed and a :class:`PipelineWarning` says
     so.
+
+    ``aliases``: tensors known to share ``y``'s storage that are freed with it (the
+    ``y.detach()`` a send was posted with, which its ``Work`` may still hold).
+    ``keep_shape=True``: ``y`` keeps its shape (one element, stride 0) instead of
+    becoming ``(0,)``, so ``torch.autograd.backward(y, grad)`` still runs from it.
 
     Only call it once the send has completed (for ``isend``, after ``work.wait()`` or
     ``is_completed()``). Refuses leaves (parameters, inputs: they have no graph to keep) and
@@ -96,19 +131,18 @@ def release_output(y: torch.Tensor) -> ReleasedOutput:
             f"release_output(y=...): this output was already released (it was "
             f"{y.__dict__[_RELEASED_MARK]}); use the ReleasedOutput the first call returned"
         )
+    for i, alias in enumerate(aliases):
+        if not isinstance(alias, torch.Tensor):
+            raise TypeError(
+                f"release_output(aliases=...): aliases[{i}] is a {type(alias).__name__}, "
+                "not a tensor"
+            )
     edge = get_gradient_edge(y)
-    held = _others_hold(y)
-    freed = held is False and y._base is None
+    held = _others_hold(y, len(aliases))
     nbytes = y.untyped_storage().nbytes()
     shape, dtype, device = y.shape, y.dtype, y.device
-    if freed:
-        # Swap in an empty storage rather than resizing the old one to 0: whatever holds
-        # this very tensor (a later node that saved it as an input, a user's list) then sees
-        # a valid empty tensor, and the version bump makes such a node raise autograd's
-        # "modified by an inplace operation" instead of reading freed memory.
-        y.data = torch.empty((0,), dtype=dtype, device=device)
-        _increment_version(y)
-    else:
+    freed = _swap_out(y, aliases, keep_shape)
+    if not freed:
         why = (
             "this torch cannot count storage references"
             if held is None
