@@ -39,7 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-D = 64
+DIM = 64  # the tests' width; the benchmark runs the issue's 256
 BLOCKS = 8
 BATCH = 32
 N_MB = 8
@@ -48,6 +48,9 @@ N_MB = 8
 SINGLE = ("ScheduleGPipe", "Schedule1F1B")
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 MULTI = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble")
+#: schedules whose backwards run the microbatches last to first (the one-process reference
+#: accumulates in that order too, so the bits can match)
+BACKWARD_REVERSED = ("ScheduleLoopedBFS",)
 ALL = (*SINGLE, *MULTI, *V_SHAPED)
 
 
@@ -59,6 +62,8 @@ class Config:
     patch: dict[str, Any] | None = None  # None: unpatched; else patch_all(**patch)
     steps: int = 5
     hooks: bool = True
+    dim: int = DIM
+    observe: bool = True  # False: no dispatch mode or wrappers (the benchmark's step time)
 
 
 @dataclass
@@ -68,6 +73,8 @@ class Result:
     reference_losses: list[list[float]] = field(default_factory=list)
     grads: list[str] = field(default_factory=list)  # per step: a digest of the bits
     hook_fires: list[int] = field(default_factory=list)
+    input_leaves: list[int] = field(default_factory=list)  # stage inputs that are leaves
+    caller_bytes: list[int] = field(default_factory=list)  # what step() handed back, kept
     live_bytes: list[int] = field(default_factory=list)  # after each step (optimizer too)
     recv_bytes_between: list[int] = field(default_factory=list)
     peak_bytes: list[int] = field(default_factory=list)  # within each step
@@ -80,9 +87,9 @@ class Result:
 
 
 class _Block(nn.Module):
-    def __init__(self, variant: str) -> None:
+    def __init__(self, variant: str, dim: int) -> None:
         super().__init__()
-        self.lin = nn.Linear(D, D)
+        self.lin = nn.Linear(dim, dim)
         self.variant = variant
 
     def _f(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,14 +119,14 @@ class _Part(nn.Sequential):
         return super().forward(x)
 
 
-def _model(variant: str) -> nn.Sequential:
+def _model(variant: str, dim: int) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*[_Block(variant) for _ in range(BLOCKS)])
+    return nn.Sequential(*[_Block(variant, dim) for _ in range(BLOCKS)])
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(BATCH, D, generator=g), torch.randn(BATCH, D, generator=g)
+    return torch.randn(BATCH, dim, generator=g), torch.randn(BATCH, dim, generator=g)
 
 
 def stage_indices(schedule: str, rank: int, world: int) -> list[int]:
@@ -251,22 +258,23 @@ def _instrument(stage: Any, probe: _Probe, r: Result) -> None:
     stage.backward_one_chunk = backward_one_chunk
 
 
-def _count_hooks(module: nn.Module, fires: list[int]) -> None:
+def _count_hooks(module: nn.Module, fires: list[int], leaves: list[int]) -> None:
     def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
         for a in args:
             if isinstance(a, torch.Tensor) and a.requires_grad:
+                leaves[0] += a.is_leaf
                 a.register_hook(lambda g: fires.__setitem__(0, fires[0] + 1))
 
     module.register_forward_pre_hook(pre_hook)
 
 
-def _stage(schedule: str, index: int, n_stages: int, module: nn.Module) -> Any:
+def _stage(schedule: str, index: int, n_stages: int, module: nn.Module, dim: int) -> Any:
     from torch.distributed import pipelining
 
     kw: dict[str, Any] = {}
     param = inspect.signature(pipelining.PipelineStage.__init__).parameters.get("input_args")
     if param is not None and param.default is inspect.Parameter.empty:  # torch < 2.6
-        kw = {"input_args": (torch.empty(BATCH // N_MB, D),)}
+        kw = {"input_args": (torch.empty(BATCH // N_MB, dim),)}
     return pipelining.PipelineStage(module, index, n_stages, torch.device("cpu"), **kw)
 
 
@@ -282,24 +290,28 @@ def run(config: Config, rank: int, world: int) -> Result:
         leakfree.patch_all(**config.patch)
     r = Result()
     live = _Live()
-    model, ref = _model(config.variant), _model(config.variant)
+    model, ref = _model(config.variant, config.dim), _model(config.variant, config.dim)
     n_stages = _num_stages(config.schedule, world)
     indices = stage_indices(config.schedule, rank, world)
     parts = [_Part(_split(model, n_stages, i), config.variant) for i in indices]
     ref_parts = [_Part(_split(ref, n_stages, i), config.variant) for i in indices]
-    fires = [0]
+    fires, leaves = [0], [0]
     if config.hooks:
         for p in parts:
-            _count_hooks(p, fires)
+            _count_hooks(p, fires, leaves)
     params = [p for part in parts for p in part.parameters()]
     ref_params = [p for part in ref_parts for p in part.parameters()]
     opt = torch.optim.SGD(params, lr=0.05)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
     probe = _Probe(live)
-    with live:
-        stages = [_stage(config.schedule, i, n_stages, part) for i, part in zip(indices, parts)]
+    with live if config.observe else contextlib.nullcontext():
+        stages = [
+            _stage(config.schedule, i, n_stages, part, config.dim)
+            for i, part in zip(indices, parts)
+        ]
         for stage in stages:
-            _instrument(stage, probe, r)
+            if config.observe:
+                _instrument(stage, probe, r)
         cls = getattr(pipelining, config.schedule)
         schedule = cls(
             stages if config.schedule not in SINGLE else stages[0],
@@ -311,9 +323,10 @@ def run(config: Config, rank: int, world: int) -> Result:
         has_first = 0 in indices
         has_last = (n_stages - 1) in indices
         for step in range(config.steps):
-            x, y = _batch(step)
-            fires[0] = 0
-            probe.reset()
+            x, y = _batch(step, config.dim)
+            fires[0] = leaves[0] = 0
+            if config.observe:
+                probe.reset()
             dist.barrier()
             t0 = time.perf_counter()
             kwargs: dict[str, Any] = {}
@@ -327,16 +340,22 @@ def run(config: Config, rank: int, world: int) -> Result:
             r.sent_alive_peak.append(probe.sent_peak)
             r.sent_alive_at_first_backward.append(probe.at_first_backward or 0)
             r.hook_fires.append(fires[0])
+            r.input_leaves.append(leaves[0])
             r.peak_bytes.append(probe.bytes_peak)
             if has_last:
                 r.losses.append([float(t.detach()) for t in losses])
                 r.loss_graphs.append(sum(t.grad_fn is not None for t in losses))
             # the same model in one process, microbatch by microbatch
             ref_losses = []
-            for xm, ym in zip(x.tensor_split(N_MB), y.tensor_split(N_MB)):
+            order = list(zip(x.tensor_split(N_MB), y.tensor_split(N_MB)))
+            if config.schedule in BACKWARD_REVERSED:
+                order.reverse()
+            for xm, ym in order:
                 loss = nn.functional.mse_loss(ref(xm), ym)
                 loss.backward()
                 ref_losses.append(float(loss.detach()))
+            if config.schedule in BACKWARD_REVERSED:
+                ref_losses.reverse()
             if scale:
                 for p in ref.parameters():
                     p.grad.div_(N_MB)  # type: ignore[union-attr]
@@ -350,9 +369,11 @@ def run(config: Config, rank: int, world: int) -> Result:
             opt_ref.step()
             opt.zero_grad(set_to_none=True)
             opt_ref.zero_grad(set_to_none=True)
-            del x, y, xm, ym, loss, flat
+            del x, y, xm, ym, loss, flat, order, kwargs
             r.live_bytes.append(live.live())
+            kept = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in losses}
+            r.caller_bytes.append(sum(kept.values()) if has_last else 0)
             r.recv_bytes_between.append(live.live("recv"))
-    r.recv_buffer_bytes = BATCH // N_MB * D * 4
+    r.recv_buffer_bytes = BATCH // N_MB * config.dim * 4
     leakfree.unpatch_all()
     return r
