@@ -223,6 +223,46 @@ def test_release_output_never_leaves_a_saved_input_reading_freed_memory() -> Non
         aux.backward()
 
 
+def test_release_output_with_its_send_alias_keeping_the_shape() -> None:
+    """What the torch.distributed.pipelining repair does once a send completed: the output
+    and the ``detach()`` the send was posted with (its Work may still hold it) both let go
+    of the memory; the output keeps its shape, so torch's own backward(outputs, grads)
+    still runs from it, to the same bits."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+    x = torch.randn(4, 16)
+    expect = torch.autograd.grad(lin(x), list(lin.parameters()), torch.ones(4, 16))
+    y = lin(x)
+    sent = y.detach()
+    storage = StorageWeakRef(y.untyped_storage())
+    other = lin(x)
+    undeclared = other.detach()
+    with pytest.warns(PipelineWarning, match="still referenced elsewhere"):
+        release_output(other)  # an alias nobody declared holds it: nothing freed
+    assert undeclared.untyped_storage().nbytes() == 4 * 16 * 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        handle = release_output(y, aliases=[sent], keep_shape=True)
+    assert handle.freed and storage.expired()
+    assert y.shape == (4, 16) and y.untyped_storage().nbytes() == 4  # one element, stride 0
+    assert sent.untyped_storage().nbytes() == 4
+    torch.autograd.backward(y, torch.ones(4, 16))
+    for p, e in zip(lin.parameters(), expect):
+        assert torch.equal(p.grad, e)
+
+
+def test_release_output_aliases_bad_input() -> None:
+    lin = nn.Linear(4, 4)
+    y = lin(torch.randn(2, 4))
+    with pytest.raises(TypeError, match=r"release_output\(aliases=...\): aliases\[0\] is a list"):
+        release_output(y, aliases=[[1.0]])  # type: ignore[list-item]
+    assert y.untyped_storage().nbytes() == 2 * 4 * 4  # nothing changed
+    other = torch.zeros(2, 4)
+    with pytest.warns(PipelineWarning):  # not an alias of y: counted, so y stays held
+        handle = release_output(y, aliases=[other])
+    assert not handle.freed and other.untyped_storage().nbytes() == 2 * 4 * 4
+
+
 def test_receive_under_no_grad_and_inference_mode() -> None:
     buf = torch.randn(3)
     with torch.no_grad():  # evaluation: still a non-leaf whose gradient has a place to go

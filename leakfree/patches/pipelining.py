@@ -113,7 +113,14 @@ def _guest(fn: Callable[..., None]) -> Callable[..., None]:
         except Exception as e:
             if REGISTRY.strict:
                 raise
-            _untouched(f"{fn.__name__} failed ({type(e).__name__}: {e})")
+            what = f"{fn.__name__} failed ({type(e).__name__}: {e})"
+            if what not in _warned:
+                _warned.add(what)
+                warnings.warn(
+                    f"leakfree torch_pipelining: {what}; the step went on, that repair skipped",
+                    PatchWarning,
+                    stacklevel=3,
+                )
 
     return guarded
 
