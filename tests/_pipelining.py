@@ -82,6 +82,8 @@ class Result:
     sent_alive_at_first_backward: list[int] = field(default_factory=list)
     loss_graphs: list[int] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    in_flight_peak: list[int] = field(default_factory=list)  # microbatches between F and B
+    peak_floor: list[int] = field(default_factory=list)  # what the peak cannot go below
     output_bytes: int = 0  # one microbatch's stage output
     recv_buffer_bytes: int = 0  # one microbatch's received activation
 
@@ -197,12 +199,15 @@ class _Probe:
         self.sent_peak = 0
         self.bytes_peak = 0
         self.at_first_backward: int | None = None
+        self.in_flight = 0
+        self.in_flight_peak = 0
 
     def reset(self) -> None:
         self.sent.clear()
         self.sent_peak = 0
         self.bytes_peak = self.live.live()
         self.at_first_backward = None
+        self.in_flight = self.in_flight_peak = 0
 
     def alive(self) -> int:
         return sum(1 for ref in self.sent if not ref.expired())
@@ -239,6 +244,9 @@ def _instrument(stage: Any, probe: _Probe, r: Result) -> None:
     def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         probe.sample()
         out = forward(stage, fwd_chunk_id, *args, **kwargs)
+        if stage.has_backward:
+            probe.in_flight += 1
+            probe.in_flight_peak = max(probe.in_flight_peak, probe.in_flight)
         if not stage.is_last:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
@@ -251,11 +259,27 @@ def _instrument(stage: Any, probe: _Probe, r: Result) -> None:
             probe.at_first_backward = probe.alive()
         probe.sample()
         out = backward(stage, bwd_chunk_id, *args, **kwargs)
+        probe.in_flight -= 1
         probe.sample()
         return out
 
     stage.forward_one_chunk = forward_one_chunk
     stage.backward_one_chunk = backward_one_chunk
+
+
+def _floor(config: Config, in_flight: int, parts: list[nn.Module], first: bool, last: bool) -> int:
+    """A lower bound of what a rank must hold at its peak, from autograd's needs alone: the
+    larger of (what autograd saves for every microbatch between its forward and its
+    backward, each block's Linear and GELU inputs, plus one output in flight) and (the
+    parameters' gradients once backward is done), plus the step's batch (first stage:
+    inputs, last stage: targets). Receive buffers, sent outputs and caches are not in it:
+    the repair's business is to make them cost nothing beyond it."""
+    act = BATCH // N_MB * config.dim * 4
+    blocks = sum(len(p) for p in parts) // max(len(parts), 1)
+    grads = sum(p.numel() * 4 for part in parts for p in part.parameters())
+    batch = BATCH * config.dim * 4
+    saved = in_flight * 2 * blocks * act + act * (not last)
+    return max(saved, grads) + batch * (first + last)
 
 
 def _count_hooks(module: nn.Module, fires: list[int], leaves: list[int]) -> None:
@@ -342,6 +366,8 @@ def run(config: Config, rank: int, world: int) -> Result:
             r.hook_fires.append(fires[0])
             r.input_leaves.append(leaves[0])
             r.peak_bytes.append(probe.bytes_peak)
+            r.in_flight_peak.append(probe.in_flight_peak)
+            r.peak_floor.append(_floor(config, probe.in_flight_peak, parts, has_first, has_last))
             if has_last:
                 r.losses.append([float(t.detach()) for t in losses])
                 r.loss_graphs.append(sum(t.grad_fn is not None for t in losses))
