@@ -427,6 +427,107 @@ def probe(steps: int, out: str, schedule: str, timeout: float) -> int:
 # --------------------------------------------------------------------------- driver
 
 
+# --------------------------------------------------------------------------- repair probe
+# Runs inside the scratch venv too, with this checkout on sys.path (leakfree and the tests'
+# harness: tests/_pipelining.py, the integration tests' runs) and wrapt + packaging installed.
+
+REPAIR_STEPS = 4
+
+
+def _repair_worker(rank: int, world: int, schedules: list[str]) -> dict[str, Any]:
+    import leakfree
+    from tests import _pipelining as P
+
+    out: dict[str, Any] = {}
+    for schedule in schedules:
+        runs = {}
+        for mode, patch in (("unpatched", None), ("patched", {})):
+            r = P.run(P.Config(schedule, patch=patch, steps=REPAIR_STEPS, dim=64), rank, world)
+            runs[mode] = {
+                "hook_fires": r.hook_fires,
+                "recv_between": r.recv_bytes_between,
+                "sent_peak": r.sent_alive_peak,
+                "sent_at_first_backward": r.sent_alive_at_first_backward,
+                "live": r.live_bytes,
+                "grads": r.grads,
+                "grads_equal_reference": r.grads_equal_reference,
+            }
+        leakfree.patch_all()
+        report = leakfree.patch_report()
+        runs["report"] = {
+            x.name: f"{x.status}: {x.reason}" for x in report if x.integration == "torch_pipelining"
+        }
+        leakfree.unpatch_all()
+        out[schedule] = runs
+    return out
+
+
+def repair_probe(out: str, schedules: list[str]) -> int:
+    """Unpatched and patched runs of each schedule on 2 gloo ranks; JSON to ``out``."""
+    root = str(HERE.parents[1])
+    sys.path.insert(0, root)
+    import torch.distributed.pipelining  # noqa: F401  (before patch_all: applied at once)
+
+    from tests._dist import run_workers
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            ranks = run_workers(_repair_worker, 2, Path(tmp), schedules, timeout=600)
+        Path(out).write_text(json.dumps({"ranks": ranks}))
+    except Exception as e:  # a release the harness cannot drive: say why
+        Path(out).write_text(json.dumps({"error": f"{type(e).__name__}: {e}"[:500]}))
+    return 0
+
+
+def repair_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per (torch release, schedule): what the repair changes there."""
+    rows = []
+    for entry in results:
+        repair = entry.get("repair")
+        if not repair:
+            continue
+        label = entry.get("torch") or entry["requested"]
+        if "error" in repair:
+            rows.append([label, "-", repair["error"][:200], "", "", "", ""])
+            continue
+        first, last = repair["ranks"]
+        for schedule in SCHEDULES:
+            if schedule not in last:
+                continue
+            a, b = (last[schedule][m] for m in ("unpatched", "patched"))
+            fa, fb = (first[schedule][m] for m in ("unpatched", "patched"))
+            statuses = {v.split(":")[0] for v in last[schedule]["report"].values()}
+            sent = "sent_at_first_backward" if schedule == "ScheduleGPipe" else "sent_peak"
+            same = all(
+                x["grads"] == y["grads"] and all(y["grads_equal_reference"])
+                for x, y in ((a, b), (fa, fb))
+            )
+            rows.append(
+                [
+                    label,
+                    schedule.replace("Schedule", ""),
+                    ", ".join(sorted(statuses)),
+                    f"{a['hook_fires'][1:]} / {b['hook_fires'][1:]}",
+                    f"{fa['recv_between'][-1] + a['recv_between'][-1]} / "
+                    f"{fb['recv_between'][-1] + b['recv_between'][-1]}",
+                    f"{max(fa[sent][1:])} / {max(fb[sent][1:])}",
+                    "yes" if same else "NO",
+                ]
+            )
+    return rows
+
+
+REPAIR_HEADER = [
+    "torch",
+    "schedule",
+    "patch_all() here",
+    "hook fires per step, steps 2-4 (last rank): unpatched / patched",
+    "receive-buffer bytes between steps (both ranks): unpatched / patched",
+    "rank 0 sent outputs alive (GPipe: at the first backward; 1F1B: peak): unpatched / patched",
+    "gradients: patched == unpatched == 1 process",
+]
+
+
 def _run(cmd: list[str], log: Path, timeout: float) -> int:
     with log.open("a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
@@ -446,6 +547,7 @@ def measure_version(
     keep: bool,
     timeout: float,
     schedules: tuple[str, ...] = SCHEDULES,
+    repair: bool = True,
 ) -> dict[str, Any]:
     venv = root / f"torch-{version}"
     log = root / f"torch-{version}.log"
@@ -478,6 +580,23 @@ def measure_version(
             cmd += ["--schedule", schedule, "--probe-timeout", str(timeout)]
             _run(cmd, log, timeout + 120)
             entry["probes"][schedule] = json.loads(out.read_text()) if out.exists() else {}
+        if repair:
+            out = root / f"torch-{version}-repair.json"
+            out.unlink(missing_ok=True)
+            code = _run([py, "-m", "pip", "install", "-q", "wrapt", "packaging"], log, 600)
+            cmd = [py, str(HERE), "--repair-probe", "--json", str(out)]
+            cmd += ["--schedules", ",".join(schedules)]
+            if not code:
+                _run(cmd, log, 900)
+            entry["repair"] = (
+                json.loads(out.read_text()) if out.exists() else {"error": "see the log"}
+            )
+            version_out = subprocess.run(
+                [py, "-c", "import torch; print(torch.__version__)"],
+                capture_output=True,
+                text=True,
+            )
+            entry["torch"] = version_out.stdout.strip() or None
     finally:
         entry["wall_s"] = round(time.monotonic() - t0, 1)
         if not keep:
@@ -631,8 +750,9 @@ def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def markdown(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+def markdown(rows: list[list[str]], header: list[str] | None = None) -> str:
+    header = HEADER if header is None else header
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -670,6 +790,12 @@ def main() -> int:
         help="comma-separated partial.json files of earlier (e.g. parallel) runs: "
         "report them, measure nothing",
     )
+    ap.add_argument(
+        "--no-repair",
+        action="store_true",
+        help="skip the second pass: unpatched vs leakfree.patch_all() on each release",
+    )
+    ap.add_argument("--repair-probe", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--probe-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -682,6 +808,8 @@ def main() -> int:
         return 0
     if args.probe:
         return probe(args.steps, args.json, args.schedule, args.probe_timeout)
+    if args.repair_probe:
+        return repair_probe(args.json, [x for x in args.schedules.split(",") if x])
 
     sys.path.insert(0, str(HERE.parent))
     from _common import environment, print_table, write_json
@@ -716,13 +844,18 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     for v in versions:
         print(f"torch {v}: installing and probing ...", flush=True)
-        entry = measure_version(v, root, args.steps, args.keep, args.probe_timeout, schedules)
+        entry = measure_version(
+            v, root, args.steps, args.keep, args.probe_timeout, schedules, not args.no_repair
+        )
         print(f"torch {v}: {entry.get('error', 'done')} ({entry['wall_s']} s)", flush=True)
         results.append(entry)
         # Written after each version, so a long run leaves what it measured so far.
         (root / "partial.json").write_text(json.dumps(results))
     rows = table_rows(results)
     print_table("torch.distributed.pipelining across torch releases", HEADER, rows)
+    fixed = repair_rows(results)
+    if fixed:
+        print_table("the repair (leakfree.patch_all()), release by release", REPAIR_HEADER, fixed)
     payload = {
         "environment": environment(),
         "command": "python benchmarks/pipeline_versions.py " + " ".join(sys.argv[1:]),
@@ -743,12 +876,15 @@ def main() -> int:
             for e in results
         },
         "markdown": markdown(rows),
+        "repair": {e["requested"]: e["repair"] for e in results if "repair" in e},
+        "repair_markdown": markdown(fixed, REPAIR_HEADER),
     }
     path = write_json("pipeline_versions", payload, args.json)
     # Every step of every run, compact, beside it (an indented copy would be ~1 MB).
     raw = path.with_name(path.stem + ".raw.json")
     raw.write_text(json.dumps(_columns(results), separators=(",", ":")) + "\n")
-    print(f"\nmarkdown table:\n\n{payload['markdown']}\n\nwrote {path}")
+    print(f"\nmarkdown table:\n\n{payload['markdown']}\n\n{payload['repair_markdown']}")
+    print(f"\nwrote {path}")
     return 0
 
 

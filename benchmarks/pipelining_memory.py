@@ -13,11 +13,11 @@ integration tests use the same ones, smaller):
   step's batch: ``tests/_pipelining.py:_floor``); between steps the floor is what the caller
   keeps (the losses, on the last stage);
 * **step time**: separate runs without the counting mode, unpatched and patched
-  interleaved, ``--repeat`` times; each run's step time is the median of its steps after
-  the first (the first also infers shapes); the ratio patched / unpatched is taken per
-  repetition, and its median and range are reported. Each rank gets its share of the
-  cores as intra-op threads (``cpu_count // ranks``, tests/_dist.py): more only spin
-  against each other.
+  interleaved (the order alternating, so neither always runs first), ``--repeat`` times;
+  each run's step time is the median of its steps after the first (the first also infers
+  shapes); the ratio patched / unpatched is taken per repetition, and its median and range
+  are reported. Each rank gets its share of the cores as intra-op threads
+  (``cpu_count // ranks``, tests/_dist.py): more only spin against each other.
 
     python benchmarks/pipelining_memory.py [--quick] [--ranks 2,4] [--schedules A,B]
         [--repeat N] [--steps N] [--dim 256] [--json PATH]
@@ -63,8 +63,9 @@ def _worker(rank: int, world: int, plan: dict[str, Any]) -> dict[str, Any]:
                 "hook_fires": r.hook_fires,
                 "grads": r.grads,
             }
-        for _ in range(plan["repeat"]):  # interleaved: unpatched, patched, unpatched, ...
-            for mode, patch in MODES.items():
+        for i in range(plan["repeat"]):  # interleaved, the order alternating (ABBA...)
+            order = list(MODES.items())
+            for mode, patch in order if i % 2 == 0 else order[::-1]:
                 config = P.Config(
                     schedule, patch=patch, steps=plan["steps"], dim=plan["dim"], observe=False
                 )
@@ -88,7 +89,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two schedules, 2 ranks, 2 repeats")
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--schedules", default=",".join(P.ALL))
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--json", default=None)

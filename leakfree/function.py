@@ -48,7 +48,14 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from leakfree._walk import METADATA_TYPES, SCALAR_TYPES, holds_no_memory, is_scalar, search
+from leakfree._walk import (
+    METADATA_TYPES,
+    OPAQUE,
+    SCALAR_TYPES,
+    holds_no_memory,
+    is_scalar,
+    search,
+)
 
 __all__ = [
     "Function",
@@ -576,9 +583,11 @@ def _check_no_output_on_ctx(cls: type, result: Any) -> None:
                 break
     if node is None or type(node) is not cls._backward_cls:  # type: ignore[attr-defined]
         return  # no output requires grad: no graph, no cycle
-    # The hot path of every apply ends here: a ctx.__dict__ holding only metadata.
+    # The hot path of every apply ends here: a ctx.__dict__ holding only metadata, or
+    # objects whose class declares itself opaque (the walk would not enter them anyway).
     for value in node.__dict__.values():
-        if type(value) not in SCALAR_TYPES:
+        kind = type(value)
+        if kind not in SCALAR_TYPES and not kind.__dict__.get(OPAQUE, False):
             _check_state(cls, outputs, node)
             return
 
