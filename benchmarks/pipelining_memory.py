@@ -26,6 +26,7 @@ integration tests use the same ones, smaller):
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -84,6 +85,51 @@ def _kib(n: int) -> str:
     return f"{n / 1024:.0f}"
 
 
+SUMMARY_HEADER = [
+    "schedule",
+    "ranks",
+    "peak KiB, worst rank: unpatched / patched (floor)",
+    "KiB held between steps, all ranks: unpatched / patched",
+    "rank 0 sent outputs alive: unpatched / patched",
+    "hook fires per step, last rank, steps 2-3: unpatched / patched",
+    "step time patched / unpatched: median of ranks [range]",
+]
+
+
+def summary_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per (schedule, ranks): the README's table."""
+    rows = []
+    keys = dict.fromkeys((r["schedule"], r["ranks"]) for r in results)
+    for schedule, ranks in keys:
+        mine = [r for r in results if r["schedule"] == schedule and r["ranks"] == ranks]
+        worst = max(mine, key=lambda r: r["peak_bytes"]["unpatched"])
+        first, last = mine[0], mine[-1]
+        plain_hooks = last["hook_fires_per_step"]["unpatched"][1:]
+        fixed_hooks = last["hook_fires_per_step"]["patched"][1:]
+        ratios = [r["step_time_ratio"] for r in mine]
+        rows.append(
+            [
+                schedule.removeprefix("Schedule"),
+                str(ranks),
+                f"{_kib(worst['peak_bytes']['unpatched'])} / {_kib(worst['peak_bytes']['patched'])}"
+                f" ({_kib(worst['peak_floor_bytes'])})",
+                f"{_kib(sum(r['between_bytes']['unpatched'] for r in mine))} / "
+                f"{_kib(sum(r['between_bytes']['patched'] for r in mine))}",
+                f"{first['sent_outputs_alive_peak']['unpatched']} / "
+                f"{first['sent_outputs_alive_peak']['patched']}",
+                f"{plain_hooks} / {fixed_hooks}",
+                f"{statistics.median(x['median'] for x in ratios):.2f} "
+                f"[{min(x['min'] for x in ratios):.2f}-{max(x['max'] for x in ratios):.2f}]",
+            ]
+        )
+    return rows
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="two schedules, 2 ranks, 2 repeats")
@@ -93,7 +139,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--from-json", default=None, help="print the tables of an earlier run")
     args = ap.parse_args()
+    if args.from_json:
+        earlier = json.loads(Path(args.from_json).read_text())
+        print(markdown(earlier["header"], earlier["rows"]))
+        print()
+        print(markdown(SUMMARY_HEADER, summary_rows(earlier["results"])))
+        return
     if args.quick:
         args.ranks, args.schedules, args.repeat, args.steps = (
             "2",
@@ -174,6 +227,8 @@ def main() -> None:
         header,
         rows,
     )
+    summary = summary_rows(results)
+    print_table("per schedule (the README's table)", SUMMARY_HEADER, summary)
     ratios = [r["step_time_ratio"]["median"] for r in results]
     print(
         f"\nstep time patched / unpatched over all rows: median {statistics.median(ratios):.3f}, "
@@ -191,6 +246,7 @@ def main() -> None:
             "results": results,
             "header": header,
             "rows": rows,
+            "summary_markdown": markdown(SUMMARY_HEADER, summary),
         },
         args.json,
     )
