@@ -636,7 +636,7 @@ PATCHES: tuple[Patch, ...] = (
     _patch(
         "sent_outputs",
         SCHEDULES,
-        "PipelineScheduleSingle",
+        "_batch_p2p",
         _check_sent_outputs,
         _apply_sent_outputs,
         "a sent output's storage is freed once its send completed; backward runs from the graph",
