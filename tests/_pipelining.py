@@ -77,6 +77,7 @@ class Result:
     caller_bytes: list[int] = field(default_factory=list)  # what step() handed back, kept
     live_bytes: list[int] = field(default_factory=list)  # after each step (optimizer too)
     recv_bytes_between: list[int] = field(default_factory=list)
+    recv_bytes_peak: list[int] = field(default_factory=list)  # within each step
     peak_bytes: list[int] = field(default_factory=list)  # within each step
     sent_alive_peak: list[int] = field(default_factory=list)  # outputs, at any sample
     sent_alive_at_first_backward: list[int] = field(default_factory=list)
@@ -198,6 +199,7 @@ class _Probe:
         self.sent: list[StorageWeakRef] = []  # this step's outputs, weakly
         self.sent_peak = 0
         self.bytes_peak = 0
+        self.recv_peak = 0
         self.at_first_backward: int | None = None
         self.in_flight = 0
         self.in_flight_peak = 0
@@ -205,6 +207,7 @@ class _Probe:
     def reset(self) -> None:
         self.sent.clear()
         self.sent_peak = 0
+        self.recv_peak = 0
         self.bytes_peak = self.live.live()
         self.at_first_backward = None
         self.in_flight = self.in_flight_peak = 0
@@ -215,6 +218,7 @@ class _Probe:
     def sample(self) -> None:
         self.sent_peak = max(self.sent_peak, self.alive())
         self.bytes_peak = max(self.bytes_peak, self.live.live())
+        self.recv_peak = max(self.recv_peak, self.live.live("recv"))
 
 
 def _instrument(stage: Any, probe: _Probe, r: Result) -> None:
@@ -366,6 +370,7 @@ def run(config: Config, rank: int, world: int) -> Result:
             r.hook_fires.append(fires[0])
             r.input_leaves.append(leaves[0])
             r.peak_bytes.append(probe.bytes_peak)
+            r.recv_bytes_peak.append(probe.recv_peak)
             r.in_flight_peak.append(probe.in_flight_peak)
             r.peak_floor.append(_floor(config, probe.in_flight_peak, parts, has_first, has_last))
             if has_last:

@@ -276,3 +276,110 @@ def test_bookkeeping_that_fails_never_breaks_the_step(
 
 def test_config_is_data() -> None:  # the harness's knobs, as the integration tests pass them
     assert P.Config(**dataclasses.asdict(P.Config("Schedule1F1B", patch={}))).patch == {}
+
+
+class _Stage:
+    """What the ledger keys its records by (weakly): any object that takes a weakref."""
+
+
+def _sent_output() -> tuple[torch.Tensor, torch.Tensor, Any]:
+    lin = torch.nn.Linear(4, 4)
+    y = lin(torch.randn(2, 4))  # addmm saves its inputs, not its output: freeable
+    alias = y.detach()  # what torch posts the send with
+    return y, alias, dist.P2POp(dist.isend, alias, 0)
+
+
+def _completed_work() -> Any:
+    """A real gloo Work that reports completion without a wait (an async all_reduce on a
+    one-rank group; a gloo send's Work never does, NCCL's do)."""
+    import time
+
+    work = dist.all_reduce(torch.zeros(1), async_op=True)
+    deadline = time.monotonic() + 30
+    while not work.is_completed():
+        assert time.monotonic() < deadline, "the all_reduce never completed"
+        time.sleep(0.001)
+    return work
+
+
+def test_send_ledger_releases_on_poll_and_on_wait(group: None) -> None:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    stage = _Stage()
+    ledger = pp.SendLedger()
+    y, alias, op = _sent_output()
+    storage = StorageWeakRef(y.untyped_storage())
+    ledger.note(stage, [y], [op])
+    work = _completed_work()
+    ledger.posted([op], [work])
+    assert not storage.expired()
+    ledger.poll()  # is_completed() said so: released without anybody waiting
+    assert storage.expired() and y.shape == (2, 4) and alias.untyped_storage().nbytes() == 4
+    assert ledger.released == 1 and ledger.released_bytes == 2 * 4 * 4
+
+    # one coalesced Work for two ops (batch_isend_irecv may return fewer works than ops):
+    # the output goes only once every Work its sends ride on is complete
+    y, alias, op = _sent_output()
+    storage = StorageWeakRef(y.untyped_storage())
+    ledger.note(stage, [y], [op])
+    first, second = _completed_work(), _completed_work()
+    recv = dist.P2POp(dist.irecv, torch.empty(1), 0)
+    ledger.posted([op, recv, recv], [first, second])
+    ledger.completed([first])
+    assert not storage.expired()
+    ledger.completed([second])
+    assert storage.expired()
+
+    # a step that ends with a send never known complete: nothing is kept for it
+    y, alias, op = _sent_output()
+    ledger.note(stage, [y], [op])
+    ledger.posted([op], [_completed_work()])
+    ledger.forget([stage])
+    assert ledger._by_work == {} and ledger._by_tensor == {}
+
+
+def test_send_ledger_leaves_what_it_must_not_free(group: None) -> None:
+    """A view, an output its own node saved, an alias it was not told about: untouched."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    stage = _Stage()
+    ledger = pp.SendLedger()
+    w = torch.randn(4, requires_grad=True)
+    saved = torch.sigmoid(w * 2)  # SigmoidBackward saves its output
+    view = (w * 3)[:2]
+    for y in (saved, view):
+        alias = y.detach()
+        op = dist.P2POp(dist.isend, alias, 0)
+        ledger.note(stage, [y], [op])
+        work = _completed_work()
+        ledger.posted([op], [work])
+        ledger.completed([work])
+    assert ledger.released == 0
+    y, alias, op = _sent_output()
+    other = y.detach()  # someone else's alias: the storage is not ours to free
+    storage = StorageWeakRef(y.untyped_storage())
+    ledger.note(stage, [y], [op])
+    work = _completed_work()
+    ledger.posted([op], [work])
+    ledger.completed([work])
+    assert not storage.expired() and torch.equal(other, y)
+
+
+def test_split_backward_of_a_non_leaf_input_is_quiet_and_keeps_no_grad() -> None:
+    """Zero-bubble schedules run the input half with ``stage_backward_input``, which sets
+    ``inp.grad``: on a non-leaf torch warns, and the gradient would stay on the input until
+    the weight half. The patch silences exactly that warning and drops that ``.grad``."""
+    leakfree.patch_all()
+    meta = stage_mod._TensorMeta.from_tensor(torch.zeros(2, 4, requires_grad=True))
+    info = stage_mod._RecvInfo("x", 0, torch.randn(2, 4), meta)
+    stage = types.SimpleNamespace(args_recv_info={0: (info,)}, has_backward=True, stage_index=1)
+    (x,) = BASE._retrieve_recv_activations(stage, 0)
+    lin = torch.nn.Linear(4, 4)
+    out = lin(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (dx,), _ = stage_mod.stage_backward_input([out], [torch.ones(2, 4)], [x], lin.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reading a non-leaf's .grad warns too
+        assert x.grad is None
+    assert torch.equal(dx, torch.ones(2, 4) @ lin.weight.detach())

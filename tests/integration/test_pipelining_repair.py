@@ -156,6 +156,20 @@ def test_no_receive_buffer_between_steps(two: Any) -> None:
         assert off["recv_bytes_between"] == plain["recv_bytes_between"]
 
 
+def test_receive_buffers_live_only_while_their_microbatch_needs_them(two: Any) -> None:
+    """1F1B keeps at most 2 microbatches in flight per rank here (rank 0 of 2: warm-up 2;
+    rank 1: 1): patched, the receive buffers alive at any moment of the step are those of
+    the microbatches in flight plus the one being received, in each direction; unpatched,
+    all 8 of each, all step long."""
+    mb = P.BATCH // P.N_MB * DIM * 4
+    for rank in (0, 1):
+        plain = _find(TWO, two, schedule="Schedule1F1B", patch=None)[rank]
+        fixed = _find(TWO, two, schedule="Schedule1F1B", patch=PATCHED)[rank]
+        bound = (max(fixed["in_flight_peak"]) + 1) * mb
+        assert max(fixed["recv_bytes_peak"][1:]) <= bound, (rank, fixed["recv_bytes_peak"])
+        assert min(plain["recv_bytes_peak"][1:]) >= P.N_MB * mb
+
+
 def test_sent_outputs_released_once_sent(two: Any) -> None:
     """1F1B: at most the one microbatch whose send is in flight; GPipe: every output is
     freed when torch waits for the sends (after the last forward), before any backward."""
@@ -246,7 +260,9 @@ def _failing(rank: int, world: int) -> dict[str, Any]:
         error = None
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
-    return {"error": error, "seconds": time.monotonic() - start}
+    infos = (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+    left = sum(info.buffer is not None for group in infos for info in group)
+    return {"error": error, "seconds": time.monotonic() - start, "buffers_left": left}
 
 
 def test_a_failing_rank_ends_the_others_and_its_error_is_its_own(tmp_path: Path) -> None:
@@ -257,3 +273,5 @@ def test_a_failing_rank_ends_the_others_and_its_error_is_its_own(tmp_path: Path)
     assert last["error"] == "Boom: the last stage failed"
     assert first["error"] is not None and "Boom" not in first["error"]
     assert first["seconds"] < 60
+    # the gradient buffer the first rank was receiving into when the peer died is not kept
+    assert first["buffers_left"] == last["buffers_left"] == 0
