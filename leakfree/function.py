@@ -633,7 +633,19 @@ def _check_state(cls: type, outputs: tuple[Any, ...], node: Any) -> None:
             )
 
 
-_function_apply = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
+def _class_method(owner: type, name: str) -> Callable[..., Any]:
+    """``owner.name``, a class method, as a function taking the class first: the function
+    of a Python ``classmethod`` (``torch.autograd.Function.apply`` up to torch 2.13), or a
+    C ``classmethod_descriptor`` as it is (from 2.14, ``_FunctionBase.apply``), which is
+    called with the class first too. Either way no class is bound in advance: a subclass
+    passes itself."""
+    raw = next(vars(k)[name] for k in owner.__mro__ if name in vars(k))
+    if isinstance(raw, classmethod):
+        return raw.__func__  # type: ignore[no-any-return]
+    return raw  # type: ignore[no-any-return]
+
+
+_function_apply = _class_method(torch.autograd.Function, "apply")
 
 
 class Function(torch.autograd.Function):

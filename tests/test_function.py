@@ -1380,3 +1380,26 @@ def test_released_attributes_follows_the_backward_autograd_runs() -> None:
         assert leakfree.released_attributes(child_override) == ()
     assert leakfree.released_attributes(parent) == ()
     assert leakfree.released_attributes(torch.nn.Linear) == ()
+
+
+def test_apply_is_found_on_every_torch() -> None:
+    """torch 2.14 moved ``Function.apply`` into C (``_FunctionBase``, a
+    ``classmethod_descriptor``): ``Function.apply.__func__``, which 2.13 allowed, no longer
+    exists, and ``import leakfree`` failed there. Both shapes, each with a subclass passing
+    itself."""
+    from leakfree.function import _class_method
+
+    class Py:
+        @classmethod
+        def make(cls, x: int) -> tuple[type, int]:
+            return cls, x
+
+    class PySub(Py):
+        pass
+
+    class CSub(dict):  # type: ignore[type-arg]
+        pass
+
+    assert _class_method(PySub, "make")(PySub, 3) == (PySub, 3)
+    made = _class_method(CSub, "fromkeys")(CSub, ["a"])  # dict.fromkeys: written in C
+    assert type(made) is CSub and made == {"a": None}
