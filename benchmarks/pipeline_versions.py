@@ -30,6 +30,15 @@ After every step (after ``optimizer.step()`` and ``zero_grad(set_to_none=True)``
 
 Growth is step 20 minus step 2 (the first steps allocate the buffers and warm caches).
 
+A second pass per release (skip it with ``--no-repair``) measures leakfree's repair of
+the stages (``patch_all()``, docs/pipeline.md): this checkout's ``leakfree`` and
+``tests/_pipelining.py`` run in the same venv (with ``wrapt`` and ``packaging``), 2 gloo
+ranks, GPipe and 1F1B, 4 steps, three ways: unpatched, ``patch_all()`` (which applies on
+the releases the repair was measured on) and ``patch_all(torch_pipelining="always")``
+(the code gates alone decide): hook fires per step on the stage inputs, receive-buffer
+bytes between steps, sent outputs alive, and the gradients against unpatched and one
+process.
+
     python benchmarks/pipeline_versions.py [--versions 2.4,2.13] [--venv-root DIR] [--keep]
         [--steps 20] [--schedules ScheduleGPipe,Schedule1F1B] [--probe-timeout 240]
         [--static-shapes] [--json PATH]
@@ -61,7 +70,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-VERSIONS = [f"2.{m}" for m in range(4, 14)]
+VERSIONS = [f"2.{m}" for m in range(4, 15)]
 DEFAULT_ROOT = "/work/scratch/pipeline-venvs"
 HERE = Path(__file__).resolve()
 
@@ -441,7 +450,8 @@ def _repair_worker(rank: int, world: int, schedules: list[str]) -> dict[str, Any
     out: dict[str, Any] = {}
     for schedule in schedules:
         runs = {}
-        for mode, patch in (("unpatched", None), ("patched", {})):
+        modes = (("unpatched", None), ("patched", {}), ("forced", {"torch_pipelining": "always"}))
+        for mode, patch in modes:
             r = P.run(P.Config(schedule, patch=patch, steps=REPAIR_STEPS, dim=64), rank, world)
             runs[mode] = {
                 "hook_fires": r.hook_fires,
@@ -452,11 +462,14 @@ def _repair_worker(rank: int, world: int, schedules: list[str]) -> dict[str, Any
                 "grads": r.grads,
                 "grads_equal_reference": r.grads_equal_reference,
             }
-        leakfree.patch_all()
-        report = leakfree.patch_report()
-        runs["report"] = {
-            x.name: f"{x.status}: {x.reason}" for x in report if x.integration == "torch_pipelining"
-        }
+        for key, options in (("report", {}), ("forced_report", {"torch_pipelining": "always"})):
+            report = leakfree.patch_all(**options)
+            runs[key] = {
+                x.name: f"{x.status}: {x.reason}"
+                for x in report
+                if x.integration == "torch_pipelining"
+            }
+            leakfree.unpatch_all()
         leakfree.unpatch_all()
         out[schedule] = runs
     return out
@@ -494,9 +507,13 @@ def repair_rows(results: list[dict[str, Any]]) -> list[list[str]]:
         for schedule in SCHEDULES:
             if schedule not in last:
                 continue
-            a, b = (last[schedule][m] for m in ("unpatched", "patched"))
-            fa, fb = (first[schedule][m] for m in ("unpatched", "patched"))
+            forced = "forced" in last[schedule]
+            a, b = (last[schedule][m] for m in ("unpatched", "forced" if forced else "patched"))
+            fa, fb = (first[schedule][m] for m in ("unpatched", "forced" if forced else "patched"))
             statuses = {v.split(":")[0] for v in last[schedule]["report"].values()}
+            forced_statuses = {
+                v.split(":")[0] for v in last[schedule].get("forced_report", {}).values()
+            }
             sent = "sent_at_first_backward" if schedule == "ScheduleGPipe" else "sent_peak"
             same = all(
                 x["grads"] == y["grads"] and all(y["grads_equal_reference"])
@@ -506,7 +523,8 @@ def repair_rows(results: list[dict[str, Any]]) -> list[list[str]]:
                 [
                     label,
                     schedule.replace("Schedule", ""),
-                    ", ".join(sorted(statuses)),
+                    ", ".join(sorted(statuses))
+                    + (f"; 'always': {', '.join(sorted(forced_statuses))}" if forced else ""),
                     f"{a['hook_fires'][1:]} / {b['hook_fires'][1:]}",
                     f"{fa['recv_between'][-1] + a['recv_between'][-1]} / "
                     f"{fb['recv_between'][-1] + b['recv_between'][-1]}",
@@ -520,11 +538,11 @@ def repair_rows(results: list[dict[str, Any]]) -> list[list[str]]:
 REPAIR_HEADER = [
     "torch",
     "schedule",
-    "patch_all() here",
-    "hook fires per step, steps 2-4 (last rank): unpatched / patched",
-    "receive-buffer bytes between steps (both ranks): unpatched / patched",
-    "rank 0 sent outputs alive (GPipe: at the first backward; 1F1B: peak): unpatched / patched",
-    "gradients: patched == unpatched == 1 process",
+    "patch_all() here; with torch_pipelining='always'",
+    "hook fires per step, steps 2-4 (last rank): unpatched / 'always'",
+    "receive-buffer bytes between steps (both ranks): unpatched / 'always'",
+    "rank 0 sent outputs alive (GPipe: at the first backward; 1F1B: peak): unpatched / 'always'",
+    "gradients: 'always' == unpatched == 1 process",
 ]
 
 

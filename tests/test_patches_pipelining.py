@@ -105,13 +105,17 @@ def test_opt_out_whole_or_one_repair() -> None:
         leakfree.patch_all(torch_pipelining_recv_buffers=3)
 
 
-def test_versions_below_the_measured_releases_have_no_location() -> None:
+def test_releases_below_the_measured_ones_only_when_asked() -> None:
     for patch in pp.PATCHES:
-        assert patch.module_for(Version("2.12.1")) is None
-        assert patch.module_for(Version("2.13.0+cpu")) is not None
-        assert patch.module_for(Version("2.14.1")) is not None
+        assert patch.module_for(Version("2.12.1")) in (pp.STAGE, pp.SCHEDULES)
+        assert not version_matches(Version("2.12.1"), patch.affected)
+        assert version_matches(Version("2.13.0+cpu"), patch.affected)
+        assert version_matches(Version("2.14.1"), patch.affected)
+        assert "torch_pipelining='always'" in patch.why_outside()
     plan = REGISTRY.plan(REGISTRY.select({}))
     assert plan["torch_pipelining.stage_inputs"].status == Status.WOULD_APPLY
+    chosen = REGISTRY.select({"torch_pipelining": "always"})
+    assert {chosen[p.name] for p in pp.PATCHES} == {"always"}
 
 
 def _module_with(cls: type, **functions: Any) -> types.ModuleType:

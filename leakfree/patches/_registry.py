@@ -158,6 +158,12 @@ class Patch:
     #: without importing the target (``plan``, the doctor), for a patch whose check
     #: depends on more than the code (TRL: whether an accelerator is there)
     expect: Callable[[Version, Any], Skip | Applies | None] | None = None
+    #: why a version outside ``affected`` is left alone, when it is not "fixed in
+    #: ``fixed_in``" (a repair built and measured on some releases only)
+    outside: str = ""
+
+    def why_outside(self) -> str:
+        return self.outside or f"fixed in {self.fixed_in}"
 
     def module_for(self, version: Version) -> str | None:
         for spec, module in self.modules:
@@ -449,7 +455,7 @@ class Registry:
         if module_name is None:
             reason = {
                 Status.NOT_INSTALLED: "not installed",
-                Status.NOT_AFFECTED: f"version {version} not affected (fixed in {patch.fixed_in})",
+                Status.NOT_AFFECTED: f"version {version} not affected ({patch.why_outside()})",
                 Status.NO_LOCATION: f"no known location of {patch.target} in {version}",
             }[blocked or Status.NO_LOCATION]
             self._skip(record, Status.SKIPPED, reason)
@@ -668,9 +674,7 @@ class Registry:
                 record.status, record.reason = Status.NOT_INSTALLED, ""
             elif blocked is not None:
                 record.status = blocked
-                record.reason = (
-                    f"fixed in {patch.fixed_in}" if blocked is Status.NOT_AFFECTED else ""
-                )
+                record.reason = patch.why_outside() if blocked is Status.NOT_AFFECTED else ""
             else:
                 current = self.records[name].status
                 expected = (

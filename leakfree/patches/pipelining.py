@@ -48,8 +48,9 @@ primitives so that each mechanism exists once:
 
 Left untouched, and said once with a :class:`leakfree.PatchWarning`: receives with DTensor
 metadata and tensor subclasses (their reconstruction is torch's), and outputs that are
-views, leaves or saved by their own node (nothing to free). Gated on the code found, for
-torch >= 2.13 (the releases measured: docs/pipeline.md); below, no location is known.
+views, leaves or saved by their own node (nothing to free). Gated on the code found, and
+on torch >= 2.13 (the releases measured: docs/pipeline.md); below, only with
+``patch_all(torch_pipelining="always")``, where the code gates alone decide.
 """
 
 from __future__ import annotations
@@ -614,13 +615,17 @@ def _patch(name: str, module: str, target: str, check: Any, apply: Any, descript
         name=f"torch_pipelining.{name}",
         integration="torch_pipelining",
         distributions=DISTRIBUTIONS,
-        modules=((RELEASES, module),),
+        # Where the stage lives since pipelining became public; the code gates decide
+        # there. By default only the releases it was measured on (RELEASES) are touched.
+        modules=((">=2.4", module),),
         target=target,
-        affected="",
+        affected=RELEASES,
         fixed_in="no release",
         check=check,
         apply=apply,
         description=description,
+        outside=f"the repair is measured on torch {RELEASES}; "
+        "patch_all(torch_pipelining='always') lets the code gates decide",
     )
 
 
