@@ -1,12 +1,15 @@
-"""torch.distributed.pipelining with leakfree: losses without graphs, memory checked per step.
+"""torch.distributed.pipelining with leakfree: stages repaired, losses without graphs, memory
+checked per step.
 
     python examples/pipelining.py [--schedule ScheduleGPipe|Schedule1F1B] [--steps 20]
 
 Two processes (gloo on 127.0.0.1) train a small MLP split in two ``PipelineStage``\\ s with
-4 microbatches. The last stage passes ``leakfree.pipeline.PipelineLosses`` as
-``schedule.step(..., losses=...)``: after each step it holds that step's losses, detached,
-and forwards them to a ``LossLog`` that is reduced every 5 steps. Every rank wraps its
-steps in ``leakfree.diagnostics.MemoryTracker`` and fails if live memory grows.
+4 microbatches, after ``leakfree.patch_all()`` (from torch 2.13 it repairs what the stages
+keep longer than a microbatch: docs/pipeline.md). The last stage passes
+``leakfree.pipeline.PipelineLosses`` as ``schedule.step(..., losses=...)``: after each step
+it holds that step's losses, detached, and forwards them to a ``LossLog`` that is reduced
+every 5 steps. Every rank wraps its steps in ``leakfree.diagnostics.MemoryTracker`` and
+fails if live memory grows.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+import leakfree
 from leakfree import LossLog
 from leakfree.diagnostics import MemoryTracker
 from leakfree.pipeline import PipelineLosses
@@ -34,6 +38,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def stage_main(rank: int, port: int, schedule_name: str, steps: int) -> None:
+    leakfree.patch_all()  # at startup: torch's pipelining stages repaired (torch >= 2.13)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = nn.Sequential(

@@ -1,9 +1,12 @@
 """Pipeline parallelism: ``torch.distributed.pipelining`` first, and primitives for your own.
 
-**With ``torch.distributed.pipelining``** (the supported path): no torch release from 2.4
-to 2.13 grows per step, and its ``PipelineStage`` drops the receive buffers' ``.grad``
-itself (after each backward from 2.10, when the next step begins before that:
-docs/pipeline.md has the measured table). What it hands back through ``losses=`` is each
+**With ``torch.distributed.pipelining``** (the supported path): call
+``leakfree.patch_all()``. From torch 2.13 it repairs what the stages keep longer than a
+microbatch: the persistent receive buffer handed to the stage as its input (hooks pile up
+on it), sent outputs kept until their backward, one receive buffer per microbatch for the
+run, the step's state kept until the next step (:mod:`leakfree.patches.pipelining`, built
+on :func:`as_nonleaf` and :func:`release_output`'s storage swap; docs/pipeline.md has the
+bytes). No release grows per step. What a schedule hands back through ``losses=`` is each
 microbatch's loss with its graph: pass a :class:`PipelineLosses` to keep only detached
 losses (optionally forwarded to a :class:`leakfree.LossLog`, across steps).
 
