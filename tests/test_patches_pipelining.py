@@ -152,6 +152,16 @@ def test_code_gates() -> None:
     module = _module_with(JustInTime, _make_tensor_from_meta=stage_mod._make_tensor_from_meta)
     skip = pp._check_recv_buffers(JustInTime, module)
     assert skip is not None and skip.status == Status.ALREADY_FIXED
+
+    class OldRecvInfo:  # torch 2.8: a receive without metadata
+        def __init__(self, input_name: str, source: int, buffer: torch.Tensor) -> None:
+            self.input_name, self.source, self.buffer = input_name, source, buffer
+
+    module = _module_with(
+        BASE, _make_tensor_from_meta=stage_mod._make_tensor_from_meta, _RecvInfo=OldRecvInfo
+    )
+    skip = pp._check_recv_buffers(BASE, module)
+    assert skip is not None and skip.status == Status.NOT_PRESENT
     assert pp._check_recv_buffers(BASE, stage_mod) is None
 
     bare = types.ModuleType("fake_schedules")

@@ -334,6 +334,11 @@ def _check_recv_buffers(target: Any, module: types.ModuleType, option: Any = Tru
     )
     if "_make_tensor_from_meta" in names:  # pytorch #196463: allocated just in time
         return Skip(Status.ALREADY_FIXED, "receive buffers are allocated when received")
+    init = _method(module.__dict__.get("_RecvInfo"), "__init__")
+    if init is None or "tensor_meta" not in code_facts(init)[1]:
+        # A receive that carries no metadata has nothing to allocate a buffer from
+        # (measured on torch 2.8: the repair would allocate nothing, and drop nothing).
+        return Skip(Status.NOT_PRESENT, "_RecvInfo keeps no tensor_meta to allocate from")
     return None
 
 
@@ -367,7 +372,8 @@ class SendLedger:
 
     Kept: weak references to the outputs, their send tensors and the Works (never the
     tensors' memory), from ``get_fwd_send_ops`` until the release or the step's end.
-    ``released`` / ``released_bytes`` count what was freed (plain numbers).
+    ``released`` / ``released_bytes`` count what was freed (plain numbers). Used from the
+    thread that runs the schedules (as torch's schedules are): not locked.
     """
 
     def __init__(self) -> None:
