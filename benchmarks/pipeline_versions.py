@@ -848,6 +848,9 @@ def main() -> int:
                 have = merged.setdefault(e["requested"], e)
                 if have is not e:
                     have["probes"].update(e.get("probes", {}))
+                    for key in ("repair", "torch"):  # the repair pass: the later run's
+                        if key in e:
+                            have[key] = e[key]
         order = {v: i for i, v in enumerate(VERSIONS)}
 
         def key(e: dict[str, Any]) -> tuple[int, str]:

@@ -1,7 +1,7 @@
 """torch.distributed.pipelining: each microbatch's received activation, sent output and
 receive buffers live as long as that microbatch, and no longer.
 
-What torch 2.13 / 2.14 keeps (docs/pipeline.md has the measured bytes):
+What torch 2.12 - 2.14 keeps (docs/pipeline.md has the measured bytes):
 
 * **the receive buffer is the stage input.** ``_retrieve_recv_activations`` hands the
   persistent buffer itself to the stage (``buffer.requires_grad_()``), every step. A tensor
@@ -49,8 +49,9 @@ primitives so that each mechanism exists once:
 Left untouched, and said once with a :class:`leakfree.PatchWarning`: receives with DTensor
 metadata and tensor subclasses (their reconstruction is torch's), and outputs that are
 views, leaves or saved by their own node (nothing to free). Gated on the code found, and
-on torch >= 2.13 (the releases measured: docs/pipeline.md); below, only with
-``patch_all(torch_pipelining="always")``, where the code gates alone decide.
+on the releases each repair was measured on (:data:`RELEASES`, :data:`SEND_RELEASES`);
+elsewhere only with ``patch_all(torch_pipelining="always")``, where the code gates alone
+decide.
 """
 
 from __future__ import annotations
@@ -77,8 +78,13 @@ __all__ = ["DISTRIBUTIONS", "PATCHES", "SendLedger"]
 STAGE = "torch.distributed.pipelining.stage"
 SCHEDULES = "torch.distributed.pipelining.schedules"
 DISTRIBUTIONS = ("torch",)
-#: The releases whose code the repair was built and measured on (2.13.0, 2.14.1).
-RELEASES = ">=2.13"
+#: The releases each repair was measured on (benchmarks/pipeline_versions.py, docs/pipeline.md:
+#: 2.8.0, 2.10.0 - 2.14.1; 2.9.1 crashes on gloo before its first step, patched or not).
+#: The stage-input and receive-buffer repairs need the receive metadata of 2.12 and later;
+#: the sent-output and step-state repairs run on 2.8 too. Elsewhere only with
+#: ``patch_all(torch_pipelining="always")``, where the code gates alone decide.
+RELEASES = ">=2.12"
+SEND_RELEASES = ">=2.8,!=2.9.*"
 #: Where a stage input made by ``stage_inputs`` keeps its slot (the input's own
 #: ``__dict__``: the slot dies with the input, and holds nothing of it).
 SLOT_ATTR = "_leakfree_grad_slot"
@@ -616,7 +622,15 @@ def _method(cls: Any, name: str) -> Any:
     return fn if isinstance(fn, types.FunctionType) else None
 
 
-def _patch(name: str, module: str, target: str, check: Any, apply: Any, description: str) -> Patch:
+def _patch(
+    name: str,
+    module: str,
+    target: str,
+    check: Any,
+    apply: Any,
+    description: str,
+    releases: str = RELEASES,
+) -> Patch:
     return Patch(
         name=f"torch_pipelining.{name}",
         integration="torch_pipelining",
@@ -625,12 +639,12 @@ def _patch(name: str, module: str, target: str, check: Any, apply: Any, descript
         # there. By default only the releases it was measured on (RELEASES) are touched.
         modules=((">=2.4", module),),
         target=target,
-        affected=RELEASES,
+        affected=releases,
         fixed_in="no release",
         check=check,
         apply=apply,
         description=description,
-        outside=f"the repair is measured on torch {RELEASES}; "
+        outside=f"the repair is measured on torch {releases}; "
         "patch_all(torch_pipelining='always') lets the code gates decide",
     )
 
@@ -651,6 +665,7 @@ PATCHES: tuple[Patch, ...] = (
         _check_sent_outputs,
         _apply_sent_outputs,
         "a sent output's storage is freed once its send completed; backward runs from the graph",
+        SEND_RELEASES,
     ),
     _patch(
         "recv_buffers",
@@ -667,5 +682,6 @@ PATCHES: tuple[Patch, ...] = (
         _check_step_state,
         _apply_step_state,
         "step() ends with the stage's runtime state cleared: only what the caller receives stays",
+        SEND_RELEASES,
     ),
 )
