@@ -100,13 +100,16 @@ _JUST_IN_TIME = False
 _warned: set[str] = set()
 
 
-def _untouched(what: str) -> None:
-    """Say once per kind that something was left as torch made it."""
+def _say_once(what: str) -> None:
+    """One :class:`~leakfree.PatchWarning` per distinct message, for the process's life."""
     if what not in _warned:
         _warned.add(what)
-        warnings.warn(
-            f"leakfree torch_pipelining: left untouched: {what}", PatchWarning, stacklevel=3
-        )
+        warnings.warn(f"leakfree torch_pipelining: {what}", PatchWarning, stacklevel=4)
+
+
+def _untouched(what: str) -> None:
+    """Say once per kind that something was left as torch made it."""
+    _say_once(f"left untouched: {what}")
 
 
 def _guest(fn: Callable[..., None]) -> Callable[..., None]:
@@ -120,14 +123,10 @@ def _guest(fn: Callable[..., None]) -> Callable[..., None]:
         except Exception as e:
             if REGISTRY.strict:
                 raise
-            what = f"{fn.__name__} failed ({type(e).__name__}: {e})"
-            if what not in _warned:
-                _warned.add(what)
-                warnings.warn(
-                    f"leakfree torch_pipelining: {what}; the step went on, that repair skipped",
-                    PatchWarning,
-                    stacklevel=3,
-                )
+            _say_once(
+                f"{fn.__name__} failed ({type(e).__name__}: {e}); "
+                "the step went on, that repair skipped"
+            )
 
     return guarded
 
@@ -148,6 +147,7 @@ def _is_plain_recv(module: types.ModuleType, info: Any, *, buffer_may_be_none: b
 
 
 def _retrieve_recv_activations(original: Callable[..., Any], module: types.ModuleType) -> Any:
+    @functools.wraps(original)
     def _retrieve_recv_activations(self: Any, fwd_chunk_id: int) -> tuple[torch.Tensor, ...]:
         infos = self.args_recv_info[fwd_chunk_id]
         if not all(_is_plain_recv(module, i, buffer_may_be_none=False) for i in infos):
