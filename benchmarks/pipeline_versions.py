@@ -510,10 +510,8 @@ def repair_rows(results: list[dict[str, Any]]) -> list[list[str]]:
             forced = "forced" in last[schedule]
             a, b = (last[schedule][m] for m in ("unpatched", "forced" if forced else "patched"))
             fa, fb = (first[schedule][m] for m in ("unpatched", "forced" if forced else "patched"))
-            statuses = {v.split(":")[0] for v in last[schedule]["report"].values()}
-            forced_statuses = {
-                v.split(":")[0] for v in last[schedule].get("forced_report", {}).values()
-            }
+            statuses = _statuses(last[schedule]["report"])
+            forced_statuses = _statuses(last[schedule].get("forced_report", {}))
             sent = "sent_at_first_backward" if schedule == "ScheduleGPipe" else "sent_peak"
             same = all(
                 x["grads"] == y["grads"] and all(y["grads_equal_reference"])
@@ -523,8 +521,13 @@ def repair_rows(results: list[dict[str, Any]]) -> list[list[str]]:
                 [
                     label,
                     schedule.replace("Schedule", ""),
-                    ", ".join(sorted(statuses))
-                    + (f"; 'always': {', '.join(sorted(forced_statuses))}" if forced else ""),
+                    statuses
+                    + (
+                        f"; 'always': {forced_statuses}"
+                        if forced and forced_statuses != statuses
+                        else ""
+                    )
+                    + ("; 'always': the same" if forced and forced_statuses == statuses else ""),
                     f"{a['hook_fires'][1:]} / {b['hook_fires'][1:]}",
                     f"{fa['recv_between'][-1] + a['recv_between'][-1]} / "
                     f"{fb['recv_between'][-1] + b['recv_between'][-1]}",
@@ -533,6 +536,14 @@ def repair_rows(results: list[dict[str, Any]]) -> list[list[str]]:
                 ]
             )
     return rows
+
+
+def _statuses(report: dict[str, str]) -> str:
+    """``applied: sent_outputs, step_state; skipped: stage_inputs`` from a report."""
+    by: dict[str, list[str]] = {}
+    for name, text in report.items():
+        by.setdefault(text.split(":")[0], []).append(name.split(".", 1)[1])
+    return "; ".join(f"{status}: {', '.join(names)}" for status, names in sorted(by.items()))
 
 
 REPAIR_HEADER = [
