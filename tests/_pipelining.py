@@ -1,7 +1,7 @@
 """One torch.distributed.pipelining run, measured from outside: shared by the integration
 tests (tests/integration/test_pipelining_repair.py) and benchmarks/pipelining_memory.py.
 
-The model is 8 blocks of Linear(D) + GELU split evenly over the stages; each schedule trains
+The model is 8 blocks of Linear(dim) + GELU split evenly over the stages; each schedule trains
 it with SGD for a few steps on the ranks of the current process group. What is measured
 does not ask leakfree (or torch's private state) anything it could get wrong:
 
@@ -9,7 +9,8 @@ does not ask leakfree (or torch's private state) anything it could get wrong:
   returns, tagged with what the stage was doing (``recv``: allocating receive buffers, in
   ``get_*_recv_ops`` or the setup); a storage counts while its weak reference lives;
 * **sent outputs**: a weak reference to the storage of each non-last stage's output per
-  microbatch, sampled at the start and end of every forward and backward of the rank;
+  microbatch, sampled at the start of every forward and the start and end of every
+  backward of the rank (an output is counted once its forward has returned);
 * **hooks**: a forward pre-hook on each stage module registers a tensor hook on each input
   (as gradient-collection code does) and the hooks' fires are counted per step;
 * **gradients and losses**: compared with ``torch.equal`` to the same model run
@@ -85,8 +86,6 @@ class Result:
     step_seconds: list[float] = field(default_factory=list)
     in_flight_peak: list[int] = field(default_factory=list)  # microbatches between F and B
     peak_floor: list[int] = field(default_factory=list)  # what the peak cannot go below
-    output_bytes: int = 0  # one microbatch's stage output
-    recv_buffer_bytes: int = 0  # one microbatch's received activation
 
 
 class _Block(nn.Module):
@@ -221,7 +220,7 @@ class _Probe:
         self.recv_peak = max(self.recv_peak, self.live.live("recv"))
 
 
-def _instrument(stage: Any, probe: _Probe, r: Result) -> None:
+def _instrument(stage: Any, probe: _Probe) -> None:
     """Instance-level wrappers (the class's methods, patched or not, run inside them)."""
     cls = type(stage)
     live = probe.live
@@ -254,7 +253,6 @@ def _instrument(stage: Any, probe: _Probe, r: Result) -> None:
         if not stage.is_last:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
-                    r.output_bytes = t.untyped_storage().nbytes()
                     probe.sent.append(StorageWeakRef(t.untyped_storage()))
         return out  # sampled at the next call: the output just made is not sent yet
 
@@ -339,7 +337,7 @@ def run(config: Config, rank: int, world: int) -> Result:
         ]
         for stage in stages:
             if config.observe:
-                _instrument(stage, probe, r)
+                _instrument(stage, probe)
         cls = getattr(pipelining, config.schedule)
         schedule = cls(
             stages if config.schedule not in SINGLE else stages[0],
@@ -405,6 +403,5 @@ def run(config: Config, rank: int, world: int) -> Result:
             kept = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in losses}
             r.caller_bytes.append(sum(kept.values()) if has_last else 0)
             r.recv_bytes_between.append(live.live("recv"))
-    r.recv_buffer_bytes = BATCH // N_MB * config.dim * 4
     leakfree.unpatch_all()
     return r
