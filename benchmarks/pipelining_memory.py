@@ -39,6 +39,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from _common import Spread, print_table, write_json
 
+from leakfree._text import format_table
 from tests import _pipelining as P
 from tests._dist import run_workers
 
@@ -125,9 +126,8 @@ def summary_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+def markdown(header: list[str], rows: list[list[Any]]) -> str:
+    return format_table(header, [[str(c) for c in r] for r in rows], markdown=True)
 
 
 def main() -> None:

@@ -478,9 +478,7 @@ class SendLedger:
 LEDGER = SendLedger()
 
 
-def _sent_outputs(
-    target: Any, stage_module: types.ModuleType, schedules: types.ModuleType
-) -> dict[tuple[Any, str], Any]:
+def _sent_outputs(target: Any, schedules: types.ModuleType) -> dict[tuple[Any, str], Any]:
     get_fwd_send, get_bwd_send = (
         target.__dict__["get_fwd_send_ops"],
         target.__dict__["get_bwd_send_ops"],
@@ -525,23 +523,22 @@ def _sent_outputs(
 
 
 def _check_sent_outputs(target: Any, module: types.ModuleType, option: Any = True) -> Skip | None:
-    schedules = module
     base = getattr(sys.modules.get(STAGE), BASE, None)
     missing = [
         name
         for owner, name in (
             (base, "get_fwd_send_ops"),
             (base, "get_bwd_send_ops"),
-            (schedules, "_batch_p2p"),
-            (schedules, "_wait_batch_p2p"),
+            (module, "_batch_p2p"),
+            (module, "_wait_batch_p2p"),
         )
         if owner is None or not callable(vars(owner).get(name))
     ]
     if missing:
         return Skip(Status.TARGET_NOT_FOUND, f"not found: {', '.join(missing)}")
-    if "fwd_cache" not in code_facts(base.__dict__["get_fwd_send_ops"])[0]:
+    if "fwd_cache" not in code_facts(_method(base, "get_fwd_send_ops"))[0]:
         return Skip(Status.TARGET_NOT_FOUND, "get_fwd_send_ops does not read fwd_cache")
-    if "resize_" in code_facts(base.__dict__["backward_one_chunk"])[0]:
+    if "resize_" in code_facts(_method(base, "backward_one_chunk"))[0]:
         # pytorch #193903 frees sent outputs itself (resize_ of their storage)
         return Skip(Status.ALREADY_FIXED, "the stage frees sent outputs itself")
     return None
@@ -551,7 +548,7 @@ def _apply_sent_outputs(
     target: Any, module: types.ModuleType, option: Any, changes: Changes
 ) -> None:
     base = getattr(sys.modules[STAGE], BASE)
-    for (owner, name), fn in _sent_outputs(base, sys.modules[STAGE], module).items():
+    for (owner, name), fn in _sent_outputs(base, module).items():
         changes.setattr(owner, name, fn)
 
 

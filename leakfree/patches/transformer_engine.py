@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from leakfree.patches._code import code_facts as _code_facts
+from leakfree.patches._code import code_facts
 from leakfree.patches._originals import Changes
 from leakfree.patches._registry import Patch, Skip, Status
 
@@ -65,9 +65,10 @@ def _helpers(target: type, module: types.ModuleType, names: set[str]) -> list[An
 
 
 def _backward_facts(target: type, module: types.ModuleType, fn: Any) -> tuple[set[str], set[str]]:
-    """:func:`_code_facts` of the backward and of the module's helpers it reaches (TE moved
-    the restore out of ``backward`` in several releases), transitively."""
-    names, stored = _code_facts(fn)
+    """:func:`~leakfree.patches._code.code_facts` of the backward and of the module's
+    helpers it reaches (TE moved the restore out of ``backward`` in several releases),
+    transitively."""
+    names, stored = code_facts(fn)
     seen: set[int] = {id(fn)}
     todo = _helpers(target, module, names)
     while todo:
@@ -75,7 +76,7 @@ def _backward_facts(target: type, module: types.ModuleType, fn: Any) -> tuple[se
         if id(helper) in seen:
             continue
         seen.add(id(helper))
-        more_names, more_stored = _code_facts(helper)
+        more_names, more_stored = code_facts(helper)
         todo.extend(_helpers(target, module, more_names - names))
         names |= more_names
         stored |= more_stored
