@@ -139,8 +139,10 @@ def _check(
 
 
 def _check_part(paths: list[str]) -> tuple[list[Finding], list[str]]:
-    assert _WORK is not None
-    return _check(_WORK[0], paths, _WORK[1])
+    work = _WORK
+    if work is None:  # only _check_all's forked workers call this, with _WORK set
+        raise RuntimeError("leakfree scan: a worker started without the project to check")
+    return _check(work[0], paths, work[1])
 
 
 def _check_all(
