@@ -23,7 +23,9 @@ From a value, the walk follows strong references a Python program can create:
   class and of its bases (``class Model: history = []`` is shared by every instance and
   lives as long as the class), except classes defined by Python itself or by torch, names
   with double underscores, and descriptors (functions, properties, ``staticmethod``...).
-  Such a path starts at the class: ``Model.history[3]``.
+  Such a path starts at the class: ``Model.history[3]``. Also the hooks registered on
+  every walked tensor (``weight._backward_hooks[7]<closure>``): a hook added to a
+  parameter every step keeps what its closure holds for as long as the parameter lives.
 
 What is not searched
 --------------------
@@ -58,6 +60,7 @@ __all__ = [
     "SCALARS",
     "SCALAR_TYPES",
     "Located",
+    "edges_of",
     "holds_no_memory",
     "is_scalar",
     "object_fields",
@@ -225,6 +228,21 @@ def _tensor(t: torch.Tensor) -> Iterator[Edge]:
         yield f".{name}", v
 
 
+_HOOK_TABLES = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _tensor_hooks(t: torch.Tensor) -> Iterator[Edge]:
+    """The hooks registered on a tensor (``register_hook``, ``register_post_accumulate_
+    grad_hook``): their closures outlive every step when the tensor is a parameter."""
+    for name in _HOOK_TABLES:
+        try:
+            table = getattr(t, name, None)
+        except Exception:
+            continue
+        if table:
+            yield f".{name}", table
+
+
 def _other(obj: Any) -> Iterator[Edge]:
     kind = type(obj)
     if kind.__dictoffset__ or _slot_names(kind):
@@ -284,6 +302,15 @@ def _handler(kind: type) -> Callable[[Any], Iterable[Edge]]:
             handler = _other
         _handlers[kind] = handler
     return handler
+
+
+def edges_of(obj: Any) -> list[Edge]:
+    """``(label, child)`` for each object ``obj`` holds, as a walk sees them (without the
+    ``"key"`` edges of mappings); empty when reading them fails."""
+    try:
+        return [(label, child) for label, child in _handler(type(obj))(obj) if label != "key"]
+    except Exception:
+        return []
 
 
 def _class_fields(cls: type) -> Iterator[Edge]:
@@ -416,6 +443,8 @@ def walk(
             children = _class_fields(obj) if _own_module(obj) else ()
         else:
             children = _handler(type(obj))(obj)
+        if classes and isinstance(obj, torch.Tensor):
+            children = itertools.chain(children, _tensor_hooks(obj))
         for edge, child in itertools.islice(children, limit):
             if type(child) not in SCALAR_TYPES:
                 stack.append((child, here, edge, level + 1))

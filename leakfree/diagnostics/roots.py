@@ -1,0 +1,73 @@
+"""Where holders hide: the user's module globals and the locals of the frames on the stack.
+
+:func:`~leakfree.diagnostics.find_retained` walks from roots. A leak's holder is rarely one
+the user thought to pass: a module-level cache (torchtitan's ``_handle_cache``), a class
+attribute, the local ``output_lst`` of the function that runs the microbatches (verl). These
+helpers name them as roots, ``{name: object}``:
+
+* :func:`module_roots`: the globals of every imported module of the user's own code (not
+  torch, leakfree, the standard library or installed packages), each named
+  ``module.name``; imported names (a class or function defined elsewhere, a module) are
+  left to their own module;
+* :func:`frame_roots`: the locals of the user's and libraries' frames on the stack above a
+  frame, innermost first, each named by its variable (``output_lst``).
+
+Nothing is kept: the mappings are built when a watcher searches, and dropped after.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+from leakfree.diagnostics.sites import SKIPPED, USER, kind_of
+
+__all__ = ["frame_roots", "module_roots"]
+
+#: frames searched above a boundary (a Trainer's stack is some 30 deep)
+MAX_FRAMES = 40
+
+
+def module_roots() -> dict[str, Any]:
+    """The globals of the user's imported modules, ``{"module.name": value}``."""
+    out: dict[str, Any] = {}
+    for name, module in list(sys.modules.items()):
+        filename = getattr(module, "__file__", None)
+        if not isinstance(module, types.ModuleType) or not isinstance(filename, str):
+            continue
+        if kind_of(filename) != USER:
+            continue
+        try:
+            values = list(vars(module).items())
+        except TypeError:
+            continue
+        for var, value in values:
+            if var.startswith("__") or isinstance(value, types.ModuleType):
+                continue
+            if (
+                isinstance(value, (type, types.FunctionType))
+                and getattr(value, "__module__", name) != name
+            ):
+                continue  # imported from elsewhere: searched there, if it is the user's
+            out[f"{name}.{var}"] = value
+    return out
+
+
+def frame_roots(frame: types.FrameType | None) -> dict[str, Any]:
+    """The locals of the frames from ``frame`` outward that are not torch's, leakfree's or
+    the standard library's, ``{variable: value}`` (the innermost frame wins a name)."""
+    out: dict[str, Any] = {}
+    code: dict[str, Any] = {}  # functions last: a list is named `kept`, not `step<closure>`
+    seen = 0
+    while frame is not None and seen < MAX_FRAMES:
+        if kind_of(frame.f_code.co_filename) != SKIPPED:
+            seen += 1
+            for var, value in list(frame.f_locals.items()):
+                if var in out or var in code or isinstance(value, types.ModuleType):
+                    continue
+                target = code if callable(value) and not hasattr(value, "__len__") else out
+                target[var] = value
+        frame = frame.f_back
+    out.update(code)
+    return out
