@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows, results = [], []
     for name, (width, depth, batch) in cases.items():
         step, _ = make(width, depth, batch)
-        tracker = MemoryTracker(devices=[torch.device("cpu")])
+        tracker = MemoryTracker(devices=[torch.device("cpu")], sample_every=1)
 
         def tracked(step: Any = step, tracker: MemoryTracker = tracker) -> None:
             with tracker:

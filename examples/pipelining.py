@@ -53,7 +53,7 @@ def stage_main(rank: int, port: int, schedule_name: str, steps: int) -> None:
     log = LossLog(["loss"])
     losses = PipelineLosses(log)  # this step's losses, detached; every step's go to log
 
-    tracker = MemoryTracker(devices=["cpu"])
+    tracker = MemoryTracker(devices=["cpu"], sample_every=1)
     with tracker:
         for step in range(steps):
             x, y = batch(step)

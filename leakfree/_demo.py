@@ -235,7 +235,7 @@ def measure(
     make: Callable[[bool, torch.device], Step], lf: bool, steps: int, device: torch.device
 ) -> list[int]:
     """Live bytes on ``device`` after each step of the shape's loop."""
-    tracker = MemoryTracker(devices=[device])
+    tracker = MemoryTracker(devices=[device], sample_every=1, warn=False)
     with tracker:
         step = make(lf, device)
         tracker.step()  # baseline: what setting up the loop allocated

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from leakfree.diagnostics.memory import Growth, MemoryTracker
-from leakfree.diagnostics.retention import find_retained
+from leakfree.diagnostics.detector import DEFAULT_FLOOR, Rule
+from leakfree.diagnostics.memory import Growth, MemoryTracker, _default_devices
+from leakfree.diagnostics.retention import RetentionReport
 
 __all__ = ["LeakError", "assert_no_leak"]
 
@@ -110,41 +111,65 @@ def assert_no_leak(
     steps: int = 20,
     warmup: int = 2,
     tolerance: float = 0.0,
+    floor: float = DEFAULT_FLOOR,
     device: str | torch.device | None = None,
     roots: Iterable[Any] = (),
 ) -> Growth:
-    """Fail if live memory grows per call of ``step_fn``.
+    """Fail if ``step_fn`` leaks: memory that grows per call, or builds up per backward.
 
     Args:
-        step_fn: one training step (forward, backward, optimizer step, logging...).
+        step_fn: one training step (forward, backward(s), optimizer step, logging...).
         steps: measured steps after ``warmup`` unmeasured ones (caches, optimizer state).
         tolerance: bytes per step of growth accepted beyond the noise bound.
+        floor: bytes per step of growth accepted when no autograd graph holds it
+            (detached values: a loss history of a few scalars per step is no leak).
         device: the device to judge (default: the accelerator if any, else the CPU, where
-            tensor storages created during the steps are tracked).
+            tensor storages created during the steps are tracked, every step).
         roots: objects to search for holders when it fails. Always searched: the closure
             variables and globals of ``step_fn`` and of every function of yours it reaches
             (through names it calls, lambdas, ``functools.partial``, bound methods and
             their ``self``), so a step that appends to a module global is reported as
-            ``kept[3]``.
+            ``kept[3]``; the user's module globals; the locals of the calling frames.
 
-    Returns the measured :class:`~leakfree.diagnostics.Growth`. Raises :class:`LeakError`.
+    The rule is the detector's (:mod:`leakfree.diagnostics.detector`): growth that holds
+    autograd graphs fails whatever its size, other growth above ``floor``; graphs kept
+    for several microbatches within a step fail at once (``step_fn`` calls backward more
+    than once); tensors held only by reference cycles fail, naming the cycle.
+
+    Returns the measured :class:`~leakfree.diagnostics.Growth`. Raises :class:`LeakError`
+    with each finding (holder, size, creation site).
     """
-    if steps < 3:
-        raise ValueError(f"assert_no_leak(steps={steps}): need at least 3 steps to fit a growth")
-    tracker = MemoryTracker()
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 4:
+        raise ValueError(f"assert_no_leak(steps={steps!r}): need at least 4 steps to fit a growth")
+    rule = Rule(warmup=warmup, window=steps, tolerance=tolerance, floor=floor).check(
+        "assert_no_leak"
+    )
+    extra = list(roots)
+
+    def named() -> dict[str, Any]:
+        found, names = _roots(step_fn, extra)
+        return dict(zip(names, found))
+
+    tracker = MemoryTracker(
+        devices=[torch.device(device)] if device is not None else _default_devices(),
+        sample_every=1,
+        rule=rule,
+        roots=named,
+        warn=False,
+    )
+    tracker.detector.owner = "assert_no_leak"
     with tracker:
         for _ in range(warmup + steps):
             step_fn()
             tracker.step()
     growth = tracker.growth(device, skip=warmup)
-    if growth.exceeds(tolerance):
-        root_list, names = _roots(step_fn, roots)
-        retained = find_retained(*root_list, names=names) if root_list else find_retained()
+    findings = tracker.findings
+    if findings:
+        holders = [h for f in findings for h in f.holders]
         raise LeakError(
-            f"memory grows by {growth} over {steps} steps (tolerance "
-            f"{tolerance:.0f} B/step)\n\n{tracker.report(skip=warmup)}\n\nwho holds it:\n"
-            f"{retained}",
-            growth,
-            retained,
+            "\n\n".join(f.message for f in findings)
+            + f"\n\n{tracker.report(skip=warmup, findings=False)}",
+            findings[0].growth or growth,
+            RetentionReport(holders),
         )
     return growth

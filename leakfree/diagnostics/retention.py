@@ -17,6 +17,17 @@ reports:
   (``model.history``), per holder, with their count and bytes. No graph is kept there, but
   a holder that grows every step is a leak all the same.
 
+Quiet by default: a backpropagated graph is reported when a growable container holds it
+(a list, a deque, a set, a dict keyed by numbers, a tensor's hook table) or, backpropagated
+with ``retain_graph=True``, when anything does; ctx state always; detached holders only when
+they grew since an earlier report (``since``). A single backpropagated graph in a name or
+an attribute (the last iteration's ``loss``), graphs not backpropagated yet and the user's
+own batches are what a clean loop holds: ``everything=True`` lists them too.
+
+Each entry names where its tensor was created (``created at train.py:42 in compute``)
+when a :class:`~leakfree.diagnostics.MemoryTracker` (or a watcher built on one) saw it
+made: see :mod:`leakfree.diagnostics.sites`.
+
 "Lives anyway" (never charged to a graph or a ctx): parameters (``nn.Parameter`` and its
 subclasses, such as bitsandbytes' ``Params4bit``), views of them, and the tensors hanging
 off them (a 4-bit weight's ``quant_state``), and every tensor the walk reaches from the
@@ -25,15 +36,18 @@ storage is counted once per report.
 
 A node's backward "already ran" when its saved tensors were freed (PyTorch frees them after
 the node's backward unless the graph is retained); leakfree's released-state marker
-counts too. Debug tool: it walks Python objects, so it costs milliseconds, not
-microseconds.
+counts too, and so does the mark :mod:`~leakfree.diagnostics.boundaries` leaves on a graph
+backpropagated with ``retain_graph=True`` while a watcher runs (such a graph's saved
+tensors are alive, and are counted). Debug tool: it walks Python objects, so it costs
+milliseconds, not microseconds.
 """
 
 from __future__ import annotations
 
 import collections
 import inspect
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,9 +56,13 @@ from torch.autograd.function import BackwardCFunction
 
 from leakfree._text import format_bytes, format_table
 from leakfree._walk import Located, object_fields, walk
+from leakfree.diagnostics.boundaries import RETAINED
 from leakfree.function import RELEASED, backward_ran
 
-__all__ = ["Retained", "RetentionReport", "find_retained", "tensor_bytes"]
+__all__ = ["Retained", "RetentionReport", "find_retained", "graph_bytes", "tensor_bytes"]
+
+#: names a tensor's creation site, or None (a tracker's ``site``)
+SiteOf = Callable[[torch.Tensor], object]
 
 _MAX_NODES = 20000  #: per graph
 _MAX_TOTAL_NODES = 200000  #: per call, over all graphs
@@ -62,6 +80,11 @@ class Retained:
     nbytes: int
     detail: str = ""
     count: int = 0  #: for "detached": how many tensors the holder holds
+    site: str = ""  #: where the held tensor was created (``train.py:42 in compute``), if known
+
+    def __str__(self) -> str:
+        made = f"  created at {self.site}" if self.site else ""
+        return f"{self.where}  {self.kind}, {format_bytes(self.nbytes)}{made}"
 
 
 @dataclass
@@ -75,6 +98,12 @@ class RetentionReport:
 
     items: list[Retained] = field(default_factory=list)
     detached: list[Retained] = field(default_factory=list)
+    #: every detached holder seen, shown or not: what a later ``since=`` compares against
+    all_detached: list[Retained] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.all_detached:
+            self.all_detached = list(self.detached)
 
     def __iter__(self) -> Iterator[Retained]:
         return iter(self.items)
@@ -115,15 +144,39 @@ class RetentionReport:
         return "\n\n".join(parts)
 
 
+_INDEX = re.compile(r"\[-?\d+\]")
+
+
+def group(items: list[Retained]) -> list[Retained]:
+    """Entries that differ only in their indices (``output_lst[0]['entropy']``,
+    ``output_lst[1]['entropy']``...) and share a kind, as one entry
+    (``output_lst[*]['entropy']``, ``count`` of them), biggest first."""
+    groups: dict[tuple[str, str], list[Retained]] = {}
+    for item in items:
+        groups.setdefault((item.kind, _INDEX.sub("[*]", item.where)), []).append(item)
+    out = []
+    for (kind, where), members in groups.items():
+        if len(members) == 1:
+            out.append(members[0])
+            continue
+        # The most frequent site (a sampling tracker saw only some of them made).
+        sites = [m.site for m in members if m.site]
+        site = max(set(sites), key=sites.count) if sites else ""
+        count = sum(max(m.count, 1) for m in members)
+        detail = f"{len(members)} of them; each {members[0].detail}"
+        out.append(Retained(kind, where, sum(m.nbytes for m in members), detail, count, site))
+    return sorted(out, key=lambda i: -i.nbytes)
+
+
 def _table(items: list[Retained]) -> str:
     rows = []
-    ordered = sorted(items, key=lambda i: -i.nbytes)
+    ordered = group(items)
     for i in ordered[:_ROWS]:
-        rows.append((i.kind, i.where, format_bytes(i.nbytes), i.detail))
+        rows.append((i.kind, i.where, format_bytes(i.nbytes), i.site or "?", i.detail))
     if len(ordered) > _ROWS:
         rest = ordered[_ROWS:]
-        rows.append(("...", f"{len(rest)} more", format_bytes(sum(i.nbytes for i in rest)), ""))
-    return format_table(("kind", "where", "bytes", "detail"), rows)
+        rows.append(("...", f"{len(rest)} more", format_bytes(sum(i.nbytes for i in rest)), "", ""))
+    return format_table(("kind", "where", "bytes", "created at", "detail"), rows)
 
 
 def _key(tensor: torch.Tensor) -> int | None:
@@ -262,11 +315,70 @@ def _holder(located: Located) -> tuple[int, Located, int] | None:
     return None
 
 
+def _marked(node: Any) -> bool:
+    """Backpropagated with ``retain_graph=True`` while a watcher ran (its saved tensors are
+    alive)."""
+    try:
+        return RETAINED in node.metadata
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_raw_names: dict[type, tuple[str, ...]] = {}
+
+
+def _saved(node: Any) -> list[Any]:
+    """What a node saved for its backward, where it is still alive: the tensors, or what a
+    saved-tensor hook packed them into (an offloader's host copy). Read through the raw
+    handles' ``data``, so no unpack hook runs."""
+    names = _raw_names.get(type(node))
+    if names is None:
+        names = _raw_names[type(node)] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+    out = []
+    for name in names:
+        try:
+            raw = getattr(node, name)
+        except RuntimeError:  # freed after its backward
+            continue
+        for handle in raw if isinstance(raw, (tuple, list)) else (raw,):
+            try:
+                out.append(handle.data)
+            except (AttributeError, RuntimeError):  # freed, or a torch without .data
+                continue
+    return out
+
+
+def graph_bytes(tensor: torch.Tensor, counted: set[int] | None = None) -> int:
+    """Bytes ``tensor`` keeps alive through itself and its graph: its storage, what the
+    graph's nodes saved (while alive) and custom Functions' ctx state; parameters and
+    storages already in ``counted`` excluded (it is updated)."""
+    counted = set() if counted is None else counted
+    anyway: set[int] = set()
+    total = tensor_bytes(tensor, counted, depth=0, anyway=anyway)
+    for node in _graph(tensor.grad_fn, [_MAX_NODES]):
+        total += tensor_bytes(_saved(node), counted, depth=2, anyway=anyway)
+        if isinstance(node, BackwardCFunction):
+            total += sum(n for _, n in _ctx_state(node, counted, anyway))
+    return total
+
+
+def _in_growable(located: Located) -> bool:
+    return any(_growable(obj) for obj, _ in located.holders())
+
+
+def _active_sites() -> SiteOf | None:
+    from leakfree.diagnostics.memory import active_site
+
+    return active_site
+
+
 def find_retained(
     *roots: Any,
     names: list[str] | None = None,
     depth: int = 8,
     since: RetentionReport | None = None,
+    everything: bool = False,
+    sites: SiteOf | None = None,
 ) -> RetentionReport:
     """List what still holds memory that backward should have let go.
 
@@ -276,14 +388,20 @@ def find_retained(
         names: the names used for ``roots`` in reported paths (default ``root0``, ...).
         depth: how many containers / attributes deep to walk from a root.
         since: an earlier report over the same roots: each detached holder then says how
-            much it grew since (``+3 tensors, +12.0 KiB since the last report``).
+            much it grew since (``+3 tensors, +12.0 KiB since the last report``), and only
+            growing ones are listed.
+        everything: also list what a clean loop holds (see the module doc): single
+            backpropagated graphs held by a name or an attribute, and every growable
+            container of detached tensors.
+        sites: names where a tensor was created (default: the active trackers' records).
 
     Tensors with a ``grad_fn`` whose graph contains a node whose backward already ran are
     reported as ``graph`` entries with the bytes that graph still pins (the tensor, ctx
-    state, and leaves reached through ``AccumulateGrad`` with their ``.grad``); every such
-    node's ctx attributes holding tensors are reported as ``ctx attribute``. Tensors
-    without a graph in growable containers are listed in ``detached``, per holder.
-    Parameters and tensors held outside a graph live anyway and are charged to neither.
+    state, saved tensors of a graph kept by ``retain_graph=True``, and leaves reached
+    through ``AccumulateGrad`` with their ``.grad``); every such node's ctx attributes
+    holding tensors are reported as ``ctx attribute``. Tensors without a graph in growable
+    containers are listed in ``detached``, per holder. Parameters and tensors held outside
+    a graph live anyway and are charged to neither.
     """
     if roots:
         named = list(zip(names or [f"root{i}" for i in range(len(roots))], roots))
@@ -292,6 +410,12 @@ def find_retained(
         caller = frame.f_back if frame is not None else None
         named = list(caller.f_locals.items()) if caller is not None else []
         del frame, caller
+    site_of = sites if sites is not None else _active_sites()
+
+    def made(tensor: torch.Tensor) -> str:
+        found = site_of(tensor) if site_of is not None else None
+        return "" if found is None else str(found)
+
     # 1. Every tensor the roots hold. What they hold outside a graph lives anyway.
     visited: set[int] = set()
     anyway: set[int] = set()
@@ -310,9 +434,10 @@ def find_retained(
     graphs: list[Retained] = []
     ctx_bytes: dict[str, int] = {}
     ctx_nodes: dict[str, int] = {}
+    ctx_sites: dict[str, str] = {}
     nodes_seen: set[int] = set()
     counted: set[int] = set()
-    released_cache: dict[int, bool] = {}
+    released_cache: dict[int, tuple[bool, bool]] = {}
     budget = [_MAX_TOTAL_NODES]
     holders: dict[int, tuple[str, Located, int, list[torch.Tensor]]] = {}
     for name, tensor, located in found:
@@ -324,57 +449,87 @@ def find_retained(
                     entry[3].append(tensor)
             continue
         graph_bytes = 0
-        backpropagated = False
+        backpropagated = retained = False
         nodes = 0
         leaves = []
         for node in _graph(tensor.grad_fn, budget):
             nodes += 1
-            released = released_cache.get(id(node))
-            if released is None:
-                released = released_cache[id(node)] = backward_ran(node)
-            backpropagated = backpropagated or released
+            state = released_cache.get(id(node))
+            if state is None:
+                state = released_cache[id(node)] = (backward_ran(node), _marked(node))
+            ran, kept = state
+            backpropagated = backpropagated or ran or kept
+            retained = retained or kept
             if hasattr(node, "variable"):
                 leaves.append(node)
-            if isinstance(node, BackwardCFunction) and released:
-                state = _ctx_state(node, counted, anyway)
-                graph_bytes += sum(n for _, n in state)
-                if id(node) not in nodes_seen:
+            if not ran:  # what it saved is alive: a retained graph's, or a branch never run
+                graph_bytes += tensor_bytes(_saved(node), counted, depth=2, anyway=anyway)
+            if isinstance(node, BackwardCFunction) and (ran or kept):
+                state_bytes = _ctx_state(node, counted, anyway)
+                graph_bytes += sum(n for _, n in state_bytes)
+                if ran and id(node) not in nodes_seen:
                     nodes_seen.add(id(node))
                     cls = node._forward_cls.__qualname__  # type: ignore[attr-defined]
-                    for attr, nbytes in state:
+                    for attr, nbytes in state_bytes:
                         where = f"{cls}.ctx.{attr}"
                         ctx_bytes[where] = ctx_bytes.get(where, 0) + nbytes
                         ctx_nodes[where] = ctx_nodes.get(where, 0) + 1
-        if backpropagated:
-            leaf_bytes = sum(_leaf_bytes(node, counted, anyway) for node in leaves)
-            graph_bytes += leaf_bytes + tensor_bytes(tensor, counted, depth=0)
-            pinned = f", {format_bytes(leaf_bytes)} of leaves and their .grad" if leaf_bytes else ""
-            graphs.append(
-                Retained(
-                    "graph",
-                    located.named(name),
-                    graph_bytes,
-                    f"a tensor whose graph was already backpropagated ({nodes} nodes{pinned}); "
-                    "detach it before keeping it",
-                )
+                        ctx_sites.setdefault(where, _ctx_site(node, attr, made))
+        if not everything and not (backpropagated and (retained or _in_growable(located))):
+            continue
+        leaf_bytes = sum(_leaf_bytes(node, counted, anyway) for node in leaves)
+        graph_bytes += leaf_bytes + tensor_bytes(tensor, counted, depth=0)
+        pinned = f", {format_bytes(leaf_bytes)} of leaves and their .grad" if leaf_bytes else ""
+        if retained:
+            how = "backpropagated with retain_graph=True, its saved tensors alive"
+        elif backpropagated:
+            how = "already backpropagated"
+        else:
+            how = "never backpropagated, its saved tensors alive"
+        graphs.append(
+            Retained(
+                "graph",
+                located.named(name),
+                graph_bytes,
+                f"a tensor whose graph was {how} ({nodes} nodes{pinned}); "
+                "detach it before keeping it",
+                site=made(tensor),
             )
+        )
     ctx = [
         Retained(
             "ctx attribute",
             where,
             nbytes,
             f"{ctx_nodes[where]} node(s) kept it after their backward ran",
+            site=ctx_sites.get(where, ""),
         )
         for where, nbytes in ctx_bytes.items()
     ]
-    return RetentionReport(ctx + graphs, _detached(holders, since))
+    every, shown = _detached(holders, since, made, everything)
+    report = RetentionReport(ctx + graphs, [d for d, show in zip(every, shown) if show])
+    report.all_detached = every
+    return report
+
+
+def _ctx_site(node: Any, attr: str, made: Callable[[torch.Tensor], str]) -> str:
+    for tensor, _ in walk(node.__dict__.get(attr), depth=3):
+        site = made(tensor)
+        if site:
+            return site
+    return ""
 
 
 def _detached(
     holders: dict[int, tuple[str, Located, int, list[torch.Tensor]]],
     since: RetentionReport | None,
-) -> list[Retained]:
-    before = {r.where: r for r in since.detached} if since is not None else {}
+    made: Callable[[torch.Tensor], str],
+    everything: bool,
+) -> tuple[list[Retained], list[bool]]:
+    """Every detached holder, and which to show: all with ``everything``, else those grown
+    since ``since``."""
+    shown: list[bool] = []
+    before = {r.where: r for r in since.all_detached} if since is not None else {}
     out = []
     seen: set[int] = set()
     for name, located, up, tensors in holders.values():
@@ -390,10 +545,15 @@ def _detached(
             old = before.get(where)
             grew = len(tensors) - (old.count if old is not None else 0)
             more = nbytes - (old.nbytes if old is not None else 0)
-            verdict = "growing" if grew > 0 or more > 0 else "not growing"
+            growing = grew > 0 or more > 0
+            verdict = "growing" if growing else "not growing"
             detail += f"; {verdict}: {grew:+d} tensors, {_signed(more)} since the last report"
-        out.append(Retained("detached", where, nbytes, detail, len(tensors)))
-    return out
+        else:
+            growing = False
+        site = next((m for m in map(made, reversed(tensors)) if m), "")
+        out.append(Retained("detached", where, nbytes, detail, len(tensors), site))
+        shown.append(everything or growing)
+    return out, shown
 
 
 def _signed(nbytes: int) -> str:

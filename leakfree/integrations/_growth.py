@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from leakfree._device import accelerator, device_module
-from leakfree._text import format_bytes
-from leakfree.diagnostics import Growth, MemoryTracker, RetentionReport, find_retained, fit_growth
+from leakfree._device import accelerator
+from leakfree.diagnostics import Growth, MemoryTracker, RetentionReport, fit_growth
+from leakfree.diagnostics.detector import DEFAULT_FLOOR, Finding, Rule
 from leakfree.integrations import MemoryGrowthWarning
 from leakfree.testing import LeakError
 
@@ -74,20 +74,14 @@ class GrowthWatch:
         device: str | torch.device | None,
         roots: Mapping[str, Any] | Iterable[Any] | None,
         sample_every: int = 1,
+        floor: float = DEFAULT_FLOOR,
     ) -> None:
         # Everything is validated before anything is stored.
-        self.warmup = _whole(owner, "warmup", warmup, 0)
-        self.window = _whole(owner, "window", window, 4)
+        self.rule = Rule(warmup=warmup, window=window, tolerance=tolerance, floor=floor).check(
+            owner
+        )
+        self.warmup, self.window = warmup, window
         self.sample_every = _whole(owner, "sample_every", sample_every, 1)
-        if (
-            isinstance(tolerance, bool)
-            or not isinstance(tolerance, (int, float))
-            or not tolerance >= 0
-            or tolerance == float("inf")
-        ):
-            raise ValueError(
-                f"{owner}(tolerance={tolerance!r}): expected a finite number of bytes per step >= 0"
-            )
         if not isinstance(fail, bool):
             raise TypeError(f"{owner}(fail={fail!r}): expected True or False")
         if device is None:
@@ -113,96 +107,93 @@ class GrowthWatch:
             named = {f"root{i}": r for i, r in enumerate(roots)}
         self.owner = owner
         self.tolerance = float(tolerance)
+        self.floor = float(floor)
         self.fail = fail
         self.device = judged
         self.roots = named
         self.steps = 0  #: optimizer steps seen
         self.live: int | None = None  #: live bytes at the last step
         self.growth: Growth | None = None  #: the last window's growth
-        self.retained: RetentionReport | None = None  #: what find_retained found, on growth
-        self.message: str | None = None  #: the warning (or error) issued, if any
-        self._values: list[int] = []
-        self._at: list[int] = []  #: the optimizer step of each value in the window
+        self.retained: RetentionReport | None = None  #: the last finding's holders
+        self.message: str | None = None  #: the first warning (or error) issued, if any
+        self._findings: list[Finding] = []
+        self._holders: Holders = dict
         self._tracker: MemoryTracker | None = None
-        self._tracking = False
 
     @property
     def active(self) -> bool:
         return self._tracker is not None
+
+    @property
+    def findings(self) -> list[Finding]:
+        """The leaks found in this run (kept after ``stop``)."""
+        return self._findings
 
     def start(self) -> None:
         """Start a run (idempotent while running): a new tracker, a new warm-up.
 
         Storages are tracked (a dispatch mode, on this thread) only when the judged device
         has no allocator statistics: on an accelerator the allocator's count is free.
+        Backward passes are boundaries either way (microbatch retention).
         """
         if self._tracker is not None:
             return
         self.steps, self.live, self.growth = 0, None, None
-        self.retained, self.message, self._values, self._at = None, None, [], []
-        tracker = MemoryTracker(devices=[self.device], sample_every=self.sample_every)
-        module = device_module(self.device) if self.device.type != "cpu" else None
-        self._tracking = getattr(module, "memory_allocated", None) is None
-        if self._tracking:
-            tracker.__enter__()
+        self.retained, self.message, self._findings = None, None, []
+        tracker = MemoryTracker(
+            devices=[self.device],
+            sample_every=self.sample_every,
+            rule=self.rule,
+            roots=self._roots,
+            warn=False,
+        )
+        tracker.detector.owner = self.owner
+        tracker.detector.unit = "optimizer steps"
+        tracker.detector.on_finding = self._finding
+        tracker.__enter__()
         self._tracker = tracker
 
     def stop(self) -> None:
-        """End the run (idempotent): storage tracking stops; the numbers stay readable."""
+        """End the run (idempotent): tracking stops; the numbers stay readable."""
         tracker, self._tracker = self._tracker, None
-        if tracker is not None and self._tracking:
-            self._tracking = False
+        if tracker is not None:
             tracker.__exit__(None, None, None)
 
-    def step(self, holders: Holders) -> None:
-        """Record one optimizer step; at the end of a window, judge it.
+    def _roots(self) -> dict[str, Any]:
+        # Most specific first: a holder is named by the first root that reaches it.
+        named = dict(self.roots)
+        for name, value in self._holders().items():
+            if value is not None and name not in named:
+                named[name] = value
+        return named
 
-        ``holders`` returns ``{name: object}`` to search when a window grows (called only
-        then). Warns :class:`MemoryGrowthWarning`, or with ``fail`` stops the watch and
+    def step(self, holders: Holders) -> None:
+        """Record one optimizer step and judge the recent ones.
+
+        ``holders`` returns ``{name: object}`` to search when something is found (called
+        only then). Warns :class:`MemoryGrowthWarning`, or with ``fail`` stops the watch and
         raises :class:`~leakfree.testing.LeakError`.
         """
         tracker = self._tracker
         if tracker is None:
             return  # a step outside start/stop (e.g. the framework skipped train begin)
+        self._holders = holders
         self.steps += 1
         live = tracker.step().get(str(self.device))
-        if live is None:
-            return  # a step the sampling tracker did not track
-        self.live = live
-        if self.steps <= self.warmup:
-            return
-        self._values.append(live)
-        self._at.append(self.steps)
-        if len(self._values) < self.window:
-            return
-        values, at = self._values, self._at
-        self._values, self._at = [live], [self.steps]  # windows share their end points
-        growth = fit_growth(values)
-        self.growth = growth
-        if self.message is None and growth.exceeds(self.tolerance):
-            self._verdict(growth, holders, at[0])
+        if live is not None:
+            self.live = live
+        self.growth = tracker.detector.growth
 
-    def _verdict(self, growth: Growth, holders: Holders, first: int) -> None:
-        # Most specific first: a holder is named by the first root that reaches it.
-        named = dict(self.roots)
-        for name, value in holders().items():
-            if value is not None and name not in named:
-                named[name] = value
-        retained = find_retained(*named.values(), names=list(named))
-        self.retained = retained
-        last = self.steps
-        sampled = f", {growth.steps} of them tracked," if last - first + 1 > growth.steps else ""
-        self.message = (
-            f"{self.owner}: live memory on {self.device} grew by {growth} over optimizer "
-            f"steps {first}-{last} ({last - first + 1} steps{sampled} after a "
-            f"{self.warmup}-step warm-up; "
-            f"{format_bytes(growth.first)} -> {format_bytes(growth.last)}).\n"
-            f"Who holds it (find_retained over {', '.join(named)}):\n{retained}"
-        )
+    def _finding(self, finding: Finding) -> None:
+        self._findings.append(finding)
+        self.retained = RetentionReport(list(finding.holders))
+        if self.message is None:
+            self.message = finding.message
         if self.fail:
+            growth = finding.growth or self.growth or fit_growth([])
             self.stop()
-            raise LeakError(self.message, growth, retained)
-        warnings.warn(self.message, MemoryGrowthWarning, stacklevel=3)  # the callback hook
+            raise LeakError(finding.message, growth, self.retained)
+        warnings.warn(finding.message, MemoryGrowthWarning, stacklevel=5)
 
     def metrics(self) -> dict[str, float]:
         """The numbers to log: live bytes at the last step and, once a window was judged,

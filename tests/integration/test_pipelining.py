@@ -105,7 +105,7 @@ def _run(rank: int, schedule_name: str, sink: str) -> dict[str, Any]:
     equal, alive, values, logged, graphs = [], [], [], [], []
     # Live bytes of every storage created from here on (buffers, graphs, losses, the
     # reference's gradients), sampled after each step.
-    tracker = MemoryTracker(devices=["cpu"])
+    tracker = MemoryTracker(devices=["cpu"], sample_every=1)
     with tracker:
         for step in range(STEPS):
             _Tag.refs.clear()
