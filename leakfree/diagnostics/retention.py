@@ -57,6 +57,7 @@ from torch.autograd.function import BackwardCFunction
 from leakfree._text import format_bytes, format_table
 from leakfree._walk import Located, object_fields, walk
 from leakfree.diagnostics.boundaries import RETAINED
+from leakfree.diagnostics.roots import _locals
 from leakfree.function import RELEASED, backward_ran
 
 __all__ = ["Retained", "RetentionReport", "find_retained", "graph_bytes", "tensor_bytes"]
@@ -408,7 +409,7 @@ def find_retained(
     else:
         frame = inspect.currentframe()
         caller = frame.f_back if frame is not None else None
-        named = list(caller.f_locals.items()) if caller is not None else []
+        named = _locals(caller) if caller is not None else []
         del frame, caller
     site_of = sites if sites is not None else _active_sites()
 

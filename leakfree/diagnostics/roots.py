@@ -17,6 +17,7 @@ Nothing is kept: the mappings are built when a watcher searches, and dropped aft
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 from typing import Any
@@ -63,7 +64,7 @@ def frame_roots(frame: types.FrameType | None) -> dict[str, Any]:
     while frame is not None and seen < MAX_FRAMES:
         if kind_of(frame.f_code.co_filename) != SKIPPED:
             seen += 1
-            for var, value in list(frame.f_locals.items()):
+            for var, value in _locals(frame):
                 if var in out or var in code or isinstance(value, types.ModuleType):
                     continue
                 target = code if callable(value) and not hasattr(value, "__len__") else out
@@ -71,3 +72,30 @@ def frame_roots(frame: types.FrameType | None) -> dict[str, Any]:
         frame = frame.f_back
     out.update(code)
     return out
+
+
+#: names whose use lets a function hold its own locals() snapshot: never cleared there
+_KEEPS_SNAPSHOT = frozenset({"locals", "vars"})
+
+
+def _locals(frame: types.FrameType) -> list[tuple[str, Any]]:
+    """A frame's local variables, without leaving them held.
+
+    Before Python 3.13 ``frame.f_locals`` of a function's frame is a snapshot dict cached
+    on the frame: it would keep this iteration's locals (a batch, the outputs) alive after
+    the loop rebinds them, until the frame ends. A watcher must not cause what it looks
+    for, so the snapshot is emptied again after reading (the next reader refills it),
+    except in a function that names ``locals``/``vars`` (it may hold the dict itself).
+    From 3.13 ``f_locals`` is a view (PEP 667): nothing to undo.
+    """
+    namespace = frame.f_locals
+    items = list(namespace.items())
+    code = frame.f_code
+    if (
+        type(namespace) is dict
+        and code.co_flags & inspect.CO_OPTIMIZED
+        and namespace is not frame.f_globals
+        and not _KEEPS_SNAPSHOT.intersection(code.co_names)
+    ):
+        namespace.clear()
+    return items

@@ -1,15 +1,17 @@
-"""The watcher both framework callbacks share: sample, judge growth, name the holders.
+"""The watcher both framework callbacks share: the detector over one training run.
 
 Lifetime contract
 -----------------
 *Kept*, by the :class:`GrowthWatch`, until :meth:`GrowthWatch.stop`: a
 :class:`~leakfree.diagnostics.MemoryTracker` and, where the judged device has no allocator
 statistics (the CPU), its storage tracker, active on the thread that called ``start``: it
-holds a weak reference per storage created while active, never the storage. Also kept: the
-live bytes of the current window of steps (at most ``window`` integers), the last
-:class:`~leakfree.diagnostics.Growth` and, after a growth verdict, the retention report
-(names and byte counts, no tensors). Nothing is kept of the objects handed to ``step`` as
-holders: they are walked only when growth is found, and let go at once.
+holds a weak reference per storage created while active (and where it was created: two
+code/line pairs), never the storage; ``torch.autograd.backward`` is wrapped while it runs
+(:mod:`~leakfree.diagnostics.boundaries`). Also kept: the live bytes of the current window
+of steps (at most ``window`` integers), the last :class:`~leakfree.diagnostics.Growth` and
+the findings (names and byte counts, no tensors). Of the objects handed to ``step`` as
+holders only the last callable is kept, until ``stop``; they are walked only when
+something is found.
 """
 
 from __future__ import annotations
@@ -42,25 +44,28 @@ def _whole(owner: str, name: str, value: Any, least: int) -> int:
 
 
 class GrowthWatch:
-    """Live bytes after each optimizer step; a growth verdict per window after a warm-up.
+    """One training run watched by the detector: findings warned (or raised) as made.
 
     Args:
         owner: the callback's name, for messages (``LeakfreeCallback``).
-        warmup: optimizer steps not judged (optimizer state, allocator caches, lazy
-            buffers appear there).
-        window: steps per verdict (at least 4: the verdict asks both halves to grow).
-            Each window is judged on its own, so the cost per step stays constant.
+        warmup: optimizer steps not judged across steps (optimizer state, allocator
+            caches, lazy buffers appear there); retention per microbatch is judged from
+            the first step.
+        window: optimizer steps per across-step verdict (at least 4: the verdict asks
+            both halves to grow), the most recent ones, judged at every step.
         tolerance: bytes per step of growth accepted beyond the noise bound.
+        floor: bytes per step of growth accepted when no autograd graph holds it.
         fail: raise :class:`~leakfree.testing.LeakError` instead of warning.
         sample_every: on a device counted by the storage tracker (the CPU), track storages
             during about one optimizer step in this many (see
             :class:`~leakfree.diagnostics.MemoryTracker`); ``window`` then counts tracked
             steps. An accelerator read from its allocator is read at every step regardless.
         device: the device judged (default: the accelerator if any, else the CPU).
-        roots: extra objects for :func:`~leakfree.diagnostics.find_retained` to search,
-            ``{name: object}`` or an iterable (named ``root0``...).
+        roots: extra objects to search for holders, ``{name: object}`` or an iterable
+            (named ``root0``...), before the framework's objects, the stack and the user's
+            module globals.
 
-    Warns (or raises) once per run: the first window that grows.
+    Each holder is reported once per run (:mod:`leakfree.diagnostics.detector`).
     """
 
     def __init__(
@@ -156,6 +161,7 @@ class GrowthWatch:
     def stop(self) -> None:
         """End the run (idempotent): tracking stops; the numbers stay readable."""
         tracker, self._tracker = self._tracker, None
+        self._holders = dict  # the framework's objects are not kept past the run
         if tracker is not None:
             tracker.__exit__(None, None, None)
 

@@ -43,6 +43,7 @@ except ModuleNotFoundError as missing:
 
 import torch
 
+from leakfree.diagnostics.detector import DEFAULT_FLOOR
 from leakfree.integrations._growth import GrowthWatch
 
 __all__ = ["LeakfreeCallback"]
@@ -52,15 +53,21 @@ class LeakfreeCallback(Callback):
     """Warn (or fail) when live memory grows per optimizer step; log the numbers.
 
     Args:
-        warmup: optimizer steps not judged (default 3: optimizer state and caches).
-        window: optimizer steps per verdict (default 10, at least 4).
+        warmup: optimizer steps not judged across steps (default 3: optimizer state and
+            caches). Memory that builds up per backward pass within a step (graphs kept
+            per microbatch) is judged from the first step, with no warm-up.
+        window: optimizer steps per across-step verdict (default 10, at least 4): the
+            most recent ones, judged at every step.
         tolerance: bytes per step of growth accepted beyond the noise bound (default 0).
+        floor: bytes per step of growth accepted when no autograd graph holds it
+            (default 64: a loss history of a few detached scalars is not a leak).
         fail: raise :class:`~leakfree.testing.LeakError` (out of ``trainer.fit``) instead
             of warning :class:`~leakfree.integrations.MemoryGrowthWarning`.
         sample_every: on the CPU, track tensor storages during about one optimizer step in
-            this many (default 1: every step, exact; 8 costs about 1.1x step time instead of
-            2.5x on a small causal LM, see docs/diagnostics.md); ``window`` then counts
-            tracked steps. An accelerator is read from its allocator at every step, free.
+            this many (default 8, the first step always: see docs/diagnostics.md for the
+            cost; 1: every step, exact, about 2.5x the step time of a small causal LM);
+            ``window`` then counts tracked steps. An accelerator is read from its
+            allocator at every step, free.
         device: the device judged (default: the accelerator if any, read from its
             allocator; else the CPU, where tensor storages created during training are
             tracked).
@@ -76,7 +83,8 @@ class LeakfreeCallback(Callback):
         window: int = 10,
         tolerance: float = 0.0,
         fail: bool = False,
-        sample_every: int = 1,
+        floor: float = DEFAULT_FLOOR,
+        sample_every: int = 8,
         device: str | torch.device | None = None,
         roots: Mapping[str, Any] | Iterable[Any] | None = None,
         log: bool = True,
@@ -88,6 +96,7 @@ class LeakfreeCallback(Callback):
             warmup=warmup,
             window=window,
             tolerance=tolerance,
+            floor=floor,
             fail=fail,
             sample_every=sample_every,
             device=device,

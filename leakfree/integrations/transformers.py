@@ -37,6 +37,7 @@ except ModuleNotFoundError as e:
 
 import torch
 
+from leakfree.diagnostics.detector import DEFAULT_FLOOR
 from leakfree.integrations._growth import GrowthWatch
 from leakfree.losses import LossLog
 
@@ -56,15 +57,21 @@ class LeakfreeCallback(TrainerCallback):  # type: ignore[misc]
     """Warn (or fail) when live memory grows per optimizer step; log the numbers.
 
     Args:
-        warmup: optimizer steps not judged (default 3: optimizer state and caches).
-        window: optimizer steps per verdict (default 10, at least 4).
+        warmup: optimizer steps not judged across steps (default 3: optimizer state and
+            caches). Memory that builds up per backward pass within a step (graphs kept
+            per microbatch) is judged from the first step, with no warm-up.
+        window: optimizer steps per across-step verdict (default 10, at least 4): the
+            most recent ones, judged at every step.
         tolerance: bytes per step of growth accepted beyond the noise bound (default 0).
+        floor: bytes per step of growth accepted when no autograd graph holds it
+            (default 64: a loss history of a few detached scalars is not a leak).
         fail: raise :class:`~leakfree.testing.LeakError` (from ``trainer.train()``)
             instead of warning :class:`~leakfree.integrations.MemoryGrowthWarning`.
         sample_every: on the CPU, track tensor storages during about one optimizer step in
-            this many (default 1: every step, exact; 8 costs about 1.1x step time instead of
-            2.5x on a small causal LM, see docs/diagnostics.md); ``window`` then counts
-            tracked steps. An accelerator is read from its allocator at every step, free.
+            this many (default 8, the first step always: see docs/diagnostics.md for the
+            cost; 1: every step, exact, about 2.5x the step time of a small causal LM);
+            ``window`` then counts tracked steps. An accelerator is read from its
+            allocator at every step, free.
         device: the device judged (default: the accelerator if any, read from its
             allocator; else the CPU, where tensor storages created during training are
             tracked).
@@ -85,7 +92,8 @@ class LeakfreeCallback(TrainerCallback):  # type: ignore[misc]
         window: int = 10,
         tolerance: float = 0.0,
         fail: bool = False,
-        sample_every: int = 1,
+        floor: float = DEFAULT_FLOOR,
+        sample_every: int = 8,
         device: str | torch.device | None = None,
         roots: Mapping[str, Any] | Iterable[Any] | None = None,
     ) -> None:
@@ -94,6 +102,7 @@ class LeakfreeCallback(TrainerCallback):  # type: ignore[misc]
             warmup=warmup,
             window=window,
             tolerance=tolerance,
+            floor=floor,
             fail=fail,
             sample_every=sample_every,
             device=device,

@@ -88,13 +88,15 @@ def train(trainer_cls: type, tmp_path: Path, callback: LeakfreeCallback, steps: 
 
 
 def test_leaky_step_is_reported_with_growth_and_holder(tmp_path: Path) -> None:
-    callback = LeakfreeCallback(warmup=2, window=6)
+    callback = LeakfreeCallback(warmup=2, window=6, sample_every=1)
     with pytest.warns(MemoryGrowthWarning) as caught:
         trainer = train(KeepsLogits, tmp_path, callback, steps=8)
     message = str(caught[0].message)
     per_step = 2 * SEQ * VOCAB * 4  # one batch's float32 logits
-    assert "grew by" in message and "over optimizer steps 3-8 (6 steps" in message
-    assert "model.kept[" in message  # the holder, named by find_retained
+    assert "grows by" in message and "over optimizer steps 3-8 (6 steps" in message
+    assert "model.kept[*]" in message  # the holder
+    assert "created at transformers/models/gpt2/modeling_gpt2.py:" in message  # the logits
+    assert "(from tests/integration/test_hf_trainer.py:" in message  # in compute_loss
     growth = callback.watch.growth
     assert growth is not None and growth.bytes_per_step > 0.9 * per_step
     assert any(r.where.startswith("model.kept[") for r in callback.watch.retained or ())
@@ -107,21 +109,85 @@ def test_leaky_step_is_reported_with_growth_and_holder(tmp_path: Path) -> None:
 
 
 def test_fail_raises_out_of_train(tmp_path: Path) -> None:
-    callback = LeakfreeCallback(warmup=2, window=4, fail=True)
-    with pytest.raises(LeakError, match=r"(?s)grew by .*model\.kept\["):
+    callback = LeakfreeCallback(warmup=2, window=4, fail=True, sample_every=1)
+    with pytest.raises(LeakError, match=r"(?s)grows by .*model\.kept\[\*\]"):
         train(KeepsLogits, tmp_path, callback, steps=8)
     assert callback.watch.steps == 6  # raised at the end of the first window
     assert not callback.watch.active  # and stopped tracking before raising
 
 
 def test_clean_training_is_not_reported(tmp_path: Path) -> None:
-    callback = LeakfreeCallback(warmup=2, window=6)
+    callback = LeakfreeCallback(warmup=2, window=6, sample_every=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", MemoryGrowthWarning)
         trainer = train(transformers.Trainer, tmp_path, callback, steps=8)
     growth = callback.watch.growth
     assert growth is not None and not growth.exceeds()
     assert trainer.state.log_history[-2]["leakfree/growth_bytes_per_step"] == growth.bytes_per_step
+
+
+class KeepsEntropy(transformers.Trainer):  # type: ignore[misc]
+    """verl's shape in a Trainer: per-microbatch entropy kept with its graph "for
+    metrics" until the optimizer step, when it is read and dropped. It never grows from
+    step to step; a step with enough microbatches runs out of memory."""
+
+    step_outputs: list[dict[str, torch.Tensor]]
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kw: Any) -> Any:
+        out = model(**inputs)
+        p = out.logits.softmax(-1)
+        entropy = -(p * p.log()).sum(-1)  # with grad; not in the loss
+        self.step_outputs.append({"entropy": entropy})
+        return (out.loss, out) if return_outputs else out.loss
+
+
+class ReadsEntropy(transformers.TrainerCallback):  # type: ignore[misc]
+    def __init__(self, trainer: KeepsEntropy) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.trainer.step_outputs.clear()  # the step's metrics, read and dropped
+
+
+def test_retention_per_microbatch_is_reported_in_the_first_optimizer_step(
+    tmp_path: Path,
+) -> None:
+    """With the callback's defaults (a 3-step warm-up, a 10-step window, sampling)."""
+    trainer = KeepsEntropy(
+        model=tiny_model(),
+        args=arguments(tmp_path, 2, gradient_accumulation_steps=4),
+        train_dataset=Rows(16),
+    )
+    trainer.step_outputs = []
+    trainer.add_callback(ReadsEntropy(trainer))
+    callback = LeakfreeCallback(fail=True).attach(trainer)
+    with pytest.raises(LeakError, match="kept per backward pass") as e:
+        trainer.train()
+    message = str(e.value)
+    assert "of step 1" in message and callback.watch.steps == 0  # before its first step
+    assert "trainer.step_outputs[*]['entropy']  2 graphs" in message
+    line = next(
+        i
+        for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+        if "entropy = -(p * p.log())" in text
+    )
+    assert f"created at tests/integration/test_hf_trainer.py:{line} in KeepsEntropy" in message
+
+
+def test_clean_training_with_the_defaults_and_accumulation_is_quiet(tmp_path: Path) -> None:
+    """AdamW (the Trainer's default), gradient accumulation, the callback's defaults."""
+    trainer = AuxTrainer(
+        model=tiny_model(),
+        args=arguments(tmp_path, 24, gradient_accumulation_steps=3),
+        train_dataset=Rows(144),
+        loss_log=["z_loss"],
+    )
+    trainer.by_hand, trainer.weak = [], []
+    callback = LeakfreeCallback(sample_every=2).attach(trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryGrowthWarning)
+        trainer.train()
+    assert callback.watch.findings == [] and callback.watch.growth is not None
 
 
 def test_attach_puts_the_callback_before_reporting_integrations(tmp_path: Path) -> None:

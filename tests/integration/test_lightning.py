@@ -75,12 +75,13 @@ pytestmark = [
 
 
 def test_leaky_step_is_reported_with_growth_and_holder(tmp_path: Path) -> None:
-    callback = LeakfreeCallback(warmup=2, window=6)
+    callback = LeakfreeCallback(warmup=2, window=6, sample_every=1)
     with pytest.warns(MemoryGrowthWarning) as caught:
         trainer = fit(tmp_path, callback, leaky=True, steps=8)
     message = str(next(w for w in caught if w.category is MemoryGrowthWarning).message)
-    assert "grew by" in message and "over optimizer steps 3-8 (6 steps" in message
-    assert "pl_module.kept[" in message  # the holder, named by find_retained
+    assert "grows by" in message and "over optimizer steps 3-8 (6 steps" in message
+    assert "pl_module.kept[*]" in message  # the holder
+    assert "created at tests/integration/test_lightning.py:" in message
     growth = callback.watch.growth
     assert growth is not None and growth.bytes_per_step > 0.9 * BATCH * WIDTH * 4
     # The numbers went through pl_module.log to the logger (one row per step).
@@ -92,19 +93,64 @@ def test_leaky_step_is_reported_with_growth_and_holder(tmp_path: Path) -> None:
 
 
 def test_fail_raises_out_of_fit(tmp_path: Path) -> None:
-    callback = LeakfreeCallback(warmup=2, window=4, fail=True)
-    with pytest.raises(LeakError, match=r"(?s)grew by .*pl_module\.kept\["):
+    callback = LeakfreeCallback(warmup=2, window=4, fail=True, sample_every=1)
+    with pytest.raises(LeakError, match=r"(?s)grows by .*pl_module\.kept\[\*\]"):
         fit(tmp_path, callback, leaky=True, steps=8)
     assert callback.watch.steps == 6 and not callback.watch.active
 
 
 def test_clean_training_is_not_reported(tmp_path: Path) -> None:
-    callback = LeakfreeCallback(warmup=2, window=6)
+    callback = LeakfreeCallback(warmup=2, window=6, sample_every=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", MemoryGrowthWarning)
         fit(tmp_path, callback, leaky=False, steps=8)
     growth = callback.watch.growth
     assert growth is not None and not growth.exceeds()
+
+
+class KeepsPerBatch(Tiny):
+    """Metrics kept with their graph for each batch of an accumulated step, dropped at
+    the optimizer step: the memory builds up within the step only."""
+
+    def __init__(self) -> None:
+        super().__init__(leaky=False)
+        self.step_outputs: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        hidden = self.net[1](self.net[0](x))
+        self.step_outputs.append(hidden.sigmoid())  # with grad, not in the loss
+        return self.net[2](hidden).square().mean()
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.step_outputs.clear()
+
+
+def test_retention_per_batch_is_reported_in_the_first_optimizer_step(tmp_path: Path) -> None:
+    callback = LeakfreeCallback(fail=True)  # the defaults
+    data = torch.utils.data.TensorDataset(torch.randn(BATCH * 16, WIDTH))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        accumulate_grad_batches=4,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(LeakError, match=r"(?s)of step 1.*step_outputs\[\*\]  \d graphs"):
+        trainer.fit(KeepsPerBatch(), torch.utils.data.DataLoader(data, batch_size=BATCH))
+    assert callback.watch.steps == 0 and not callback.watch.active
+
+
+def test_clean_training_with_the_defaults_and_accumulation_is_quiet(tmp_path: Path) -> None:
+    callback = LeakfreeCallback(sample_every=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryGrowthWarning)
+        fit(tmp_path, callback, leaky=False, steps=30, accumulate_grad_batches=2)
+    assert callback.watch.findings == [] and callback.watch.growth is not None
 
 
 def test_steps_are_optimizer_steps_under_gradient_accumulation(tmp_path: Path) -> None:
@@ -126,7 +172,7 @@ def test_standalone_pytorch_lightning_trainer_runs_it(tmp_path: Path) -> None:
             self.net = Tiny(leaky=True).net
             self.leaky, self.kept = True, []
 
-    callback = LeakfreeCallback(warmup=2, window=6)
+    callback = LeakfreeCallback(warmup=2, window=6, sample_every=1)
     data = torch.utils.data.TensorDataset(torch.randn(BATCH * 16, WIDTH))
     trainer = PL.Trainer(
         accelerator="cpu",

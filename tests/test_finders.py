@@ -1,0 +1,476 @@
+"""[2/6] The leaks nobody had catalogued, each in the shape users hit it: the leaky version is
+reported with its holder and the line that made it, the fixed one is quiet.
+
+Every case runs a real loop under the real watchers (MemoryTracker, assert_no_leak): no
+stand-ins. Sites are asserted as ``tests/test_finders.py:LINE in FUNCTION``; LINE comes
+from :func:`line_of`, so editing this file does not break them.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import inspect
+import sys
+import textwrap
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from leakfree import LossLog
+from leakfree.diagnostics import MemoryTracker, find_retained
+from leakfree.diagnostics.detector import Finding, Rule
+from leakfree.integrations import MemoryGrowthWarning
+from leakfree.testing import LeakError, assert_no_leak
+from tests.test_losses import ContextLoss
+
+HERE = "tests/test_finders.py"
+
+
+def line_of(fn: Callable[..., Any], text: str) -> int:
+    """The line of ``fn``'s source that contains ``text``."""
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def watch(step: Callable[[], None], steps: int, **kw: Any) -> list[Finding]:
+    """Run ``steps`` steps under an exact tracker; its findings (no warnings)."""
+    tracker = MemoryTracker(devices=["cpu"], sample_every=1, warn=False, **kw)
+    with tracker:
+        for _ in range(steps):
+            step()
+            tracker.step()
+    return tracker.findings
+
+
+def model_and_opt(width: int = 32) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 16))
+    return model, torch.optim.SGD(model.parameters(), lr=1e-2)
+
+
+# --- retention per microbatch: verl's output_lst, Fast-LLM's context.losses -----------------
+
+
+def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
+    p = logits.softmax(-1)
+    return -(p * p.log()).sum(-1)  # computed with grad, not part of the loss
+
+
+def verl_update(model: nn.Module, opt: Any, micro: int, detach: bool) -> list[dict[str, Any]]:
+    """verl's update_policy (#6698, #7166): per-microbatch metrics appended to output_lst."""
+    output_lst = []
+    for _ in range(micro):
+        logits = model(torch.randn(8, 32))
+        entropy = compute_entropy(logits)
+        loss = logits.logsumexp(-1).mean() / micro
+        loss.backward()
+        output_lst.append({"entropy": entropy.detach() if detach else entropy})
+    opt.step()
+    opt.zero_grad()
+    return output_lst
+
+
+def test_verl_output_list_is_reported_in_the_first_step_with_holder_and_site() -> None:
+    model, opt = model_and_opt()
+    findings = watch(lambda: verl_update(model, opt, micro=4, detach=False), steps=3)
+    [found] = findings
+    assert found.kind == "microbatch" and found.step == 1  # in the first optimizer step
+    line = line_of(compute_entropy, "return -(p * p.log())")
+    site = f"created at {HERE}:{line} in compute_entropy"
+    assert f"output_lst[*]['entropy']  2 graphs" in found.message and site in found.message
+    # each microbatch's entropy graph (p, log p saved: 2 x 8 x 16 floats) and more
+    assert found.bytes_per >= 2 * 8 * 16 * 4
+    assert "per backward pass" in found.message
+
+
+def test_verl_shape_never_grows_across_steps_so_a_per_step_verdict_alone_misses_it() -> None:
+    model, opt = model_and_opt()
+    tracker = MemoryTracker(devices=["cpu"], sample_every=1, warn=False, microbatches=False)
+    with tracker:
+        for _ in range(14):
+            verl_update(model, opt, micro=4, detach=False)
+            tracker.step()
+    assert not tracker.growth("cpu", skip=2).exceeds(0) and not tracker.findings
+
+
+def test_verl_detached_metrics_are_quiet() -> None:
+    model, opt = model_and_opt()
+    assert watch(lambda: verl_update(model, opt, micro=4, detach=True), steps=14) == []
+
+
+def test_assert_no_leak_raises_for_microbatch_retention_by_default() -> None:
+    model, opt = model_and_opt()
+    with pytest.raises(LeakError, match=r"(?s)kept per backward pass.*output_lst\[\*\]"):
+        assert_no_leak(lambda: verl_update(model, opt, micro=3, detach=False), steps=4)
+    assert_no_leak(lambda: verl_update(model, opt, micro=3, detach=True), steps=4)
+
+
+class BatchContext:
+    """Fast-LLM's BatchContext (#486): losses kept per microbatch until the step ends."""
+
+    def __init__(self) -> None:
+        self.losses: dict[str, list[torch.Tensor]] = {"lm": []}
+
+
+def fast_llm_step(model: nn.Module, opt: Any, detach: bool) -> None:
+    context = BatchContext()
+    for _ in range(3):
+        # The fused loss keeps its state on ctx (Fast-LLM's kernels, Transformer Engine):
+        # a graph kept for logging keeps that state, 64 KiB a microbatch here.
+        loss = ContextLoss.apply(model(torch.randn(8, 32)))
+        loss.backward()
+        context.losses["lm"].append(loss.detach() if detach else loss)
+    opt.step()
+    opt.zero_grad()
+
+
+def test_fast_llm_context_losses() -> None:
+    model, opt = model_and_opt()
+    [found] = watch(lambda: fast_llm_step(model, opt, detach=False), steps=2)
+    assert found.kind == "microbatch" and "context.losses['lm'][*]  2 graphs" in found.message
+    assert "ContextLoss.ctx.context" in found.message  # and what they keep
+    line = line_of(fast_llm_step, "loss = ContextLoss.apply(")
+    assert f"created at {HERE}:{line} in fast_llm_step" in found.message
+    assert found.bytes_per >= 64 * 1024 * 4
+    assert watch(lambda: fast_llm_step(model, opt, detach=True), steps=14) == []
+
+
+def test_backpropagated_scalar_losses_kept_until_the_step_ends_are_metrics() -> None:
+    """torch.distributed.pipelining keeps each microbatch's loss, with its graph, until the
+    step ends: once backpropagated it pins nothing but itself, 4 B: not a finding."""
+    model, opt = model_and_opt()
+
+    def step() -> None:
+        losses = []
+        for _ in range(4):
+            loss = model(torch.randn(8, 32)).square().mean()
+            loss.backward()
+            losses.append(loss)
+        opt.step()
+        opt.zero_grad()
+
+    assert watch(step, steps=14) == []
+
+
+# --- the detector's rule: small leaks cannot hide, clean loops do not trip ------------------
+
+
+def test_a_4_byte_graph_leak_is_caught_behind_a_bounded_fill() -> None:
+    model, opt = model_and_opt()
+    cache: list[torch.Tensor] = []  # a tokenizer cache: fills over five steps, then stays
+    kept: list[torch.Tensor] = []
+
+    def step(leak: bool) -> None:
+        if len(cache) < 5:
+            cache.append(torch.zeros(64 * 1024))  # 256 KiB per step while filling
+        loss = model(torch.randn(8, 32)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if leak:
+            kept.append(loss)  # 4 B per step, with its graph
+
+    findings = watch(lambda: step(True), steps=2 + 5 + 20)
+    assert findings and findings[0].kind == "growth"
+    assert findings[0].step <= 2 + 5 + 20  # within 20 steps after the fill
+    assert findings[0].bytes_per == 4 and "kept[*]" in findings[0].message
+    kept.clear()
+    cache.clear()
+    assert watch(lambda: step(False), steps=2 + 5 + 20) == []
+
+
+def test_detached_loss_history_under_the_floor_is_not_a_leak() -> None:
+    model, opt = model_and_opt()
+    history: list[torch.Tensor] = []
+
+    def step() -> None:
+        loss = model(torch.randn(8, 32)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        history.append(loss.detach())  # 4 B per step: a metric, not a leak
+
+    growth = assert_no_leak(step, steps=20)
+    assert growth.bytes_per_step == 4  # it grows, and is judged harmless
+    with pytest.raises(LeakError, match="history"):
+        assert_no_leak(step, steps=20, floor=2)  # the floor is the user's to set
+
+
+def test_detached_growth_above_the_floor_names_its_holder() -> None:
+    history: list[torch.Tensor] = []
+    with pytest.raises(LeakError, match=r"history  \d+ tensor\(s\) without a graph"):
+        assert_no_leak(lambda: history.append(torch.zeros(64)), steps=8)
+
+
+# --- holders wherever they hide --------------------------------------------------------------
+
+_HANDLE_CACHE_MODULE = """
+import torch
+
+_handle_cache = {}  # torchtitan #2296: cleared on one code path only
+
+
+def all_gather(x, step, clean):
+    out = torch.cat([x, x])
+    _handle_cache[step] = out  # kept for a later wait() that never comes
+    if clean:
+        _handle_cache.clear()
+    return out.sum()
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path: Path) -> Iterator[Any]:
+    """A module of the user's own code, imported from a file (not a package)."""
+    (tmp_path / "user_collectives.py").write_text(textwrap.dedent(_HANDLE_CACHE_MODULE))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield importlib.import_module("user_collectives")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("user_collectives", None)
+
+
+def test_a_module_global_cache_is_named_from_the_module(user_module: Any) -> None:
+    counter = iter(range(10**6))
+
+    def step(clean: bool) -> None:
+        user_module.all_gather(torch.randn(64), next(counter), clean)
+
+    [found] = watch(lambda: step(False), steps=14)
+    assert "user_collectives._handle_cache" in found.message
+    assert "created at" in found.message and "user_collectives.py:8 in all_gather" in found.message
+    assert watch(lambda: step(True), steps=14) == []
+
+
+class Metrics:
+    history: list[Any] = []  # a class attribute: shared, lives as long as the class
+
+
+def test_a_class_attribute_holder() -> None:
+    model, opt = model_and_opt()
+
+    def step() -> None:
+        loss = model(torch.randn(8, 32)).square().mean()
+        loss.backward()
+        Metrics.history.append(loss)
+
+    try:
+        [found] = watch(step, steps=14)
+    finally:
+        Metrics.history.clear()
+    assert "Metrics.history[*]" in found.message
+
+
+def test_hooks_registered_every_step_on_a_parameter() -> None:
+    """pytorch #185331's lifetime: a hook added to a long-lived tensor every step keeps its
+    closure (here the step's activation, with its graph) as long as the parameter."""
+    model, opt = model_and_opt()
+
+    def step(remove: bool) -> None:
+        hidden = model[0](torch.randn(8, 32))
+        handle = model[0].weight.register_hook(lambda g: g * hidden.detach().mean())
+        model[2](model[1](hidden)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if remove:
+            handle.remove()
+
+    [found] = watch(lambda: step(False), steps=14)
+    hooks = "model._modules['0']._parameters['weight']._backward_hooks[*]<closure>"
+    assert hooks in found.message
+    line = line_of(step, "hidden = model[0](")
+    assert f"created at {HERE}:{line} in " in found.message
+    assert watch(lambda: step(True), steps=14) == []
+
+
+def test_graphs_kept_by_retain_graph_count_their_saved_tensors() -> None:
+    model, opt = model_and_opt()
+    later: list[torch.Tensor] = []
+
+    def step() -> None:
+        out = model(torch.randn(8, 32))
+        out.square().mean().backward(retain_graph=True)  # "for a later backward"
+        later.append(out)  # that never comes
+        opt.step()
+        opt.zero_grad()
+
+    [found] = watch(step, steps=14)
+    [held] = found.holders
+    assert held.where == "later[*]" and held.count >= 10
+    assert "retain_graph=True" in held.detail
+    # the saved activations are alive and counted: far more than the 8 x 16 outputs
+    assert held.nbytes / held.count > 4 * 8 * 16 * 4
+    assert found.bytes_per > 4 * 8 * 16 * 4
+
+
+class OffloadTable:
+    """axolotl #3638's offloader: the table is reset only once every packed tensor was
+    unpacked, and some saved tensors never are (a branch outside the loss)."""
+
+    def __init__(self, reset_on_enter: bool) -> None:
+        self.tracker: dict[int, torch.Tensor] = {}
+        self.pending: set[int] = set()
+        self.reset_on_enter = reset_on_enter
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> int:
+        key = len(self.tracker)
+        self.tracker[key] = t.detach().clone()  # the host copy
+        self.pending.add(key)
+        return key
+
+    def unpack(self, key: int) -> torch.Tensor:
+        out = self.tracker[key]
+        self.pending.discard(key)
+        if not self.pending:  # the cleanup that never fires: one is never unpacked
+            self.tracker.clear()
+        return out
+
+    def __enter__(self) -> OffloadTable:
+        if self.reset_on_enter:  # the fix (TRL 1.16's): a new step starts a new table
+            self.tracker.clear()
+            self.pending.clear()
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.hooks.__exit__(*exc)
+
+
+def test_a_saved_tensor_hook_table_whose_cleanup_never_fires() -> None:
+    model, opt = model_and_opt()
+
+    def step(offloader: OffloadTable) -> None:
+        with offloader:
+            out = model(torch.randn(8, 32))
+            side = out.sigmoid()  # saved, never unpacked: not in the loss
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        del side
+
+    leaky = OffloadTable(reset_on_enter=False)
+    [found] = watch(lambda: step(leaky), steps=14)
+    assert "leaky.tracker" in found.message and "without a graph" in found.message
+    fixed = OffloadTable(reset_on_enter=True)
+    assert watch(lambda: step(fixed), steps=14) == []
+
+
+# --- gc switched off, or slow ----------------------------------------------------------------
+
+
+class Node:
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out
+        self.me = self  # a reference cycle: only the collector frees it
+
+
+@pytest.fixture
+def no_auto_gc() -> Iterator[None]:
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+        gc.collect()
+
+
+def cycle_step(model: nn.Module, opt: Any, collect: bool) -> None:
+    out = model(torch.randn(8, 32)).tanh()
+    out.square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    Node(out)
+    if collect:
+        gc.collect()  # torchforge #209's fix: collect every step
+
+
+def test_cycles_under_gc_disable_are_named_with_their_path(no_auto_gc: None) -> None:
+    model, opt = model_and_opt()
+    findings = watch(lambda: cycle_step(model, opt, collect=False), steps=14)
+    [found] = findings
+    assert found.kind == "cycles" and found.cycles is not None
+    assert not found.cycles.gc_enabled
+    assert "gc is disabled" in found.message and "gc.collect() would free" in found.message
+    assert "cycle: Node.me -> Node; holds it by .out" in found.message
+    line = line_of(cycle_step, "out = model(")
+    assert f"created at {HERE}:{line} in cycle_step" in found.message
+    assert found.cycles.nbytes >= 10 * 8 * 16 * 4
+    assert watch(lambda: cycle_step(model, opt, collect=True), steps=14) == []
+
+
+def test_cycles_that_outlive_a_step_with_gc_on_are_freed_late() -> None:
+    model, opt = model_and_opt()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10**9)  # on, but slow: what a large heap's oldest generation sees
+    try:
+        findings = watch(lambda: cycle_step(model, opt, collect=False), steps=4)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.collect()
+    [found] = findings
+    assert found.kind == "late cycles" and "freed late" in found.message
+    assert "Node.me -> Node" in found.message
+
+
+# --- quiet by default ------------------------------------------------------------------------
+
+
+def test_find_retained_on_a_clean_loop_reports_nothing_unless_asked() -> None:
+    model, opt = model_and_opt()
+    batches = [torch.randn(8, 32) for _ in range(4)]
+    log = LossLog(["lm"])
+    for x in batches:
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        log["lm"].append(loss)
+    report = find_retained()
+    assert not report and not report.detached and str(report).startswith("nothing retained")
+    everything = find_retained(everything=True)
+    assert [r.where for r in everything if r.kind == "graph"] == ["loss"]
+    assert any(r.where == "batches" for r in everything.detached)
+
+
+def test_a_clean_loop_with_accumulation_adamw_a_cache_and_losslog_is_quiet() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # its state appears in step 1
+    cache: dict[int, torch.Tensor] = {}
+    log = LossLog(["lm"])
+
+    def step() -> None:
+        for i in range(3):
+            key = len(cache) % 4
+            if key not in cache:
+                cache[key] = torch.randn(128)  # bounded: four entries at most
+            loss = model(torch.randn(8, 32)).square().mean() / 3
+            loss.backward()
+            log["lm"].append(loss)
+        opt.step()
+        opt.zero_grad()
+        log.reduce()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryGrowthWarning)
+        growth = assert_no_leak(step, steps=20)
+    assert growth.bytes_per_step == 0
+
+
+def test_rule_arguments_are_checked_before_anything_runs() -> None:
+    with pytest.raises(ValueError, match=r"MemoryTracker\(window=3\)"):
+        MemoryTracker(rule=Rule(window=3))
+    with pytest.raises(ValueError, match=r"assert_no_leak\(floor=-1\)"):
+        assert_no_leak(lambda: None, floor=-1)
+    with pytest.raises(TypeError, match=r"MemoryTracker\(warn='no'\)"):
+        MemoryTracker(warn="no")  # type: ignore[arg-type]
