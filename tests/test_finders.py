@@ -474,3 +474,46 @@ def test_rule_arguments_are_checked_before_anything_runs() -> None:
         assert_no_leak(lambda: None, floor=-1)
     with pytest.raises(TypeError, match=r"MemoryTracker\(warn='no'\)"):
         MemoryTracker(warn="no")  # type: ignore[arg-type]
+
+
+def test_compile_warm_up_is_quiet() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    compiled = torch.compile(model, backend="aot_eager")  # no C++ compiler needed
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        for _ in range(2):
+            compiled(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    assert watch(step, steps=14) == []
+
+
+def _rebinding_loop(tracker: MemoryTracker) -> list[bool]:
+    """A training loop that rebinds its batch every step: was each one freed at once?
+    (No assert in here: pytest's rewritten asserts name ``locals``, a function the
+    watcher then rightly leaves alone.)"""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    model, opt = model_and_opt()
+    freed = []
+    with tracker:
+        for _ in range(3):
+            batch = torch.randn(256)
+            ref = StorageWeakRef(batch.untyped_storage())
+            verl_update(model, opt, micro=3, detach=False)  # searches: reads this frame
+            tracker.step()
+            batch = None
+            freed.append(ref.expired())
+    return freed
+
+
+def test_watching_keeps_no_local_alive() -> None:
+    """A search reads the locals of the frames on the stack; before Python 3.13 that
+    caches a snapshot on each frame which would keep this loop's last batch alive after
+    the loop rebinds it. The watcher empties what it read."""
+    tracker = MemoryTracker(devices=["cpu"], sample_every=1, warn=False)
+    assert _rebinding_loop(tracker) == [True, True, True]
+    assert tracker.findings  # it did search

@@ -7,9 +7,9 @@ samples at two boundaries and turns them into :class:`Finding` s:
 :mod:`~leakfree.diagnostics.boundaries`): when the bytes alive after a backward exceed those
 after the one before, the holders are searched (the locals of the frames on the stack, the
 user's module globals, the watcher's roots). Backpropagated graphs from several
-microbatches in one holder (``output_lst[*]['entropy']``), each pinning more than
-``floor`` bytes (its saved tensors, ctx state, leaves), are a finding at once, in the
-first step: memory that builds up per microbatch and comes back at the step's end never
+microbatches in one holder (``output_lst[*]['entropy']``), each keeping more than
+``floor`` bytes through its graph (saved tensors, ctx state, leaves: what detaching would
+free), are a finding at once, in the first step: memory that builds up per microbatch and comes back at the step's end never
 shows as growth between steps. Detached values kept until the step ends (a loss history
 for logging) are the user's metrics: no finding.
 
@@ -151,11 +151,13 @@ class Detector:
             return
         self._micro_searches += 1
         report = self._search(frame)
-        # Graphs of several microbatches in one holder, each pinning more than a scalar
-        # (torch's pipelining schedules keep each microbatch's backpropagated loss until
-        # the step ends: 4 B each, a metric like any other).
+        # Graphs of several microbatches in one holder, each keeping more through its graph
+        # than ``floor`` beyond its own value: torch's pipelining schedules keep every
+        # microbatch's backpropagated loss until the step ends, a value like a metric.
         graphs = group([i for i in report.items if i.kind == "graph"])
-        several = [g for g in graphs if g.count > 1 and g.nbytes / g.count > self.rule.floor]
+        several = [
+            g for g in graphs if g.count > 1 and g.through_graph / g.count > self.rule.floor
+        ]
         if not several:
             if self._micro_searches >= 2:  # nothing twice this step: search less often
                 self._next_micro = step + self._micro_backoff

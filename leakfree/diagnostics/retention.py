@@ -82,6 +82,9 @@ class Retained:
     detail: str = ""
     count: int = 0  #: for "detached": how many tensors the holder holds
     site: str = ""  #: where the held tensor was created (``train.py:42 in compute``), if known
+    #: for "graph": the bytes kept through the graph alone, beyond the held tensor's own
+    #: storage (what detaching it would free)
+    through_graph: int = 0
 
     def __str__(self) -> str:
         made = f"  created at {self.site}" if self.site else ""
@@ -165,7 +168,9 @@ def group(items: list[Retained]) -> list[Retained]:
         site = max(set(sites), key=sites.count) if sites else ""
         count = sum(max(m.count, 1) for m in members)
         detail = f"{len(members)} of them; each {members[0].detail}"
-        out.append(Retained(kind, where, sum(m.nbytes for m in members), detail, count, site))
+        nbytes = sum(m.nbytes for m in members)
+        through = sum(m.through_graph for m in members)
+        out.append(Retained(kind, where, nbytes, detail, count, site, through))
     return sorted(out, key=lambda i: -i.nbytes)
 
 
@@ -479,7 +484,8 @@ def find_retained(
         if not everything and not (backpropagated and (retained or _in_growable(located))):
             continue
         leaf_bytes = sum(_leaf_bytes(node, counted, anyway) for node in leaves)
-        graph_bytes += leaf_bytes + tensor_bytes(tensor, counted, depth=0)
+        through = graph_bytes + leaf_bytes
+        graph_bytes = through + tensor_bytes(tensor, counted, depth=0)
         pinned = f", {format_bytes(leaf_bytes)} of leaves and their .grad" if leaf_bytes else ""
         if retained:
             how = "backpropagated with retain_graph=True, its saved tensors alive"
@@ -495,6 +501,7 @@ def find_retained(
                 f"a tensor whose graph was {how} ({nodes} nodes{pinned}); "
                 "detach it before keeping it",
                 site=made(tensor),
+                through_graph=through,
             )
         )
     ctx = [
