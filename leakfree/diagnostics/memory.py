@@ -24,7 +24,6 @@ over the samples is still bytes per step.
 
 from __future__ import annotations
 
-import gc
 import math
 import random
 import statistics
@@ -176,10 +175,14 @@ class StorageTracker(TorchDispatchMode):
                     inputs = _storages_of(args, kwargs)
                 if key in inputs:
                     continue
+            device = t.device
+            name = _DEVICE_NAMES.get(device)
+            if name is None:  # meta tensors land under "meta", which no one samples
+                name = _DEVICE_NAMES[device] = str(device)
             live[key] = (
                 StorageWeakRef(storage),  # type: ignore[no-untyped-call]
                 storage.nbytes(),
-                str(t.device),  # meta tensors land under "meta", which no one samples
+                name,
             )
             if self._sites is not None:
                 if where is False:
@@ -230,6 +233,7 @@ class StorageTracker(TorchDispatchMode):
         return out
 
 
+_DEVICE_NAMES: dict[torch.device, str] = {}
 _LIFT_FRESH = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 _VIEW, _NEW, _MUTATES = 0, 1, 2
 _KINDS: dict[Any, int] = {}
@@ -402,8 +406,6 @@ class MemoryTracker:
         return self._allocator_bytes(device) is None
 
     def __enter__(self) -> MemoryTracker:
-        if gc.isenabled():  # cycles left from before the watch are not charged to it
-            gc.collect()
         self._storages = None  # on an allocator's count alone, no op pays for tracking
         if any(self._counted(d) for d in self.devices):
             self._storages = StorageTracker(sites=self.sites)
@@ -453,11 +455,14 @@ class MemoryTracker:
         index = self._step
         self._step += 1
         tracked = self._tracking or self._storages is None
-        now = {
-            key: value
-            for key, value in self.sample().items()
-            if tracked or not self._counted(torch.device(key))
-        }
+        if tracked:
+            now = self.sample()
+        else:  # only the allocator-read devices: no walk over the tracked storages
+            now = {}
+            for device in self.devices:
+                allocator = self._allocator_bytes(device)
+                if allocator is not None:
+                    now[str(device)] = allocator
         for key, value in now.items():
             self.series.setdefault(key, []).append(value)
             self.steps.setdefault(key, []).append(index)

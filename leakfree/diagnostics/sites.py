@@ -110,8 +110,12 @@ def site_of(raw: Raw | None) -> Site | None:
     if raw is None:
         return None
     code, line, caller = raw
-    outer = None if caller is None else Site(caller[0].co_filename, caller[1], caller[0].co_name)
-    return Site(code.co_filename, line, getattr(code, "co_qualname", code.co_name), outer)
+    outer = None if caller is None else Site(caller[0].co_filename, caller[1], _name(caller[0]))
+    return Site(code.co_filename, line, _name(code), outer)
+
+
+def _name(code: CodeType) -> str:
+    return getattr(code, "co_qualname", code.co_name)  # 3.11+: Class.method
 
 
 def _short(filename: str) -> str:
