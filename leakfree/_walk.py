@@ -248,10 +248,12 @@ def _other(obj: Any) -> Iterator[Edge]:
     if kind.__dictoffset__ or _slot_names(kind):
         yield from _fields(obj)
         return
-    # A C-level object without __dict__ or slots: what the collector knows it holds.
+    # A C-level object without __dict__ or slots: what the collector knows it holds (an
+    # autograd node: its tables of hooks, with their closures).
+    label = "<hooks>" if isinstance(obj, torch.autograd.graph.Node) else None
     for i, v in enumerate(gc.get_referents(obj)):
         if not isinstance(v, type):
-            yield f"<ref {i}>", v
+            yield label or f"<ref {i}>", v
 
 
 _SKIP: tuple[type, ...] = (

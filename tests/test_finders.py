@@ -83,7 +83,7 @@ def test_verl_output_list_is_reported_in_the_first_step_with_holder_and_site() -
     assert found.kind == "microbatch" and found.step == 1  # in the first optimizer step
     line = line_of(compute_entropy, "return -(p * p.log())")
     site = f"created at {HERE}:{line} in compute_entropy"
-    assert f"output_lst[*]['entropy']  2 graphs" in found.message and site in found.message
+    assert "output_lst[*]['entropy']  2 graphs" in found.message and site in found.message
     # each microbatch's entropy graph (p, log p saved: 2 x 8 x 16 floats) and more
     assert found.bytes_per >= 2 * 8 * 16 * 4
     assert "per backward pass" in found.message
@@ -450,7 +450,7 @@ def test_a_clean_loop_with_accumulation_adamw_a_cache_and_losslog_is_quiet() -> 
     log = LossLog(["lm"])
 
     def step() -> None:
-        for i in range(3):
+        for _i in range(3):
             key = len(cache) % 4
             if key not in cache:
                 cache[key] = torch.randn(128)  # bounded: four entries at most
@@ -517,3 +517,44 @@ def test_watching_keeps_no_local_alive() -> None:
     tracker = MemoryTracker(devices=["cpu"], sample_every=1, warn=False)
     assert _rebinding_loop(tracker) == [True, True, True]
     assert tracker.findings  # it did search
+
+
+def test_hooks_registered_every_step_on_a_graph_node() -> None:
+    """A hook added every step to the parameter's gradient accumulator (the node DDP hooks
+    once) keeps its closure as long as the node."""
+    model, opt = model_and_opt()
+    accumulator = model[0].weight.view_as(model[0].weight).grad_fn.next_functions[0][0]
+
+    def step() -> None:
+        scale = model[0](torch.randn(8, 32)).detach().mean(0)  # 128 B kept per step
+        accumulator.register_prehook(lambda grads: (scale.sum(), None)[1])
+        model(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    [found] = watch(step, steps=14)
+    assert "accumulator<hooks>  12 tensor(s) without a graph" in found.message
+    line = line_of(step, "scale = model[0](")
+    assert f"created at {HERE}:{line} in " in found.message
+
+
+def test_a_holder_no_walk_can_see_still_gets_the_line_that_made_it() -> None:
+    """Tensors kept by ``weakref.finalize`` arguments live in the standard library's
+    registry, which no search walks: what grew is still named by the line that made it."""
+    import weakref
+
+    model, opt = model_and_opt()
+
+    def step() -> None:
+        stats = model[0](torch.randn(8, 32)).detach().mean(0)  # 128 B kept per step
+        weakref.finalize(model, print, stats)  # runs when the model dies: keeps stats
+        model(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    [found] = watch(step, steps=14)
+    assert "no holder found" in found.message
+    line = line_of(step, "stats = model[0](")
+    assert f"created at {HERE}:{line} in " in found.message and "10 storage(s)" in found.message
+    for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
+        finalizer.detach()

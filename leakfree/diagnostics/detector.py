@@ -242,12 +242,22 @@ class Detector:
                 "backpropagated, tensors without a graph):",
                 growth,
             )
+        made = ""
+        storages = self.tracker._storages
+        if storages is not None:  # no holder: at least the lines that made what grew
+            grown = storages.alive_by_site(first - 1)  # epoch k-1: made in step k
+            made = "".join(
+                f"\n  created at {site}: {count} storage(s), {format_bytes(nbytes)}"
+                for site, count, nbytes in grown[:5]
+            )
         return self._found(
             "growth",
             [],
             growth.bytes_per_step,
             f"{lead}; no holder found among the module globals, the stack and the roots "
-            "given (pass the object that keeps it as roots=..., or read a memory snapshot)",
+            "given: it is held where a walk cannot see (C++: hooks on graph nodes, an "
+            "extension's objects) or by an object you can pass as roots=...; what grew "
+            f"since step {first}, by the line that made it:{made or ' unknown'}",
             growth,
         )
 
@@ -288,8 +298,8 @@ class Detector:
     ) -> bool:
         grouped = group(holders)
         fresh = [h for h in grouped if (kind, h.where) not in self._reported]
-        if holders and not fresh:
-            return True
+        if (holders and not fresh) or (not holders and (kind, "") in self._reported):
+            return True  # reported already: once per run
         self._reported.update((kind, h.where) for h in fresh)
         if not holders:
             self._reported.add((kind, ""))

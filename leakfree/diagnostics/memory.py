@@ -137,7 +137,9 @@ class StorageTracker(TorchDispatchMode):
 
     def __init__(self, *, sites: bool = False) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self._live: dict[int, tuple[StorageWeakRef, int, str]] = {}
+        #: storage key -> (weak reference, bytes when made, device name, epoch when made)
+        self._live: dict[int, tuple[StorageWeakRef, int, str, int]] = {}
+        self.epoch = 0  #: a label for the storages made from now on (the tracker's step)
         #: where each tracked storage was created (with ``sites=True``): see sites.py
         self._sites: dict[int, Raw | None] | None = {} if sites else None
 
@@ -183,6 +185,7 @@ class StorageTracker(TorchDispatchMode):
                 StorageWeakRef(storage),  # type: ignore[no-untyped-call]
                 storage.nbytes(),
                 name,
+                self.epoch,
             )
             if self._sites is not None:
                 if where is False:
@@ -212,6 +215,20 @@ class StorageTracker(TorchDispatchMode):
             return False
         return seen is not None and not seen[0].expired()  # type: ignore[no-untyped-call]
 
+    def alive_by_site(self, since: int) -> list[tuple[str, int, int]]:
+        """``(site, storages, bytes)`` of the storages made at epoch ``since`` or later and
+        still alive, grouped by where they were made, most bytes first: what grew, by the
+        line that made it, even where no walk can reach its holder (C++)."""
+        groups: dict[str, list[int]] = {}
+        for key, (ref, nbytes, _, epoch) in list(self._live.items()):
+            if epoch < since or ref.expired():  # type: ignore[no-untyped-call]
+                continue
+            site = site_of(self._sites.get(key)) if self._sites is not None else None
+            row = groups.setdefault(str(site) if site is not None else "?", [0, 0])
+            row[0] += 1
+            row[1] += _current_nbytes(ref, nbytes)
+        return sorted(((s, n, b) for s, (n, b) in groups.items()), key=lambda r: -r[2])
+
     def live_bytes(self) -> dict[str, int]:
         """Bytes of tracked storages still alive, per device (and forgets the dead ones).
 
@@ -220,7 +237,7 @@ class StorageTracker(TorchDispatchMode):
         """
         out: dict[str, int] = {}
         dead = []
-        for key, (ref, nbytes, device) in self._live.items():
+        for key, (ref, nbytes, device, _) in self._live.items():
             if ref.expired():  # type: ignore[no-untyped-call]
                 dead.append(key)
             else:
@@ -466,6 +483,8 @@ class MemoryTracker:
         for key, value in now.items():
             self.series.setdefault(key, []).append(value)
             self.steps.setdefault(key, []).append(index)
+        if self._storages is not None:
+            self._storages.epoch = index + 1  # storages made from now on: the next step's
         self.detector.step(now.get(self.judged), sys._getframe(1))
         if self._storages is not None and self.sample_every > 1:
             if index + 1 > self._next:  # draw the next tracked step: gaps average k

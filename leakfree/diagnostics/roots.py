@@ -17,6 +17,7 @@ Nothing is kept: the mappings are built when a watcher searches, and dropped aft
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import types
@@ -25,6 +26,9 @@ from typing import Any
 from leakfree.diagnostics.sites import SKIPPED, USER, kind_of
 
 __all__ = ["frame_roots", "module_roots"]
+
+#: what is searched after the data: functions reach holders through their closures
+_CODE = (types.FunctionType, types.MethodType, functools.partial)
 
 #: frames searched above a boundary (a Trainer's stack is some 30 deep)
 MAX_FRAMES = 40
@@ -67,7 +71,7 @@ def frame_roots(frame: types.FrameType | None) -> dict[str, Any]:
             for var, value in _locals(frame):
                 if var in out or var in code or isinstance(value, types.ModuleType):
                     continue
-                target = code if callable(value) and not hasattr(value, "__len__") else out
+                target = code if isinstance(value, _CODE) else out
                 target[var] = value
         frame = frame.f_back
     out.update(code)

@@ -41,7 +41,9 @@ def _worker(rank: int, world: int, wrapper: str, leak: bool) -> dict[str, Any]:
         for _ in range(STEPS):
             for i in range(MICRO):
                 last = i == MICRO - 1
-                quiet = model.no_sync() if wrapper == "ddp" and not last else contextlib.nullcontext()
+                quiet = (
+                    model.no_sync() if wrapper == "ddp" and not last else contextlib.nullcontext()
+                )
                 if wrapper == "fsdp2":
                     model.set_requires_gradient_sync(last)
                 with quiet:
@@ -82,11 +84,11 @@ def test_trl_sft_trainer_with_offloading_and_accumulation_is_quiet(tmp_path: Pat
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import leakfree
     from datasets import Dataset
     from tokenizers import Tokenizer, models
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+    import leakfree
     from leakfree.integrations import MemoryGrowthWarning
     from leakfree.integrations.transformers import LeakfreeCallback
 
