@@ -3,6 +3,9 @@
 * :class:`MemoryTracker` / :func:`fit_growth`: live bytes per device per step, growth per
   step with a noise bound (CUDA allocator statistics, or tracked tensor storages on any
   device);
+* the detector behind both (:class:`Rule`, :class:`Finding`): memory kept per microbatch
+  within a step, growth that keeps graphs whatever its size, tensors held by reference
+  cycles, each with its holder and the line that created it;
 * :func:`find_retained`: containers (class attributes included) holding backpropagated
   graphs, with the leaves and gradients they pin; ctx attributes kept after their backward;
   growable containers of tensors without a graph;
@@ -17,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 # Loaded on first use (PEP 562): `leakfree snapshot` reads pickles without importing torch.
 _EXPORTS = {
+    "Finding": "leakfree.diagnostics.detector",
+    "Rule": "leakfree.diagnostics.detector",
     "Growth": "leakfree.diagnostics.memory",
     "MemoryTracker": "leakfree.diagnostics.memory",
     "StorageTracker": "leakfree.diagnostics.memory",
@@ -29,11 +34,13 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "Finding",
     "Growth",
     "HostSyncCounter",
     "MemoryTracker",
     "Retained",
     "RetentionReport",
+    "Rule",
     "StorageTracker",
     "count_host_syncs",
     "find_retained",
@@ -54,6 +61,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from leakfree.diagnostics.detector import Finding, Rule
     from leakfree.diagnostics.memory import Growth, MemoryTracker, StorageTracker, fit_growth
     from leakfree.diagnostics.retention import Retained, RetentionReport, find_retained
     from leakfree.diagnostics.syncs import HostSyncCounter, count_host_syncs

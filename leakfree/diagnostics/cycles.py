@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,8 @@ from leakfree._text import format_bytes
 from leakfree.diagnostics.retention import graph_bytes
 
 __all__ = ["Cycles", "find_cycles"]
+
+_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 
 #: at most this many garbage objects are read for the cycle's path
 _MAX_OBJECTS = 200_000
@@ -94,7 +97,10 @@ def _read(
     site: Callable[[torch.Tensor], Any] | None,
     mine: Callable[[torch.Tensor], bool] | None,
 ) -> Cycles | None:
-    tensors = [o for o in garbage if isinstance(o, torch.Tensor) and (mine is None or mine(o))]
+    # type(), not isinstance(): a dead weakref.proxy among the garbage raises on the latter
+    tensors = [
+        o for o in garbage if issubclass(type(o), torch.Tensor) and (mine is None or mine(o))
+    ]
     if not tensors:
         return None
     counted: set[int] = set()
@@ -133,7 +139,7 @@ def _labelled(obj: Any) -> list[tuple[str, Any]]:
         if isinstance(obj, types.FunctionType):
             names = {id(c): "<closure>" for c in obj.__closure__ or ()}
     for child in gc.get_referents(obj):
-        if isinstance(child, type) or child is fields:
+        if type(child) in _PROXIES or isinstance(child, type) or child is fields:
             continue
         out.append((names.get(id(child), " ->"), child))
     return out
@@ -146,7 +152,7 @@ def _name(obj: Any) -> str:
 def _cycle_to(target: Any, garbage: list[Any]) -> str:
     """One cycle among ``garbage`` from which ``target`` is reachable, as
     ``Type.label -> Type.label -> ...``, then the way down to ``target``."""
-    members = {id(o): o for o in garbage[:_MAX_OBJECTS]}
+    members = {id(o): o for o in garbage[:_MAX_OBJECTS] if type(o) not in _PROXIES}
     edges: dict[int, list[tuple[str, Any]]] = {}
     for key, obj in members.items():
         edges[key] = [(lab, c) for lab, c in _labelled(obj) if id(c) in members]

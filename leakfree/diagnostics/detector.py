@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
@@ -49,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from leakfree._text import format_bytes
+from leakfree._warnings import LeakfreeWarning
 from leakfree.diagnostics.cycles import Cycles, find_cycles
 from leakfree.diagnostics.memory import Growth, fit_growth
 from leakfree.diagnostics.retention import Retained, RetentionReport, find_retained, group
@@ -141,6 +143,7 @@ class Detector:
         self._last: RetentionReport | None = None
         self._reported: set[tuple[str, str]] = set()
         self._probed = False
+        self._broken = False  #: a search failed once (said once)
 
     # -- boundaries ------------------------------------------------------------------
 
@@ -263,11 +266,15 @@ class Detector:
 
     def _cycles(self, frame: FrameType | None, *, late: bool, growth: Growth | None = None) -> bool:
         storages = self.tracker._storages
-        if storages is not None:  # only tensors made while watching are charged to it
-            cycles = find_cycles(site=storages.site, mine=storages.tracks)
-        else:  # an allocator's count: the tensors on the judged device
-            judged = torch.device(self.tracker.judged)
-            cycles = find_cycles(mine=lambda t: t.device == judged)
+        try:
+            if storages is not None:  # only tensors made while watching are charged to it
+                cycles = find_cycles(site=storages.site, mine=storages.tracks)
+            else:  # an allocator's count: the tensors on the judged device
+                judged = torch.device(self.tracker.judged)
+                cycles = find_cycles(mine=lambda t: t.device == judged)
+        except Exception as e:  # never break a training step on a bug of ours
+            self._failed(e)
+            return False
         if cycles is None:
             return False
         kind = "late cycles" if cycles.gc_enabled else "cycles"
@@ -316,12 +323,32 @@ class Detector:
         if self.on_finding is not None:
             self.on_finding(finding)
 
+    def _failed(self, error: Exception) -> None:
+        """A search or probe failed: say so once; the run goes on, never broken by it."""
+        if not self._broken:
+            self._broken = True
+            warnings.warn(
+                f"{self.owner}: a holder search failed ({type(error).__name__}: {error}); "
+                "leaks are still measured, their holders may go unnamed. Please report it.",
+                LeakfreeWarning,
+                stacklevel=4,
+            )
+
     def _search(
         self,
         frame: FrameType | None,
         *,
         since: RetentionReport | None = None,
         everything: bool = False,
+    ) -> RetentionReport:
+        try:
+            return self._walk(frame, since, everything)
+        except Exception as e:  # never break a training step on a bug of ours
+            self._failed(e)
+            return RetentionReport()
+
+    def _walk(
+        self, frame: FrameType | None, since: RetentionReport | None, everything: bool
     ) -> RetentionReport:
         named: dict[str, Any] = {}
         extra = self.roots() if callable(self.roots) else self.roots

@@ -29,6 +29,7 @@ import random
 import statistics
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
@@ -47,7 +48,14 @@ from leakfree.diagnostics.sites import Raw, Site, capture, site_of
 if TYPE_CHECKING:
     from leakfree.diagnostics.detector import Finding, Rule
 
-__all__ = ["Growth", "MemoryTracker", "StorageTracker", "active_site", "fit_growth"]
+__all__ = [
+    "Growth",
+    "MemoryTracker",
+    "StorageTracker",
+    "active_site",
+    "fit_growth",
+    "weak_method",
+]
 
 
 @dataclass(frozen=True)
@@ -250,6 +258,18 @@ class StorageTracker(TorchDispatchMode):
         return out
 
 
+def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (bound) called through a weak reference to its object: a no-op once the
+    object is gone. For callbacks that must not keep their owner alive."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return call
+
+
 _DEVICE_NAMES: dict[torch.device, str] = {}
 _LIFT_FRESH = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 _VIEW, _NEW, _MUTATES = 0, 1, 2
@@ -393,8 +413,15 @@ class MemoryTracker:
         self._tracking = False  #: the storage tracker is on the dispatch stack now
         self._depth = 0  #: dispatch stack depth outside the tracker
         self._backward: Any = None  #: the backward-boundary handle while entered
+        # The detector holds the tracker weakly, and is told of findings through a weak
+        # method: a cycle here would keep the roots (the user's model, through a closure)
+        # alive after the tracker, until a gc.collect() that gc.disable() may never run.
         self.detector = Detector(
-            self, owner="MemoryTracker", rule=rule, roots=self.roots, on_finding=self._finding
+            weakref.proxy(self),
+            owner="MemoryTracker",
+            rule=rule,
+            roots=self.roots,
+            on_finding=weak_method(self._finding),
         )
 
     @property

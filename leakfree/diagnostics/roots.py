@@ -78,10 +78,6 @@ def frame_roots(frame: types.FrameType | None) -> dict[str, Any]:
     return out
 
 
-#: names whose use lets a function hold its own locals() snapshot: never cleared there
-_KEEPS_SNAPSHOT = frozenset({"locals", "vars"})
-
-
 def _locals(frame: types.FrameType) -> list[tuple[str, Any]]:
     """A frame's local variables, without leaving them held.
 
@@ -89,17 +85,17 @@ def _locals(frame: types.FrameType) -> list[tuple[str, Any]]:
     on the frame: it would keep this iteration's locals (a batch, the outputs) alive after
     the loop rebinds them, until the frame ends. A watcher must not cause what it looks
     for, so the snapshot is emptied again after reading (the next reader refills it),
-    except in a function that names ``locals``/``vars`` (it may hold the dict itself).
+    unless someone else holds it (a ``d = locals()`` of the function's own: it is theirs).
     From 3.13 ``f_locals`` is a view (PEP 667): nothing to undo.
     """
     namespace = frame.f_locals
     items = list(namespace.items())
-    code = frame.f_code
     if (
         type(namespace) is dict
-        and code.co_flags & inspect.CO_OPTIMIZED
+        and frame.f_code.co_flags & inspect.CO_OPTIMIZED
         and namespace is not frame.f_globals
-        and not _KEEPS_SNAPSHOT.intersection(code.co_names)
+        # the frame's reference, ours, getrefcount's argument: nobody else holds it
+        and sys.getrefcount(namespace) <= 3
     ):
         namespace.clear()
     return items

@@ -25,6 +25,7 @@ import torch
 from leakfree._device import accelerator
 from leakfree.diagnostics import Growth, MemoryTracker, RetentionReport, fit_growth
 from leakfree.diagnostics.detector import DEFAULT_FLOOR, Finding, Rule
+from leakfree.diagnostics.memory import weak_method
 from leakfree.integrations import MemoryGrowthWarning
 from leakfree.testing import LeakError
 
@@ -149,12 +150,12 @@ class GrowthWatch:
             devices=[self.device],
             sample_every=self.sample_every,
             rule=self.rule,
-            roots=self._roots,
+            roots=weak_method(self._roots),  # weakly: no cycle through the watch
             warn=False,
         )
         tracker.detector.owner = self.owner
         tracker.detector.unit = "optimizer steps"
-        tracker.detector.on_finding = self._finding
+        tracker.detector.on_finding = weak_method(self._finding)
         tracker.__enter__()
         self._tracker = tracker
 

@@ -41,7 +41,14 @@ class Tiny(L.LightningModule):  # type: ignore[misc]
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def fit(tmp_path: Path, callback: LeakfreeCallback, leaky: bool, steps: int, **kw: Any) -> Any:
+def fit(
+    tmp_path: Path,
+    callback: LeakfreeCallback,
+    leaky: bool,
+    steps: int,
+    module: Any = None,
+    **kw: Any,
+) -> Any:
     data = torch.utils.data.TensorDataset(torch.randn(BATCH * steps * 2, WIDTH))
     trainer = L.Trainer(
         accelerator="cpu",
@@ -56,7 +63,8 @@ def fit(tmp_path: Path, callback: LeakfreeCallback, leaky: bool, steps: int, **k
         default_root_dir=tmp_path,
         **kw,
     )
-    trainer.fit(Tiny(leaky), torch.utils.data.DataLoader(data, batch_size=BATCH))
+    module = Tiny(leaky) if module is None else module
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
     return trainer
 
 
@@ -128,20 +136,8 @@ class KeepsPerBatch(Tiny):
 
 def test_retention_per_batch_is_reported_in_the_first_optimizer_step(tmp_path: Path) -> None:
     callback = LeakfreeCallback(fail=True)  # the defaults
-    data = torch.utils.data.TensorDataset(torch.randn(BATCH * 16, WIDTH))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=4,
-        accumulate_grad_batches=4,
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
     with pytest.raises(LeakError, match=r"(?s)of step 1.*step_outputs\[\*\]  \d graphs"):
-        trainer.fit(KeepsPerBatch(), torch.utils.data.DataLoader(data, batch_size=BATCH))
+        fit(tmp_path, callback, False, 4, KeepsPerBatch(), accumulate_grad_batches=4)
     assert callback.watch.steps == 0 and not callback.watch.active
 
 

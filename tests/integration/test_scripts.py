@@ -149,6 +149,7 @@ def test_demo_out_no_progress_bar_when_redirected_and_says_what_stays(tmp_path: 
 def test_tracker_hf_benchmark_runs(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     data = run_benchmark("tracker_hf", tmp_path)
-    every = {r["sample_every"] for r in data["results"]}
-    assert 1 in every and max(every) > 1  # exact and sampled, against the same untracked run
+    every = {r["options"].get("sample_every", 8) for r in data["results"]}
+    assert every == {1, 8}  # exact and the default, against the same untracked run
     assert all(r["off_ms_per_step"] > 0 and r["ratio"]["median"] > 0 for r in data["results"])
+    assert all(r["findings"] == [] for r in data["results"])  # a clean loop: no finding
