@@ -28,6 +28,7 @@ import math
 import random
 import statistics
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -245,7 +246,7 @@ class StorageTracker(TorchDispatchMode):
         """
         out: dict[str, int] = {}
         dead = []
-        for key, (ref, nbytes, device, _) in self._live.items():
+        for key, (ref, nbytes, device, _) in list(self._live.items()):  # ops may add
             if ref.expired():  # type: ignore[no-untyped-call]
                 dead.append(key)
             else:
@@ -413,6 +414,7 @@ class MemoryTracker:
         self._tracking = False  #: the storage tracker is on the dispatch stack now
         self._depth = 0  #: dispatch stack depth outside the tracker
         self._backward: Any = None  #: the backward-boundary handle while entered
+        self._thread = 0  #: the thread that entered: its backward passes are the microbatches
         # The detector holds the tracker weakly, and is told of findings through a weak
         # method: a cycle here would keep the roots (the user's model, through a closure)
         # alive after the tracker, until a gc.collect() that gc.disable() may never run.
@@ -439,6 +441,8 @@ class MemoryTracker:
             warnings.warn(finding.message, MemoryGrowthWarning, stacklevel=4)
 
     def _on_backward(self, frame: FrameType | None) -> None:
+        if threading.get_ident() != self._thread:
+            return  # another thread's backward: not a microbatch of this loop
         if self._storages is not None and not self._tracking:
             return  # a step the sampling tracker does not track
         live = self.sample().get(self.judged)
@@ -458,6 +462,7 @@ class MemoryTracker:
             self._tracking = True
             _watching.append(self._storages)
         if self.microbatches:
+            self._thread = threading.get_ident()
             self._backward = on_backward(self._on_backward)
         return self
 
