@@ -36,6 +36,7 @@ _EXPORTS = {
     "LeakfreeWarning": "leakfree._warnings",
     "PatchWarning": "leakfree._warnings",
     "MemoryGrowthWarning": "leakfree._warnings",
+    "watch": "leakfree.diagnostics.watch",
 }
 _SUBMODULES = ("pipeline",)
 
@@ -62,6 +63,7 @@ __all__ = [
     "released_attributes",
     "remove_offload_hooks",
     "unpatch_all",
+    "watch",
 ]
 
 
@@ -83,6 +85,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from leakfree import pipeline
     from leakfree._warnings import LeakfreeWarning, MemoryGrowthWarning, PatchWarning
+    from leakfree.diagnostics.watch import watch
     from leakfree.function import (
         Function,
         ReferenceCycleError,

@@ -6,6 +6,8 @@ Subcommands:
     snapshot FILE [FILE2] analyse a torch.cuda.memory._snapshot() pickle, or diff two
     scan PATH_OR_PACKAGE  find autograd lifetime leaks in source code (ast only; exit 1 on
                           findings, 0 when clean, 2 on usage errors)
+    run [opts] SCRIPT     run a training script unchanged with the leak finders on (or
+                          -m MODULE); the script's exit status (--fail: 79 on a leak)
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ def _prog() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from leakfree import __version__
 
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["run"]:  # the script's own arguments are not ours to parse
+        from leakfree._run import main as run_main
+
+        return run_main(words[1:], _prog())
+
     parser = argparse.ArgumentParser(
         prog=_prog(),
         description="leakfree: autograd object lifetimes done right.",
@@ -35,6 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"leakfree {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="installed versions, known leaks, what patch_all() would do")
+    sub.add_parser(
+        "run",
+        help="run a training script unchanged, with the leak finders on",
+        add_help=False,
+    )
     demo = sub.add_parser("demo", help="the five leak shapes, naive vs leakfree")
     demo.add_argument("--steps", type=int, default=30, help="steps per run (default 30)")
     demo.add_argument(

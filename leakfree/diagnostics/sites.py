@@ -119,16 +119,16 @@ def _name(code: CodeType) -> str:
 
 
 def _short(filename: str) -> str:
-    """A file name relative to the working directory when under it, else from the package
-    directory on (``transformers/models/llama/modeling_llama.py``)."""
-    try:
-        rel = os.path.relpath(filename)
-    except ValueError:  # another drive
-        rel = filename
-    if not rel.startswith(".."):
-        return rel
-    for marker in _PACKAGES:
+    """An installed package's file from the package directory on
+    (``transformers/models/llama/modeling_llama.py``, even in a virtual environment under
+    the working directory); any other file relative to the working directory when under
+    it, else absolute."""
+    for marker in _PACKAGES:  # an installed package, wherever the environment lives
         at = filename.rfind(marker)
         if at >= 0:
             return filename[at + len(marker) :]
-    return filename
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:  # another drive
+        return filename
+    return filename if rel.startswith("..") else rel

@@ -1,0 +1,268 @@
+"""``leakfree.watch()``: the detector on any training loop, boundaries found by themselves.
+
+Every training loop, whatever its framework, calls ``optimizer.step()`` once per step and
+``backward()`` once per microbatch. A :class:`Watch` takes its boundaries from there:
+
+* **steps**: every ``torch.optim.Optimizer``'s step, through torch's global
+  ``register_optimizer_step_post_hook`` (optimizers created late, and several at once, are
+  seen); a step that follows another with no backward pass between them (two optimizers
+  stepped back to back) is the same step, unless the loop never ran a backward pass;
+* **microbatches**: every backward pass (:mod:`~leakfree.diagnostics.boundaries`);
+* a loop with no optimizer (a hand-written SGD, ``torch.autograd.grad`` updates): after
+  ``fallback`` backward passes without an optimizer step, each backward pass is a step, and
+  the watch says so once.
+
+The findings are those of :mod:`~leakfree.diagnostics.detector`, reported as they are made
+(``on_finding``, by default a :class:`~leakfree.MemoryGrowthWarning`) and kept for
+:meth:`Watch.report`.
+
+Lifetime: from :meth:`Watch.start` to :meth:`Watch.stop` (or the ``with`` block) a
+:class:`~leakfree.diagnostics.MemoryTracker` is entered on the starting thread and the
+optimizer hook is registered; ``stop`` removes both (idempotent). The findings (text and
+byte counts, no tensors) stay.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from leakfree._text import format_bytes
+from leakfree._warnings import MemoryGrowthWarning
+from leakfree.diagnostics.boundaries import on_backward
+from leakfree.diagnostics.detector import DEFAULT_FLOOR, Finding, Rule
+from leakfree.diagnostics.memory import MemoryTracker, _default_devices, weak_method
+
+__all__ = ["Watch", "watch"]
+
+
+class Watch:
+    """The detector over a training loop, with step and microbatch boundaries of its own.
+
+    Args:
+        warmup: steps not judged across steps (retention per microbatch is judged from
+            the first step).
+        window: the most recent steps judged at every step (at least 4).
+        every: on a device counted by the storage tracker (the CPU), track storages during
+            about one step in this many (the first always; 1: every step, exact).
+        floor: bytes per step of growth accepted when no autograd graph holds it.
+        tolerance: bytes per step accepted beyond the noise bound.
+        device: the device judged (default: the accelerator if any, read from its
+            allocator; else the CPU).
+        roots: more objects to search for holders, ``{name: object}`` or a list.
+        fallback: backward passes without an optimizer step after which each backward
+            pass is a step.
+        on_finding: called with each :class:`~leakfree.diagnostics.Finding` as it is made
+            (default: warn :class:`~leakfree.MemoryGrowthWarning`).
+        owner: the name findings start with.
+    """
+
+    def __init__(
+        self,
+        *,
+        warmup: int = 3,
+        window: int = 10,
+        every: int = 8,
+        floor: float = DEFAULT_FLOOR,
+        tolerance: float = 0.0,
+        device: str | torch.device | None = None,
+        roots: Mapping[str, Any] | Iterable[Any] | None = None,
+        fallback: int = 32,
+        on_finding: Callable[[Finding], None] | None = None,
+        owner: str = "leakfree.watch",
+    ) -> None:
+        rule = Rule(warmup=warmup, window=window, tolerance=tolerance, floor=floor).check("watch")
+        for name, value in (("every", every), ("fallback", fallback)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"watch({name}={value!r}): expected an int >= 1")
+        if device is None:
+            judged = [d for d in _default_devices() if d.type != "cpu"][:1] or [torch.device("cpu")]
+        else:
+            try:
+                judged = [torch.device(device)]
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"watch(device={device!r}): not a device ({e})") from None
+        if roots is None:
+            named: dict[str, Any] = {}
+        elif isinstance(roots, Mapping):
+            named = dict(roots)
+        elif isinstance(roots, (str, bytes)) or not isinstance(roots, Iterable):
+            raise TypeError(f"watch(roots={roots!r}): expected {{name: object}} or a list")
+        else:
+            named = {f"root{i}": r for i, r in enumerate(roots)}
+        if on_finding is not None and not callable(on_finding):
+            raise TypeError(f"watch(on_finding={on_finding!r}): expected a callable")
+        self.rule, self.every, self.fallback = rule, every, fallback
+        self.device = judged[0]
+        self.roots = named
+        self.on_finding = on_finding
+        self.owner = owner
+        self.steps = 0  #: step boundaries seen
+        self.backwards = 0  #: backward passes seen
+        self.optimizer_steps = 0  #: optimizer steps seen
+        self.per_backward = False  #: no optimizer: each backward pass is a step
+        self.notes: list[str] = []  #: what the watch had to say besides findings
+        self.rank: int | None = None  #: the process group rank, once one is seen
+        self._since_step = 0  #: backward passes since the last step boundary
+        self._tracker: MemoryTracker | None = None
+        self._handles: list[Any] = []
+        self._findings: list[Finding] = []
+        self._thread = 0
+
+    # -- lifetime ----------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self._tracker is not None
+
+    def start(self) -> Watch:
+        """Start watching (idempotent while active); returns ``self``."""
+        if self._tracker is not None:
+            return self
+        tracker = MemoryTracker(
+            devices=[self.device],
+            sample_every=self.every,
+            rule=self.rule,
+            roots=self.roots,
+            warn=False,
+        )
+        tracker.detector.owner = self.owner
+        tracker.detector.on_finding = weak_method(self._found)
+        self._thread = threading.get_ident()
+        tracker.__enter__()
+        self._tracker = tracker
+        from torch.optim.optimizer import register_optimizer_step_post_hook as hook
+
+        self._handles = [
+            hook(weak_method(self._optimizer_step)),
+            on_backward(weak_method(self._backward)),
+        ]
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (idempotent); the findings stay."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+
+    def __enter__(self) -> Watch:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- boundaries --------------------------------------------------------------------
+
+    def _optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        self.optimizer_steps += 1
+        if self.per_backward or (self._since_step == 0 and self.backwards):
+            return  # a second optimizer stepped with no backward between: the same step
+        self._step()
+
+    def _backward(self, frame: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        self.backwards += 1
+        self._since_step += 1
+        if self.per_backward:
+            self._step()
+        elif self.optimizer_steps == 0 and self.backwards >= self.fallback:
+            self.per_backward = True
+            self.notes.append(
+                f"no optimizer step after {self.backwards} backward passes: each backward "
+                "pass is judged as a step"
+            )
+            self._step()
+
+    def _step(self) -> None:
+        self._since_step = 0
+        if self.rank is None:
+            dist = torch.distributed
+            if dist.is_available() and dist.is_initialized():
+                self.rank = dist.get_rank()
+        tracker = self._tracker
+        if tracker is not None:
+            self.steps += 1
+            tracker.step()
+
+    def _found(self, finding: Finding) -> None:
+        self._findings.append(finding)
+        if self.on_finding is not None:
+            self.on_finding(finding)
+        else:
+            warnings.warn(finding.message, MemoryGrowthWarning, stacklevel=2)
+
+    # -- results -----------------------------------------------------------------------
+
+    @property
+    def findings(self) -> list[Finding]:
+        """The leaks found so far."""
+        return list(self._findings)
+
+    @property
+    def growth(self) -> Any:
+        tracker = self._tracker
+        return tracker.detector.growth if tracker is not None else None
+
+    def report(self) -> str:
+        """What was watched and what was found, for a human."""
+        unit = "backward passes" if self.per_backward else "optimizer steps"
+        head = (
+            f"leakfree: {self.steps} steps ({unit}), {self.backwards} backward passes "
+            f"watched on {self.device}"
+        )
+        lines = [head, *(f"leakfree: {note}" for note in self.notes)]
+        if not self._findings:
+            lines.append("leakfree: no leak found")
+        else:
+            lines.append(f"leakfree: {len(self._findings)} leak(s) found:")
+            lines.extend(f.message for f in self._findings)
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The findings as plain data (``--json``)."""
+        return {
+            "device": str(self.device),
+            "steps": self.steps,
+            "backward_passes": self.backwards,
+            "optimizer_steps": self.optimizer_steps,
+            "per_backward": self.per_backward,
+            "notes": list(self.notes),
+            "findings": [_finding_dict(f) for f in self._findings],
+        }
+
+
+def _finding_dict(finding: Finding) -> dict[str, Any]:
+    return {
+        "kind": finding.kind,
+        "step": finding.step,
+        "bytes_per": finding.bytes_per,
+        "bytes_per_text": format_bytes(finding.bytes_per),
+        "message": finding.message,
+        "holders": [
+            {
+                "where": h.where,
+                "kind": h.kind,
+                "bytes": h.nbytes,
+                "count": h.count,
+                "created_at": h.site,
+            }
+            for h in finding.holders
+        ],
+        "cycle": finding.cycles.path if finding.cycles is not None else None,
+    }
+
+
+def watch(**options: Any) -> Watch:
+    """Start a :class:`Watch` now and return it: ``w = leakfree.watch()`` ... ``print(w.report())``;
+    ``w.stop()`` ends it (or use ``with leakfree.watch():``)."""
+    return Watch(**options).start()

@@ -1,0 +1,374 @@
+"""[3/6] ``python -m leakfree run``: real scripts, unchanged, in subprocesses.
+
+Each leak shape of [2/6] is a script here: run with ``--fail`` it names the holder and the
+line that made what it keeps, and exits 79; the clean scripts exit 0 and report nothing;
+a 2-rank gloo script reports per rank; scripts that exit non-zero, raise or are
+interrupted keep their own status. The scripts run concurrently (a few at a time): each
+pays torch's import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXIT_LEAK = 79
+
+MODEL = """
+import gc, sys, torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 16))
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+"""
+
+# name -> (script body after MODEL, what the report must name, the line that makes it)
+SHAPES: dict[str, tuple[str, str, str]] = {
+    "verl": (
+        """
+def compute_entropy(logits):
+    p = logits.softmax(-1)
+    return -(p * p.log()).sum(-1)  # MADE
+
+for step in range(4):
+    output_lst = []
+    for _ in range(4):
+        logits = model(torch.randn(8, 32))
+        (logits.logsumexp(-1).mean() / 4).backward()
+        output_lst.append({"entropy": compute_entropy(logits)})
+    opt.step(); opt.zero_grad()
+""",
+        "output_lst[*]['entropy']",
+        "in compute_entropy",
+    ),
+    "fast_llm": (
+        """
+class FusedLoss(torch.autograd.Function):  # keeps its workspace on ctx, as fused kernels do
+    @staticmethod
+    def forward(ctx, x):
+        ctx.workspace = torch.zeros(16 * 1024)
+        ctx.save_for_backward(x)
+        return x.square().mean()  # MADE
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * 2 * x / x.numel()
+
+class BatchContext:
+    def __init__(self):
+        self.losses = {"lm": []}
+
+for step in range(3):
+    context = BatchContext()
+    for _ in range(4):
+        loss = FusedLoss.apply(model(torch.randn(8, 32)))
+        loss.backward()
+        context.losses["lm"].append(loss)
+    opt.step(); opt.zero_grad()
+""",
+        "context.losses['lm'][*]",
+        "in FusedLoss.forward",
+    ),
+    "global_loss": (
+        """
+kept = []
+for step in range(30):
+    loss = model(torch.randn(8, 32)).square().mean()  # MADE
+    loss.backward()
+    opt.step(); opt.zero_grad()
+    kept.append(loss)  # 4 B a step, with its graph
+""",
+        "kept[*]",
+        "in <module>",
+    ),
+    "hooks": (
+        """
+for step in range(30):
+    hidden = model[0](torch.randn(8, 32))  # MADE
+    model[0].weight.register_hook(lambda g, h=hidden: g * h.detach().mean())
+    model[2](model[1](hidden)).square().mean().backward()
+    opt.step(); opt.zero_grad()
+""",
+        "_parameters['weight']._backward_hooks[*]",
+        "in <module>",
+    ),
+    "retain_graph": (
+        """
+later = []
+for step in range(30):
+    out = model(torch.randn(8, 32))  # MADE
+    out.square().mean().backward(retain_graph=True)
+    later.append(out)
+    opt.step(); opt.zero_grad()
+""",
+        "later[*]",
+        "in <module>",
+    ),
+    "gc_disabled": (
+        """
+class Node:
+    def __init__(self, out):
+        self.out, self.me = out, self
+
+gc.disable()
+for step in range(30):
+    out = model(torch.randn(8, 32)).tanh()  # MADE
+    out.square().mean().backward()
+    opt.step(); opt.zero_grad()
+    Node(out)
+""",
+        "cycle: Node.me -> Node; holds it by .out",
+        "in <module>",
+    ),
+    "offloader_table": (
+        """
+class Offloader:  # the table is reset at the last unpack; one tensor is never unpacked
+    def __init__(self):
+        self.tracker, self.pending = {}, set()
+    def pack(self, t):
+        key = len(self.tracker)
+        self.tracker[key] = t.detach().clone()  # MADE
+        self.pending.add(key)
+        return key
+    def unpack(self, key):
+        out = self.tracker[key]
+        self.pending.discard(key)
+        if not self.pending:
+            self.tracker.clear()
+        return out
+
+offloader = Offloader()
+for step in range(30):
+    with torch.autograd.graph.saved_tensors_hooks(offloader.pack, offloader.unpack):
+        out = model(torch.randn(8, 32))
+        side = out.sigmoid()
+    out.square().mean().backward()
+    opt.step(); opt.zero_grad()
+""",
+        "offloader.tracker",
+        "in Offloader.pack",
+    ),
+    "handle_cache": (
+        """
+import collectives
+for step in range(30):
+    hidden = model(torch.randn(8, 32))
+    gathered = collectives.all_gather(hidden.detach(), step)  # an async handle's buffer
+    (hidden.square().mean() + 0 * gathered.sum()).backward()
+    opt.step(); opt.zero_grad()
+""",
+        "collectives._handle_cache",
+        "collectives.py:",
+    ),
+}
+
+COLLECTIVES = """
+import torch
+_handle_cache = {}  # cleared on one code path only
+
+
+def all_gather(x, step):
+    out = torch.cat([x, x])
+    _handle_cache[step] = out
+    return out
+"""
+
+CLEAN = (
+    MODEL
+    + """
+losses = []
+for step in range(30):
+    for _ in range(2):
+        loss = model(torch.randn(8, 32)).square().mean() / 2
+        loss.backward()
+    opt.step(); opt.zero_grad()
+    losses.append(loss.item())
+print("trained", len(losses))
+"""
+)
+
+DIST = """
+import socket, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+KEPT = []
+
+
+def worker(rank, world, port, leak):
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(14):
+        loss = model(torch.randn(8, 16)).square().mean()  # MADE
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if leak and rank == 1:
+            KEPT.append(loss)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(2, port, sys.argv[1:] == ["leak"]), nprocs=2)
+    print("trained")
+"""
+
+EXITS = """
+import sys, torch
+x = torch.randn(4, requires_grad=True)
+x.sum().backward()
+what = sys.argv[1]
+if what == "exit":
+    sys.exit(3)
+if what == "raise":
+    raise RuntimeError("boom")
+if what == "interrupt":
+    raise KeyboardInterrupt
+print("argv", sys.argv)
+"""
+
+
+@dataclass
+class Run:
+    status: int
+    stdout: str
+    stderr: str
+    report: dict[str, Any]
+
+
+def line_of(source: str, marker: str = "# MADE") -> int:
+    return next(i for i, text in enumerate(source.splitlines(), 1) if marker in text)
+
+
+def leakfree_run(cwd: Path, *words: str, json_out: bool = True) -> Run:
+    out = cwd / f"report-{abs(hash(words))}.json"
+    command = [sys.executable, "-m", "leakfree", "run"]
+    if json_out:
+        command += ["--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [*command, *words], cwd=cwd, capture_output=True, text=True, timeout=240, env=env
+    )
+    report = json.loads(out.read_text()) if json_out and out.exists() else {}
+    return Run(done.returncode, done.stdout, done.stderr, report)
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("scripts")
+    for name, (body, _, _) in SHAPES.items():
+        (folder / f"{name}.py").write_text(MODEL + textwrap.dedent(body))
+    (folder / "collectives.py").write_text(COLLECTIVES)
+    (folder / "clean.py").write_text(CLEAN)
+    (folder / "dist.py").write_text(DIST)
+    (folder / "exits.py").write_text(EXITS)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def shape_runs(scripts: Path) -> dict[str, Run]:
+    """Every shape under ``--fail --every 1``, a few at a time."""
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {
+            name: pool.submit(leakfree_run, scripts, "--fail", "--every", "1", f"{name}.py")
+            for name in SHAPES
+        }
+        return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_each_leak_shape_is_named_with_holder_and_line(
+    shape: str, scripts: Path, shape_runs: dict[str, Run]
+) -> None:
+    run = shape_runs[shape]
+    body, holder, function = SHAPES[shape]
+    assert run.status == EXIT_LEAK, run.stderr[-3000:]
+    if shape == "handle_cache":  # made in the helper module the script imports
+        made = f"collectives.py:{line_of(COLLECTIVES, '_handle_cache[step]') - 1} in all_gather"
+    else:
+        made = f"{shape}.py:{line_of(MODEL + textwrap.dedent(body))} {function}"
+    # reported when found, and again in the summary at exit
+    assert run.stderr.count(holder) >= 2, run.stderr[-3000:]
+    assert made in run.stderr, run.stderr[-3000:]
+    assert run.stderr.splitlines()[0].startswith("leakfree run: watching")  # the banner
+    [finding, *_] = run.report["findings"]
+    assert holder in finding["message"]
+
+
+def test_a_clean_script_reports_nothing_and_keeps_its_status(scripts: Path) -> None:
+    run = leakfree_run(scripts, "--fail", "clean.py")
+    assert run.status == 0 and run.stdout.strip() == "trained 30"
+    assert "no leak found" in run.stderr and run.report["findings"] == []
+    assert run.report["steps"] == 30 and run.report["backward_passes"] == 60
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_each_rank_of_a_gloo_script_reports_for_itself(scripts: Path, leak: bool) -> None:
+    run = leakfree_run(scripts, "--fail", "--every", "1", "dist.py", *(["leak"] if leak else []))
+    assert run.stdout.strip() == "trained", run.stderr[-3000:]
+    children = {c["label"]: c for c in run.report["children"]}
+    assert set(children) == {"rank 0", "rank 1"}
+    assert children["rank 0"]["findings"] == []
+    if leak:
+        assert run.status == EXIT_LEAK
+        [finding] = children["rank 1"]["findings"]
+        assert "KEPT[*]" in finding["message"]
+        assert f"dist.py:{line_of(DIST)} in worker" in finding["message"]
+        assert "[rank 1] leakfree run: memory grows by" in run.stderr
+    else:
+        assert run.status == 0 and children["rank 1"]["findings"] == []
+
+
+@pytest.mark.parametrize(
+    ("what", "status"),
+    [("exit", 3), ("raise", 1), ("interrupt", -signal.SIGINT), ("argv", 0)],
+)
+def test_the_script_keeps_its_own_behaviour_and_status(
+    scripts: Path, what: str, status: int
+) -> None:
+    run = leakfree_run(scripts, "--fail", "exits.py", what)
+    assert run.status == status, run.stderr[-2000:]
+    assert "leakfree: 0 steps" in run.stderr  # the summary, after the script's end
+    if what == "raise":
+        tail = run.stderr.split("Traceback (most recent call last):")[1]
+        assert tail.splitlines()[1].strip().startswith(f'File "{scripts / "exits.py"}"')
+        assert "RuntimeError: boom" in tail and "runpy" not in tail and "_run.py" not in tail
+    if what == "argv":
+        assert run.stdout.strip() == "argv ['exits.py', 'argv']"
+
+
+def test_a_module_runs_as_python_m_does(scripts: Path) -> None:
+    run = leakfree_run(scripts, "-m", "clean")
+    assert run.status == 0 and run.stdout.strip() == "trained 30", run.stderr[-2000:]
+    assert "watching -m clean" in run.stderr
+
+
+def test_usage_errors_exit_2_with_a_clear_message(scripts: Path) -> None:
+    missing = leakfree_run(scripts, "missing.py", json_out=False)
+    assert missing.status == 2 and "can't open file" in missing.stderr
+    bad = leakfree_run(scripts, "--every", "0", "clean.py", json_out=False)
+    assert bad.status == 2 and "--every 0: expected an int >= 1" in bad.stderr
+    none = leakfree_run(scripts, json_out=False)
+    assert none.status == 2 and "give a SCRIPT or -m MODULE" in none.stderr
