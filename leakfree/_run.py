@@ -158,6 +158,7 @@ def _execute(args: argparse.Namespace, rest: list[str], watch: Any) -> tuple[int
     else:
         sys.path.append(here)
     watch.start()
+    _summary_on_sigterm(watch)
     try:
         if args.script is not None:
             _run_script(args.script)
@@ -177,6 +178,22 @@ def _execute(args: argparse.Namespace, rest: list[str], watch: Any) -> tuple[int
         sys.argv = saved_argv
         if saved_path0 is not None and sys.path:
             sys.path[0] = saved_path0
+
+
+def _summary_on_sigterm(watch: Any) -> None:
+    """A scheduler's SIGTERM (SLURM, Kubernetes) ends the process as python's default does,
+    killed by the signal, but after the summary: the findings are what the user came for.
+    A handler the script installs replaces this one, as it would python's default."""
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def die(signum: int, frame: Any) -> None:
+        watch.stop()
+        _summary(watch, [])
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, die)
 
 
 def _run_script(script: str) -> None:

@@ -184,14 +184,16 @@ class Detector:
         """A step ended with ``live`` bytes alive (None: a step not sampled)."""
         self.steps += 1
         self._micro, self._micro_searches = [], 0
-        if live is None or self.steps <= self.rule.warmup:
+        if self.steps <= self.rule.warmup:
+            return
+        if not self._probed and gc.isenabled():  # at the first step after the warm-up,
+            self._probed = True  # tracked or not: a one-off cost at a known place
+            self._cycles(frame, late=True)
+        if live is None:
             return
         self._values.append(live)
         self._at.append(self.steps)
         del self._values[: -self.rule.window], self._at[: -self.rule.window]
-        if not self._probed and gc.isenabled():
-            self._probed = True
-            self._cycles(frame, late=True)
         if len(self._values) >= self.rule.window:
             self.judge(frame)
 

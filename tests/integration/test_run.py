@@ -236,17 +236,20 @@ if __name__ == "__main__":
 """
 
 EXITS = """
-import sys, torch
+import os, signal, sys, time, torch
 x = torch.randn(4, requires_grad=True)
 x.sum().backward()
 what = sys.argv[1]
+print("argv", sys.argv, flush=True)
 if what == "exit":
     sys.exit(3)
 if what == "raise":
     raise RuntimeError("boom")
 if what == "interrupt":
     raise KeyboardInterrupt
-print("argv", sys.argv)
+if what == "terminate":  # a scheduler's SIGTERM
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
 """
 
 
@@ -287,22 +290,31 @@ def scripts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+#: every run the tests read, by name: (arguments to ``leakfree run``)
+RUNS: dict[str, tuple[str, ...]] = {
+    **{f"shape {name}": ("--fail", "--every", "1", f"{name}.py") for name in SHAPES},
+    # as python -m runs a module: the same shape, found the same way
+    "shape global_loss": ("--fail", "--every", "1", "-m", "global_loss"),
+    "clean": ("--fail", "clean.py"),
+    "dist leak": ("--fail", "--every", "1", "dist.py", "leak"),
+    "exit": ("--fail", "exits.py", "exit"),
+    "raise": ("--fail", "exits.py", "raise"),
+    "interrupt": ("--fail", "exits.py", "interrupt"),
+    "terminate": ("--fail", "exits.py", "terminate"),
+}
+
+
 @pytest.fixture(scope="module")
-def shape_runs(scripts: Path) -> dict[str, Run]:
-    """Every shape under ``--fail --every 1``, a few at a time."""
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {
-            name: pool.submit(leakfree_run, scripts, "--fail", "--every", "1", f"{name}.py")
-            for name in SHAPES
-        }
+def runs(scripts: Path) -> dict[str, Run]:
+    """Every run, a few at a time (each pays torch's import)."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(leakfree_run, scripts, *words) for name, words in RUNS.items()}
         return {name: f.result() for name, f in futures.items()}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_each_leak_shape_is_named_with_holder_and_line(
-    shape: str, scripts: Path, shape_runs: dict[str, Run]
-) -> None:
-    run = shape_runs[shape]
+def test_each_leak_shape_is_named_with_holder_and_line(shape: str, runs: dict[str, Run]) -> None:
+    run = runs[f"shape {shape}"]
     body, holder, function = SHAPES[shape]
     assert run.status == EXIT_LEAK, run.stderr[-3000:]
     if shape == "handle_cache":  # made in the helper module the script imports
@@ -317,52 +329,48 @@ def test_each_leak_shape_is_named_with_holder_and_line(
     assert holder in finding["message"]
 
 
-def test_a_clean_script_reports_nothing_and_keeps_its_status(scripts: Path) -> None:
-    run = leakfree_run(scripts, "--fail", "clean.py")
+def test_a_clean_script_reports_nothing_and_keeps_its_status(runs: dict[str, Run]) -> None:
+    run = runs["clean"]
     assert run.status == 0 and run.stdout.strip() == "trained 30"
     assert "no leak found" in run.stderr and run.report["findings"] == []
     assert run.report["steps"] == 30 and run.report["backward_passes"] == 60
 
 
-@pytest.mark.parametrize("leak", [False, True])
-def test_each_rank_of_a_gloo_script_reports_for_itself(scripts: Path, leak: bool) -> None:
-    run = leakfree_run(scripts, "--fail", "--every", "1", "dist.py", *(["leak"] if leak else []))
+def test_each_rank_of_a_gloo_script_reports_for_itself(runs: dict[str, Run]) -> None:
+    run = runs["dist leak"]  # rank 1 keeps its losses, rank 0 does not
     assert run.stdout.strip() == "trained", run.stderr[-3000:]
+    assert run.status == EXIT_LEAK
     children = {c["label"]: c for c in run.report["children"]}
     assert set(children) == {"rank 0", "rank 1"}
-    assert children["rank 0"]["findings"] == []
-    if leak:
-        assert run.status == EXIT_LEAK
-        [finding] = children["rank 1"]["findings"]
-        assert "KEPT[*]" in finding["message"]
-        assert f"dist.py:{line_of(DIST)} in worker" in finding["message"]
-        assert "[rank 1] leakfree run: memory grows by" in run.stderr
-    else:
-        assert run.status == 0 and children["rank 1"]["findings"] == []
+    assert children["rank 0"]["findings"] == [] and children["rank 0"]["steps"] == 14
+    [finding] = children["rank 1"]["findings"]
+    assert "KEPT[*]" in finding["message"]
+    assert f"dist.py:{line_of(DIST)} in worker" in finding["message"]
+    assert "[rank 1] leakfree run: memory grows by" in run.stderr
+    assert "leakfree [rank 0]: 14 steps, 14 backward passes: no leak found" in run.stderr
 
 
 @pytest.mark.parametrize(
     ("what", "status"),
-    [("exit", 3), ("raise", 1), ("interrupt", -signal.SIGINT), ("argv", 0)],
+    [("exit", 3), ("raise", 1), ("interrupt", -signal.SIGINT), ("terminate", -signal.SIGTERM)],
 )
 def test_the_script_keeps_its_own_behaviour_and_status(
-    scripts: Path, what: str, status: int
+    runs: dict[str, Run], scripts: Path, what: str, status: int
 ) -> None:
-    run = leakfree_run(scripts, "--fail", "exits.py", what)
+    run = runs[what]
     assert run.status == status, run.stderr[-2000:]
+    assert run.stdout.strip() == f"argv ['exits.py', '{what}']"  # as python sets it
     assert "leakfree: 0 steps" in run.stderr  # the summary, after the script's end
     if what == "raise":
         tail = run.stderr.split("Traceback (most recent call last):")[1]
         assert tail.splitlines()[1].strip().startswith(f'File "{scripts / "exits.py"}"')
         assert "RuntimeError: boom" in tail and "runpy" not in tail and "_run.py" not in tail
-    if what == "argv":
-        assert run.stdout.strip() == "argv ['exits.py', 'argv']"
 
 
-def test_a_module_runs_as_python_m_does(scripts: Path) -> None:
-    run = leakfree_run(scripts, "-m", "clean")
-    assert run.status == 0 and run.stdout.strip() == "trained 30", run.stderr[-2000:]
-    assert "watching -m clean" in run.stderr
+def test_a_module_runs_as_python_m_does(runs: dict[str, Run]) -> None:
+    run = runs["shape global_loss"]  # run with -m global_loss
+    assert run.status == EXIT_LEAK and "watching -m global_loss" in run.stderr
+    assert "global_loss.py:" in run.stderr and "kept[*]" in run.stderr
 
 
 def test_usage_errors_exit_2_with_a_clear_message(scripts: Path) -> None:
