@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    steps = 8 if args.quick else 48
-    repeat = 3 if args.quick else 15
+    steps = 6 if args.quick else 48
+    repeat = 2 if args.quick else 15
     rows, results = [], []
     for name, shape in CASES.items():
         step = make_step(*shape)

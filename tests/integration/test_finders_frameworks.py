@@ -76,6 +76,7 @@ def test_the_same_loop_keeping_its_losses_is_reported_on_every_rank(tmp_path: Pa
         assert any("kept[*]" in f and "graphs" in f for f in r["findings"]), r["findings"]
 
 
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated")
 def test_trl_sft_trainer_with_offloading_and_accumulation_is_quiet(tmp_path: Path) -> None:
     """TRL's ``SFTTrainer`` on a tiny random Llama, activation offloading on (leakfree's,
     through ``patch_all``), gradient accumulation, AdamW: the callback, watching every step
