@@ -21,17 +21,52 @@ import functools
 import inspect
 import sys
 import types
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from leakfree.diagnostics.sites import SKIPPED, USER, kind_of
 
-__all__ = ["frame_roots", "module_roots"]
+__all__ = ["frame_roots", "judged_device", "module_roots", "named_roots"]
 
 #: what is searched after the data: functions reach holders through their closures
 _CODE = (types.FunctionType, types.MethodType, functools.partial)
 
 #: frames searched above a boundary (a Trainer's stack is some 30 deep)
 MAX_FRAMES = 40
+
+
+def named_roots(owner: str, roots: Mapping[str, Any] | Iterable[Any] | None) -> dict[str, Any]:
+    """A watcher's ``roots=`` argument as ``{name: object}`` (a list is named ``root0``...);
+    a ``TypeError`` naming ``owner`` otherwise."""
+    if roots is None:
+        return {}
+    if isinstance(roots, Mapping):
+        named = dict(roots)
+        bad = [k for k in named if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"{owner}(roots=...): names must be strings, got {bad[0]!r}")
+        return named
+    if isinstance(roots, (str, bytes)) or not isinstance(roots, Iterable):
+        raise TypeError(
+            f"{owner}(roots={roots!r}): expected {{name: object}} or a list of objects "
+            "to search for holders"
+        )
+    return {f"root{i}": r for i, r in enumerate(roots)}
+
+
+def judged_device(owner: str, device: Any) -> Any:
+    """A watcher's ``device=``: the accelerator if any when None, else the CPU; a
+    ``ValueError`` naming ``owner`` for what is not a device."""
+    import torch
+
+    from leakfree._device import accelerator
+
+    if device is None:
+        return accelerator() or torch.device("cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{owner}(device={device!r}): not a device ({e})") from None
 
 
 def module_roots() -> dict[str, Any]:

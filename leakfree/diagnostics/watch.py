@@ -35,7 +35,8 @@ from leakfree._text import format_bytes
 from leakfree._warnings import MemoryGrowthWarning
 from leakfree.diagnostics.boundaries import on_backward
 from leakfree.diagnostics.detector import DEFAULT_FLOOR, Finding, Rule
-from leakfree.diagnostics.memory import MemoryTracker, _default_devices, weak_method
+from leakfree.diagnostics.memory import MemoryTracker, weak_method
+from leakfree.diagnostics.roots import judged_device, named_roots
 
 __all__ = ["Watch", "watch"]
 
@@ -79,25 +80,12 @@ class Watch:
         for name, value in (("every", every), ("fallback", fallback)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"watch({name}={value!r}): expected an int >= 1")
-        if device is None:
-            judged = [d for d in _default_devices() if d.type != "cpu"][:1] or [torch.device("cpu")]
-        else:
-            try:
-                judged = [torch.device(device)]
-            except (RuntimeError, TypeError) as e:
-                raise ValueError(f"watch(device={device!r}): not a device ({e})") from None
-        if roots is None:
-            named: dict[str, Any] = {}
-        elif isinstance(roots, Mapping):
-            named = dict(roots)
-        elif isinstance(roots, (str, bytes)) or not isinstance(roots, Iterable):
-            raise TypeError(f"watch(roots={roots!r}): expected {{name: object}} or a list")
-        else:
-            named = {f"root{i}": r for i, r in enumerate(roots)}
+        judged = judged_device("watch", device)
+        named = named_roots("watch", roots)
         if on_finding is not None and not callable(on_finding):
             raise TypeError(f"watch(on_finding={on_finding!r}): expected a callable")
         self.rule, self.every, self.fallback = rule, every, fallback
-        self.device = judged[0]
+        self.device = judged
         self.roots = named
         self.on_finding = on_finding
         self.owner = owner

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from leakfree._device import accelerator
 from leakfree.diagnostics import Growth, MemoryTracker, RetentionReport, fit_growth
 from leakfree.diagnostics.detector import DEFAULT_FLOOR, Finding, Rule
 from leakfree.diagnostics.memory import weak_method
+from leakfree.diagnostics.roots import judged_device, named_roots
 from leakfree.integrations import MemoryGrowthWarning
 from leakfree.testing import LeakError
 
@@ -90,27 +90,8 @@ class GrowthWatch:
         self.sample_every = _whole(owner, "sample_every", sample_every, 1)
         if not isinstance(fail, bool):
             raise TypeError(f"{owner}(fail={fail!r}): expected True or False")
-        if device is None:
-            judged = accelerator() or torch.device("cpu")
-        else:
-            try:
-                judged = torch.device(device)
-            except (RuntimeError, TypeError) as e:
-                raise ValueError(f"{owner}(device={device!r}): not a device ({e})") from None
-        if roots is None:
-            named: dict[str, Any] = {}
-        elif isinstance(roots, Mapping):
-            named = dict(roots)
-            bad = [k for k in named if not isinstance(k, str)]
-            if bad:
-                raise TypeError(f"{owner}(roots=...): names must be strings, got {bad[0]!r}")
-        elif isinstance(roots, (str, bytes)) or not isinstance(roots, Iterable):
-            raise TypeError(
-                f"{owner}(roots={roots!r}): expected {{name: object}} or a list of objects "
-                "to search for holders"
-            )
-        else:
-            named = {f"root{i}": r for i, r in enumerate(roots)}
+        judged = judged_device(owner, device)
+        named = named_roots(owner, roots)
         self.owner = owner
         self.tolerance = float(tolerance)
         self.floor = float(floor)
