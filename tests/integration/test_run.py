@@ -235,6 +235,27 @@ if __name__ == "__main__":
     print("trained")
 """
 
+TORCHRUN = """
+import torch
+import torch.distributed as dist
+from torch import nn
+
+dist.init_process_group("gloo")
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+KEPT = []
+for step in range(14):
+    loss = model(torch.randn(8, 16)).square().mean()  # MADE
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    if dist.get_rank() == 0:
+        KEPT.append(loss)
+dist.destroy_process_group()
+"""
+
 EXITS = """
 import os, signal, sys, time, torch
 x = torch.randn(4, requires_grad=True)
@@ -286,6 +307,7 @@ def scripts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "collectives.py").write_text(COLLECTIVES)
     (folder / "clean.py").write_text(CLEAN)
     (folder / "dist.py").write_text(DIST)
+    (folder / "torchrun_train.py").write_text(TORCHRUN)
     (folder / "exits.py").write_text(EXITS)
     return folder
 
@@ -297,6 +319,20 @@ RUNS: dict[str, tuple[str, ...]] = {
     "shape global_loss": ("--fail", "--every", "1", "-m", "global_loss"),
     "clean": ("--fail", "clean.py"),
     "dist leak": ("--fail", "--every", "1", "dist.py", "leak"),
+    "torchrun": (
+        "--fail",
+        "--every",
+        "1",
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(29400 + os.getpid() % 1000),
+        "torchrun_train.py",
+    ),
     "exit": ("--fail", "exits.py", "exit"),
     "raise": ("--fail", "exits.py", "raise"),
     "interrupt": ("--fail", "exits.py", "interrupt"),
@@ -348,6 +384,16 @@ def test_each_rank_of_a_gloo_script_reports_for_itself(runs: dict[str, Run]) -> 
     assert f"dist.py:{line_of(DIST)} in worker" in finding["message"]
     assert "[rank 1] leakfree run: memory grows by" in run.stderr
     assert "leakfree [rank 0]: 14 steps, 14 backward passes: no leak found" in run.stderr
+
+
+def test_a_torchrun_launchers_ranks_report_for_themselves(runs: dict[str, Run]) -> None:
+    run = runs["torchrun"]  # the launcher runs under leakfree; its two workers are watched
+    assert run.status == EXIT_LEAK, run.stderr[-3000:]
+    children = {c["label"]: c for c in run.report["children"]}
+    assert set(children) == {"rank 0", "rank 1"} and children["rank 1"]["findings"] == []
+    [finding] = children["rank 0"]["findings"]
+    assert f"torchrun_train.py:{line_of(TORCHRUN)} in <module>" in finding["message"]
+    assert "no backward pass here; 2 child process(es) trained" in run.stderr
 
 
 @pytest.mark.parametrize(
