@@ -59,18 +59,33 @@ def parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--fail", action="store_true", help=f"exit {EXIT_LEAK} on a leak")
     p.add_argument("--json", metavar="FILE", help="write the findings here (JSON)")
-    p.add_argument("--warmup", type=int, default=3, help="steps not judged (default 3)")
-    p.add_argument("--window", type=int, default=10, help="steps per verdict (default 10)")
+    p.add_argument(
+        "--warmup", type=int, default=3, metavar="N", help="steps not judged across steps (3)"
+    )
+    p.add_argument(
+        "--window", type=int, default=10, metavar="N", help="the recent steps judged (10)"
+    )
     p.add_argument(
         "--every",
         type=int,
         default=8,
-        help="on the CPU, track one step in K (default 8; 1: exact, slower)",
+        metavar="K",
+        help="on the CPU, track storages on one step in K (8; 1: exact, about 3x slower)",
     )
-    p.add_argument("--floor", type=float, default=64, help="bytes/step of growth w/o graphs")
-    p.add_argument("--device", default=None, help="the device judged (default: accelerator)")
+    p.add_argument(
+        "--floor",
+        type=float,
+        default=64,
+        metavar="BYTES",
+        help="bytes per step of growth accepted when no autograd graph holds it (64)",
+    )
+    p.add_argument(
+        "--device", default=None, help="the device judged (default: the accelerator, else cpu)"
+    )
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m")
-    p.add_argument("script", nargs="?", metavar="SCRIPT")
+    p.add_argument(
+        "script", nargs="?", metavar="SCRIPT", help="the script; what follows it is its own"
+    )
     return p
 
 

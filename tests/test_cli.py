@@ -200,7 +200,16 @@ def _cli(*args: str, argv0: str = "/usr/local/bin/leakfree") -> tuple[str, str]:
 
 
 @pytest.mark.parametrize(
-    ("args", "code"), [(["--help"], 0), (["--version"], 0), (["frobnicate"], 2), ([], 2)]
+    ("args", "code"),
+    [
+        (["--help"], 0),
+        (["--version"], 0),
+        (["frobnicate"], 2),
+        ([], 2),
+        (["run", "--help"], 0),
+        (["run"], 2),
+        (["run", "--every", "x", "train.py"], 2),
+    ],
 )
 def test_help_version_and_usage_errors_do_not_import_torch(args: list[str], code: int) -> None:
     out, err = _cli(*args)
@@ -214,6 +223,14 @@ def test_version_and_usage_name_the_command() -> None:
     assert out.startswith("usage: leakfree ")
     out, _ = _cli("--help", argv0="/x/leakfree/__main__.py")
     assert out.startswith("usage: python -m leakfree ")
+
+
+def test_run_usage_names_its_options_and_exit_codes() -> None:
+    out, _ = _cli("run", "--help")
+    assert out.startswith("usage: leakfree run [options] (SCRIPT | -m MODULE) [ARGS...]")
+    assert "--fail" in out and "79" in out and "--every K" in out
+    _, err = _cli("run", "-m")
+    assert "leakfree run: error: argument -m: expected one argument" in err
 
 
 def test_snapshot_with_three_files_prints_snapshots_usage() -> None:
