@@ -11,8 +11,9 @@ ended with 0 and a leak was found, in this process or in a child; 2 for a usage 
 
 Child processes (``torch.multiprocessing`` workers, a ``torchrun``-style launcher's ranks)
 are watched too: the ``LEAKFREE_RUN`` environment variable carries the options, and a
-``sitecustomize`` module put first on their ``PYTHONPATH`` starts a watch in each child
-once it imports torch (a child that never imports torch pays nothing). Each child prints
+``sitecustomize`` module put first on their ``PYTHONPATH`` arms a watch in each child
+that imports torch, started by its first backward pass or optimizer step (a data loader
+worker never pays for it). Each child prints
 its own findings, prefixed with its rank, and leaves them in a file the parent's summary
 reads. Not reached: processes started with a clean environment, or another interpreter.
 """
@@ -302,14 +303,31 @@ def _children(run_dir: str) -> list[dict[str, Any]]:
 
 
 def child_start() -> None:
-    """Start the watch in a child of a watched script (sitecustomize calls this once torch
-    is imported); report at exit, into the parent's run directory."""
+    """Watch a child of a watched script (sitecustomize calls this once torch is imported)
+    from its first backward pass or optimizer step; report at exit, into the parent's run
+    directory."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from leakfree.diagnostics.boundaries import on_backward
     from leakfree.diagnostics.watch import Watch
 
     config = json.loads(os.environ[_ENV])
     watch = Watch(owner="leakfree run", **config["options"])
     watch.on_finding = lambda f: _printer(f"[{_label(watch.rank)}] ")(f)
-    watch.start()
+
+    # Tracking starts at the child's first backward pass or optimizer step: a data loader
+    # worker, a tokenizer process, never pays for it. (The hook stays registered, inert:
+    # torch iterates its hooks while calling them.)
+    def first(*_: Any) -> None:
+        if not armed:
+            return
+        armed.clear()
+        listener.remove()
+        watch.start()
+
+    armed = [True]
+    listener = on_backward(first)
+    register_optimizer_step_post_hook(first)
 
     def finish() -> None:
         watch.stop()
