@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import importlib
 import inspect
+import itertools
 import sys
 import textwrap
 import warnings
@@ -600,3 +601,48 @@ def test_a_watcher_makes_no_reference_cycle(no_auto_gc: None) -> None:
     del model, opt
     assert watched() is None
     assert alive() is None  # freed by reference counting alone
+
+
+#: pytorch #161186's shape: state registered in forward, cleaned up in backward, where an
+#: early exit (checkpoint's stop-recomputation path) returns before the cleanup
+_pending: dict[int, torch.Tensor] = {}
+_keys = itertools.count()
+
+
+class EarlyExit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cleanup_in_finally: bool) -> torch.Tensor:
+        ctx.key, ctx.finally_ = next(_keys), cleanup_in_finally
+        _pending[ctx.key] = x.detach().clone()  # the state the cleanup should drop
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        try:
+            if g.abs().sum() >= 0:  # the early exit: always taken here
+                return g * 2, None
+            _pending.pop(ctx.key, None)
+            return g * 2, None
+        finally:
+            if ctx.finally_:  # the fix: the cleanup runs on every path
+                _pending.pop(ctx.key, None)
+
+
+def test_a_cleanup_an_early_exit_skips() -> None:
+    model, opt = model_and_opt()
+
+    def step(fixed: bool) -> None:
+        EarlyExit.apply(model(torch.randn(8, 32)), fixed).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    try:
+        [found] = watch(lambda: step(False), steps=14)
+    finally:
+        _pending.clear()
+    assert "tests.test_finders._pending" in found.message
+    assert (
+        "created at tests/test_finders.py:" in found.message
+        and "EarlyExit.forward" in found.message
+    )
+    assert watch(lambda: step(True), steps=14) == []
