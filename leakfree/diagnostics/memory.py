@@ -8,15 +8,20 @@
   active: a ``TorchDispatchMode`` records each new storage with a weak reference, so a
   storage counts exactly as long as something holds it, a C++ autograd node included.
 
-``growth()`` fits bytes against step by least squares and returns the slope with a noise
-bound (three standard errors of the slope, and never less than the residual spread over
-the run), so "grows by 1.0 MiB per step +- 2 KiB" separates a leak from noise.
+It also samples after every backward pass (microbatches), records where each tracked
+storage was created, and hands both series to its detector
+(:mod:`~leakfree.diagnostics.detector`), which reports leaks as it finds them.
+
+``growth()`` fits bytes against step (a Theil-Sen slope, robust to a bounded fill) and
+returns the slope with a noise bound (three standard errors of the slope, from the median
+absolute residual), so "grows by 1.0 MiB per step +- 2 KiB" separates a leak from noise.
 
 Cost. The storage tracker is a Python dispatch mode: every aten op of a tracked step goes
 through Python (about 2x the step time of a small model of many small ops; that is the
 mode itself, an empty dispatch mode costs nearly as much). So it runs only where it is
-needed (no device read from an allocator) and, with ``sample_every=k``, only during about
-one step in ``k`` (randomly spaced, so a leak every other step is not aliased away). A
+needed (no device read from an allocator) and, with ``sample_every=k`` (8 by default),
+only during about one step in ``k`` (the first always, then randomly spaced, so a leak
+every other step is not aliased away). A
 sampled series holds one value per tracked step: the bytes still alive of the storages
 created during tracked steps. Each tracked step adds what it left behind, so the slope
 over the samples is still bytes per step.
@@ -85,7 +90,7 @@ _MAX_POINTS = 128
 
 
 def fit_growth(values: Sequence[float]) -> Growth:
-    """Slope of ``values`` against their index, with a noise bound (see module doc).
+    """Slope of ``values`` against their index, with a noise bound.
 
     The slope is the Theil-Sen estimate (the median of the slopes between every pair of
     points), so a bounded jump (a cache filled over the first steps, optimizer state
