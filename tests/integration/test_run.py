@@ -84,7 +84,7 @@ for step in range(3):
     "global_loss": (
         """
 kept = []
-for step in range(30):
+for step in range(20):
     loss = model(torch.randn(8, 32)).square().mean()  # MADE
     loss.backward()
     opt.step(); opt.zero_grad()
@@ -95,7 +95,7 @@ for step in range(30):
     ),
     "hooks": (
         """
-for step in range(30):
+for step in range(20):
     hidden = model[0](torch.randn(8, 32))  # MADE
     model[0].weight.register_hook(lambda g, h=hidden: g * h.detach().mean())
     model[2](model[1](hidden)).square().mean().backward()
@@ -107,7 +107,7 @@ for step in range(30):
     "retain_graph": (
         """
 later = []
-for step in range(30):
+for step in range(20):
     out = model(torch.randn(8, 32))  # MADE
     out.square().mean().backward(retain_graph=True)
     later.append(out)
@@ -123,7 +123,7 @@ class Node:
         self.out, self.me = out, self
 
 gc.disable()
-for step in range(30):
+for step in range(20):
     out = model(torch.randn(8, 32)).tanh()  # MADE
     out.square().mean().backward()
     opt.step(); opt.zero_grad()
@@ -150,7 +150,7 @@ class Offloader:  # the table is reset at the last unpack; one tensor is never u
         return out
 
 offloader = Offloader()
-for step in range(30):
+for step in range(20):
     with torch.autograd.graph.saved_tensors_hooks(offloader.pack, offloader.unpack):
         out = model(torch.randn(8, 32))
         side = out.sigmoid()
@@ -163,7 +163,7 @@ for step in range(30):
     "handle_cache": (
         """
 import collectives
-for step in range(30):
+for step in range(20):
     hidden = model(torch.randn(8, 32))
     gathered = collectives.all_gather(hidden.detach(), step)  # an async handle's buffer
     (hidden.square().mean() + 0 * gathered.sum()).backward()
@@ -189,7 +189,7 @@ CLEAN = (
     MODEL
     + """
 losses = []
-for step in range(30):
+for step in range(20):
     for _ in range(2):
         loss = model(torch.randn(8, 32)).square().mean() / 2
         loss.backward()
@@ -367,9 +367,9 @@ def test_each_leak_shape_is_named_with_holder_and_line(shape: str, runs: dict[st
 
 def test_a_clean_script_reports_nothing_and_keeps_its_status(runs: dict[str, Run]) -> None:
     run = runs["clean"]
-    assert run.status == 0 and run.stdout.strip() == "trained 30"
+    assert run.status == 0 and run.stdout.strip() == "trained 20"
     assert "no leak found" in run.stderr and run.report["findings"] == []
-    assert run.report["steps"] == 30 and run.report["backward_passes"] == 60
+    assert run.report["steps"] == 20 and run.report["backward_passes"] == 40
 
 
 def test_each_rank_of_a_gloo_script_reports_for_itself(runs: dict[str, Run]) -> None:
