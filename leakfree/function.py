@@ -207,6 +207,21 @@ def _release_if_saved_freed(
 _raw_names: dict[type, tuple[str, ...]] = {}
 
 
+def saved_handles(node: Any) -> list[Any]:
+    """The raw handles (``SavedTensor``) of what ``node`` saved for its backward, from its
+    ``_raw_saved_*`` attributes, lists flattened. Reading them unpacks nothing, so no
+    saved-tensor hook runs; a handle's ``data`` is None once autograd freed it. Raises
+    what the node raises (a custom Function's after its release)."""
+    names = _raw_names.get(type(node))
+    if names is None:
+        names = _raw_names[type(node)] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+    handles: list[Any] = []
+    for name in names:
+        value = getattr(node, name)
+        handles.extend(value if isinstance(value, (list, tuple)) else [value])
+    return handles
+
+
 def backward_ran(node: Any) -> bool:
     """Has ``node``'s backward already run, in a pass that did not keep the graph?
 
@@ -225,16 +240,7 @@ def backward_ran(node: Any) -> bool:
             except RuntimeError:
                 return True
             return False
-        names = _raw_names.get(type(node))
-        if names is None:
-            names = _raw_names[type(node)] = tuple(
-                n for n in dir(node) if n.startswith("_raw_saved_")
-            )
-        handles: list[Any] = []
-        for name in names:
-            value = getattr(node, name)
-            handles.extend(value if isinstance(value, (list, tuple)) else [value])
-        saved = [h for h in handles if hasattr(h, "data")]
+        saved = [h for h in saved_handles(node) if hasattr(h, "data")]
         return bool(saved) and all(h.data is None for h in saved)
     except Exception:  # an exotic node: say nothing rather than guess
         return False

@@ -40,7 +40,6 @@ Each holder is reported once per run.
 from __future__ import annotations
 
 import gc
-import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -59,10 +58,18 @@ from leakfree.diagnostics.roots import frame_roots, module_roots
 if TYPE_CHECKING:
     from leakfree.diagnostics.memory import MemoryTracker
 
-__all__ = ["DEFAULT_FLOOR", "Detector", "Finding", "Rule"]
+__all__ = ["DEFAULT_FLOOR", "Detector", "Finding", "Rule", "whole"]
 
 #: bytes per step of detached growth accepted without a finding
 DEFAULT_FLOOR = 64
+
+
+def whole(owner: str, name: str, value: Any, least: int) -> int:
+    """``value`` if it is an int (not a bool) >= ``least``; else a ``ValueError`` that names
+    the argument as ``owner(name=value)``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{owner}({name}={value!r}): expected an int >= {least}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -76,10 +83,8 @@ class Rule:
 
     def check(self, owner: str) -> Rule:
         """Itself, or a ``ValueError`` naming the bad field."""
-        for name, least in (("warmup", 0), ("window", 4)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{owner}({name}={value!r}): expected an int >= {least}")
+        whole(owner, "warmup", self.warmup, 0)
+        whole(owner, "window", self.window, 4)
         for name in ("tolerance", "floor"):
             value = getattr(self, name)
             if (
@@ -188,7 +193,7 @@ class Detector:
             return
         if not self._probed and gc.isenabled():  # at the first step after the warm-up,
             self._probed = True  # tracked or not: a one-off cost at a known place
-            self._cycles(frame, late=True)
+            self._cycles()
         if live is None:
             return
         self._values.append(live)
@@ -197,12 +202,11 @@ class Detector:
         if len(self._values) >= self.rule.window:
             self.judge(frame)
 
-    def judge(self, frame: FrameType | None = None, values: list[int] | None = None) -> None:
-        """Judge the recent steps (or ``values``) now; any finding goes to ``findings``."""
-        series = self._values if values is None else values
-        if len(series) < 4:
+    def judge(self, frame: FrameType | None = None) -> None:
+        """Judge the recent steps now; any finding goes to ``findings``."""
+        if len(self._values) < 4:
             return
-        growth = fit_growth(series)
+        growth = fit_growth(self._values)
         self.growth = growth
         if not growth.exceeds(self.rule.tolerance) or self.steps < self._next_search:
             return
@@ -230,7 +234,7 @@ class Detector:
             return self._found(
                 "growth", report.items, growth.bytes_per_step, f"{lead}, held by:", growth
             )
-        if self._cycles(frame, late=False, growth=growth):
+        if self._cycles(growth):
             return True
         if growth.bytes_per_step <= max(self.rule.floor, self.rule.tolerance):
             return False  # a few detached scalars per step: a metric history, not a leak
@@ -266,7 +270,7 @@ class Detector:
             growth,
         )
 
-    def _cycles(self, frame: FrameType | None, *, late: bool, growth: Growth | None = None) -> bool:
+    def _cycles(self, growth: Growth | None = None) -> bool:
         storages = self.tracker._storages
         try:
             if storages is not None:  # only tensors made while watching are charged to it
@@ -378,11 +382,3 @@ def _line(item: Retained) -> str:
         what = item.kind
     made = f"  created at {item.site}" if item.site else ""
     return f"{item.where}  {what}, {format_bytes(item.nbytes)}{made}"
-
-
-def caller(depth: int = 1) -> FrameType | None:
-    """The frame ``depth`` levels above the caller of this function."""
-    try:
-        return sys._getframe(depth + 1)
-    except ValueError:
-        return None

@@ -393,16 +393,9 @@ class MemoryTracker:
     _storages: StorageTracker | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        from leakfree.diagnostics.detector import Detector, Rule
+        from leakfree.diagnostics.detector import Detector, Rule, whole
 
-        if (
-            isinstance(self.sample_every, bool)
-            or not isinstance(self.sample_every, int)
-            or self.sample_every < 1
-        ):
-            raise ValueError(
-                f"MemoryTracker(sample_every={self.sample_every!r}): expected an int >= 1"
-            )
+        whole("MemoryTracker", "sample_every", self.sample_every, 1)
         for name in ("microbatches", "sites", "warn"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MemoryTracker({name}={getattr(self, name)!r}): expected a bool")

@@ -58,7 +58,7 @@ from leakfree._text import format_bytes, format_table
 from leakfree._walk import Located, object_fields, walk
 from leakfree.diagnostics.boundaries import RETAINED
 from leakfree.diagnostics.roots import _locals
-from leakfree.function import RELEASED, backward_ran
+from leakfree.function import RELEASED, backward_ran, saved_handles
 
 __all__ = ["Retained", "RetentionReport", "find_retained", "graph_bytes", "tensor_bytes"]
 
@@ -330,27 +330,20 @@ def _marked(node: Any) -> bool:
         return False
 
 
-_raw_names: dict[type, tuple[str, ...]] = {}
-
-
 def _saved(node: Any) -> list[Any]:
     """What a node saved for its backward, where it is still alive: the tensors, or what a
     saved-tensor hook packed them into (an offloader's host copy). Read through the raw
     handles' ``data``, so no unpack hook runs."""
-    names = _raw_names.get(type(node))
-    if names is None:
-        names = _raw_names[type(node)] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+    try:
+        handles = saved_handles(node)
+    except RuntimeError:  # a custom Function's, released after its backward
+        return []
     out = []
-    for name in names:
+    for handle in handles:
         try:
-            raw = getattr(node, name)
-        except RuntimeError:  # freed after its backward
+            out.append(handle.data)
+        except (AttributeError, RuntimeError):  # freed, or a torch without .data
             continue
-        for handle in raw if isinstance(raw, (tuple, list)) else (raw,):
-            try:
-                out.append(handle.data)
-            except (AttributeError, RuntimeError):  # freed, or a torch without .data
-                continue
     return out
 
 

@@ -34,7 +34,7 @@ import torch
 from leakfree._text import format_bytes
 from leakfree._warnings import MemoryGrowthWarning
 from leakfree.diagnostics.boundaries import on_backward
-from leakfree.diagnostics.detector import DEFAULT_FLOOR, Finding, Rule
+from leakfree.diagnostics.detector import DEFAULT_FLOOR, Finding, Rule, whole
 from leakfree.diagnostics.memory import MemoryTracker, weak_method
 from leakfree.diagnostics.roots import judged_device, named_roots
 
@@ -77,9 +77,8 @@ class Watch:
         owner: str = "leakfree.watch",
     ) -> None:
         rule = Rule(warmup=warmup, window=window, tolerance=tolerance, floor=floor).check("watch")
-        for name, value in (("every", every), ("fallback", fallback)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"watch({name}={value!r}): expected an int >= 1")
+        whole("watch", "every", every, 1)
+        whole("watch", "fallback", fallback, 1)
         judged = judged_device("watch", device)
         named = named_roots("watch", roots)
         if on_finding is not None and not callable(on_finding):

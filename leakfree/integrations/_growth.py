@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from leakfree.diagnostics import Growth, MemoryTracker, RetentionReport, fit_growth
-from leakfree.diagnostics.detector import DEFAULT_FLOOR, Finding, Rule
+from leakfree.diagnostics.detector import DEFAULT_FLOOR, Finding, Rule, whole
 from leakfree.diagnostics.memory import weak_method
 from leakfree.diagnostics.roots import judged_device, named_roots
 from leakfree.integrations import MemoryGrowthWarning
@@ -36,12 +36,6 @@ METRIC_LIVE = "leakfree/live_bytes"
 METRIC_GROWTH = "leakfree/growth_bytes_per_step"
 
 Holders = Callable[[], Mapping[str, Any]]
-
-
-def _whole(owner: str, name: str, value: Any, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{owner}({name}={value!r}): expected an int >= {least}")
-    return value
 
 
 class GrowthWatch:
@@ -87,7 +81,7 @@ class GrowthWatch:
             owner
         )
         self.warmup, self.window = warmup, window
-        self.sample_every = _whole(owner, "sample_every", sample_every, 1)
+        self.sample_every = whole(owner, "sample_every", sample_every, 1)
         if not isinstance(fail, bool):
             raise TypeError(f"{owner}(fail={fail!r}): expected True or False")
         judged = judged_device(owner, device)
