@@ -11,8 +11,11 @@ import ast
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 __all__ = ["Finding", "Project", "Rule", "Source", "parse"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, order=True)
@@ -29,9 +32,19 @@ class Finding:
     rule: str
     symbol: str
     message: str
+    #: ``"warning"``: a leak; ``"note"``: memory held that lives anyway (a parameter, a
+    #: weight, a small RNG state): worth knowing, not failing the scan for
+    level: str = "warning"
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.line}:{self.col}: {self.rule} {self.symbol}: {self.message}"
+        note = " (note)" if self.level == NOTE else ""
+        return (
+            f"{self.path}:{self.line}:{self.col}: {self.rule}{note} {self.symbol}: {self.message}"
+        )
+
+
+WARNING = "warning"
+NOTE = "note"
 
 
 @dataclass
@@ -48,7 +61,16 @@ class Source:
         if not self.lines:
             self.lines = self.text.splitlines()
 
-    def finding(self, node: ast.AST, rule: str, symbol: str, message: str) -> Finding:
+    @property
+    def package(self) -> str:
+        """The dotted package this file lies in (relative imports start here)."""
+        if self.path.endswith("__init__.py"):
+            return self.module
+        return self.module.rpartition(".")[0]
+
+    def finding(
+        self, node: ast.AST, rule: str, symbol: str, message: str, level: str = "warning"
+    ) -> Finding:
         """A finding at ``node``'s position in this file."""
         return Finding(
             self.path,
@@ -57,6 +79,7 @@ class Source:
             rule,
             symbol,
             message,
+            level,
         )
 
 
@@ -75,25 +98,35 @@ def parse(path: str, text: str, module: str = "") -> Source:
 @dataclass
 class Project:
     """Everything scanned in one run, so a rule can follow a call into a helper defined in
-    another scanned file (``restore_from_func_ctx(ctx)``).
+    another scanned file (``restore_from_func_ctx(ctx)``), and the files of the same
+    package that a scanned file imports from (``context``: read for helpers, never
+    checked, as when pre-commit hands over one changed file).
 
-    Files are parsed on demand: :meth:`helpers` looks a name up in the text of every
-    scanned file (``def name``) and parses only the files that define it. Names are not
-    resolved through imports: every function or method of that name counts.
+    Files are parsed on demand: :meth:`helpers` looks a name up in the text of every file
+    (``def name``) and parses only the files that define it; those stay parsed. A file
+    parsed only to be checked is dropped again with :meth:`release`, so a scan of a large
+    tree never holds every syntax tree at once. Names are not resolved through imports:
+    every function or method of that name counts.
     """
 
     texts: dict[str, tuple[str, str]] = field(default_factory=dict)  #: path -> (text, module)
     parsed: dict[str, Source | None] = field(default_factory=dict)  #: None: did not parse
+    context: set[str] = field(default_factory=set)  #: paths read for helpers only
     _helpers: dict[str, list[tuple[Source, FunctionNode]]] = field(default_factory=dict)
+    _defs: dict[str, dict[str, list[FunctionNode]]] = field(default_factory=dict)
+    _memo: dict[tuple[str, int], tuple[object, object]] = field(default_factory=dict)
 
     def add(self, source: Source) -> None:
         """Add an already parsed file."""
         self.texts[source.path] = (source.text, source.module)
         self.parsed[source.path] = source
 
-    def add_text(self, path: str, text: str, module: str = "") -> None:
-        """Add a file to be parsed when a rule or a helper look-up needs it."""
+    def add_text(self, path: str, text: str, module: str = "", *, context: bool = False) -> None:
+        """Add a file to be parsed when a rule or a helper look-up needs it; a ``context``
+        file is only read for helpers."""
         self.texts[path] = (text, module)
+        if context:
+            self.context.add(path)
 
     def source(self, path: str) -> Source | None:
         """The parsed file (None if it does not parse)."""
@@ -105,8 +138,36 @@ class Project:
                 self.parsed[path] = None
         return self.parsed[path]
 
+    def release(self, path: str) -> None:
+        """Forget ``path``'s syntax tree, and what rules memoised about it, unless a helper
+        look-up uses it."""
+        if path in self._defs:
+            return
+        source = self.parsed.pop(path, None)
+        if source is not None:
+            self._memo = {k: v for k, v in self._memo.items() if v[0] is not source}
+
+    def memo(self, what: str, source: Source, node: ast.AST, compute: Callable[[], T]) -> T:
+        """``compute()``, once per run for ``node`` of ``source`` (dropped with the file)."""
+        key = (what, id(node))
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = (source, compute())
+        return hit[1]  # type: ignore[return-value]
+
+    def defs(self, source: Source) -> dict[str, list[FunctionNode]]:
+        """The functions (and methods, nested ones too) ``source`` defines, by name."""
+        found = self._defs.get(source.path)
+        if found is None:
+            found = {}
+            for node in ast.walk(source.tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found.setdefault(node.name, []).append(node)
+            self._defs[source.path] = found
+        return found
+
     def helpers(self, name: str) -> Iterator[tuple[Source, FunctionNode]]:
-        """The functions (and methods) named ``name`` defined anywhere in the scanned tree."""
+        """The functions (and methods) named ``name`` defined anywhere in the project."""
         found = self._helpers.get(name)
         if found is None:
             found = []
@@ -115,14 +176,8 @@ class Project:
                 if needle not in text:
                     continue
                 source = self.source(path)
-                if source is None:
-                    continue
-                found += [
-                    (source, node)
-                    for node in ast.walk(source.tree)
-                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                    and node.name == name
-                ]
+                if source is not None:
+                    found += [(source, fn) for fn in self.defs(source).get(name, ())]
             self._helpers[name] = found
         yield from found
 

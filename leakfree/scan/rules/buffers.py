@@ -55,7 +55,9 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterable, Iterator
 
+from leakfree.scan._flow import Flow
 from leakfree.scan._model import Finding, Project, Rule, Source
+from leakfree.scan._syntax import functions, own_nodes, positional, tail
 
 __all__ = ["RULES"]
 
@@ -113,22 +115,6 @@ MESSAGE = (
 )
 
 
-def _own_nodes(node: ast.AST) -> Iterator[ast.AST]:
-    """The nodes under ``node``, not entering nested functions, lambdas or classes."""
-    stack = list(ast.iter_child_nodes(node))
-    while stack:
-        child = stack.pop()
-        yield child
-        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
-            stack.extend(ast.iter_child_nodes(child))
-
-
-def _tail(expr: ast.expr) -> str:
-    if isinstance(expr, ast.Attribute):
-        return expr.attr
-    return expr.id if isinstance(expr, ast.Name) else ""
-
-
 def _base_name(expr: ast.expr) -> str | None:
     """``buf.detach().view(...)`` -> ``buf``: the name an alias chain starts from."""
     while True:
@@ -146,22 +132,6 @@ def _true(expr: ast.expr | None) -> bool:
     return expr is None or not (isinstance(expr, ast.Constant) and expr.value in (False, 0))
 
 
-def _assignments(nodes: list[ast.AST]) -> list[tuple[str, ast.expr, ast.AST]]:
-    """(name, value, node) for ``name = value`` statements among ``nodes``, in order."""
-    out: list[tuple[str, ast.expr, ast.AST]] = []
-    for node in nodes:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target, value = node.targets[0], node.value
-        elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
-            target, value = node.target, node.value
-        else:
-            continue
-        if isinstance(target, ast.Name):
-            out.append((target.id, value, node))
-    out.sort(key=lambda a: (getattr(a[2], "lineno", 0), getattr(a[2], "col_offset", 0)))
-    return out
-
-
 def _receives(fname: str) -> bool:
     """A call named for receiving a tensor (``recv_forward``), not ops, metadata or work
     handles (``get_fwd_recv_ops``, ``recv_info``) nor ``recv`` itself (it returns a rank)."""
@@ -172,33 +142,33 @@ def _receives(fname: str) -> bool:
 
 
 def _receive_call(call: ast.Call) -> bool:
-    tail = _tail(call.func)
-    return tail in _RECV or tail == "P2POp" or _receives(tail)
+    name = tail(call.func)
+    return name in _RECV or name == "P2POp" or _receives(name)
 
 
 def _received_in(loop: _Loop, helpers: _Helpers) -> tuple[set[str], dict[str, ast.AST]]:
     """Names bound to receive buffers in ``loop``, and the calls that made any of them
     leaves: a factory with ``requires_grad=True``, or a receive helper that makes its
     buffers so (Megatron-LM's ``recv_forward`` -> ``_communicate``)."""
-    nodes = list(_own_nodes(loop))
+    nodes = list(own_nodes(loop))
     recv_args: set[str] = set()
     for node in nodes:
         if not isinstance(node, ast.Call):
             continue
-        name = _tail(node.func)
+        name = tail(node.func)
         if name in _RECV:
             args = [*node.args[:1], *(k.value for k in node.keywords if k.arg == "tensor")]
-        elif name == "P2POp" and node.args and _tail(node.args[0]) in _RECV:
+        elif name == "P2POp" and node.args and tail(node.args[0]) in _RECV:
             args = node.args[1:2]
         else:
             continue
         recv_args.update(a.id for a in args if isinstance(a, ast.Name))
     received: set[str] = set()
     born_leaf: dict[str, ast.AST] = {}
-    for name, value, _node in _assignments(nodes):
+    for name, value, _node in Flow(loop).assigned():
         if not isinstance(value, ast.Call):
             continue
-        fname = _tail(value.func)
+        fname = tail(value.func)
         if fname in _FACTORIES and name in recv_args:
             received.add(name)
             for kw in value.keywords:
@@ -216,11 +186,11 @@ def _received_in(loop: _Loop, helpers: _Helpers) -> tuple[set[str], dict[str, as
 def _creates_leaf(call: ast.Call) -> bool:
     """``torch.empty(..., requires_grad=True)`` (any factory, a non-False value) or
     ``t.requires_grad_()``."""
-    tail = _tail(call.func)
+    name = tail(call.func)
     requires = _kw(call, "requires_grad")
-    if tail in _FACTORIES:
+    if name in _FACTORIES:
         return requires is not None and _true(requires)
-    return tail == "requires_grad_" and _true(call.args[0] if call.args else requires)
+    return name == "requires_grad_" and _true(call.args[0] if call.args else requires)
 
 
 def _made_leaf(node: ast.AST, names: set[str]) -> str | None:
@@ -254,7 +224,7 @@ def _leaf_sites(
     """(node, buffer name, its leaf aliases) where a received buffer is made a leaf: in the
     loop itself, or by a helper the loop passes it to (``forward_step(..., x)`` whose body
     sets ``x.requires_grad = True``)."""
-    nodes = list(_own_nodes(loop))
+    nodes = list(own_nodes(loop))
     sites: list[tuple[ast.AST, str, set[str]]] = []
     made: dict[int, set[str]] = {}
     for node in nodes:
@@ -266,11 +236,11 @@ def _leaf_sites(
             method = isinstance(node.func, ast.Attribute)
             for i, arg in enumerate(node.args):
                 base = _base_name(arg)
-                if base in received and helpers.makes_leaf(_tail(node.func), i, method):
+                if base in received and helpers.makes_leaf(tail(node.func), i, method):
                     sites.append((node, base, {base}))
                     break
     # ``x = buf.requires_grad_()``: x is the leaf too
-    for name, value, _node in _assignments(nodes):
+    for name, value, _node in Flow(loop).assigned():
         for sub in ast.walk(value):
             if id(sub) in made:
                 made[id(sub)].add(name)
@@ -295,7 +265,6 @@ class _Helpers:
         self._helper_cache: dict[tuple[str, int, bool], bool] = {}
         self._leaf_cache: dict[tuple[str, int, bool], bool] = {}
         self._receive_cache: dict[str, bool] = {}
-        self._by_file: dict[int, dict[str, list[_FunctionNode]]] = {}
 
     def _param_names(
         self, name: str, index: int, attribute_call: bool
@@ -303,14 +272,14 @@ class _Helpers:
         """For each function ``name`` in the tree: its own nodes, and the names its
         parameter at call position ``index`` reaches (itself, loop variables over it)."""
         for _src, fn in self.project.helpers(name):
-            params = [p.arg for p in (*fn.args.posonlyargs, *fn.args.args)]
+            params = positional(fn)
             if params and params[0] in ("self", "cls"):
                 if not attribute_call:  # a bare call never reaches a method
                     continue
                 params = params[1:]
             if index >= len(params):
                 continue
-            nodes = list(_own_nodes(fn))
+            nodes = list(own_nodes(fn))
             names = {params[index]}
             self._spread(nodes, names, set())
             yield nodes, names
@@ -329,12 +298,12 @@ class _Helpers:
                         if _creates_leaf(n):
                             found = True
                             break
-                        callees.add(_tail(n.func))
+                        callees.add(tail(n.func))
                 if found:
                     break
                 # one call deeper, only into the same file (a common name such as
                 # ``get`` would otherwise match unrelated functions across the tree)
-                local = self._functions_of(src)
+                local = self.project.defs(src)
                 found = any(
                     _creates_leaf(n)
                     for c in callees
@@ -346,17 +315,6 @@ class _Helpers:
                 if found:
                     break
             self._receive_cache[name] = found
-        return found
-
-    def _functions_of(self, src: Source) -> dict[str, list[_FunctionNode]]:
-        """The functions defined in ``src``, by name (computed once per file)."""
-        found = self._by_file.get(id(src))
-        if found is None:
-            found = {}
-            for node in ast.walk(src.tree):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    found.setdefault(node.name, []).append(node)
-            self._by_file[id(src)] = found
         return found
 
     def makes_leaf(self, name: str, index: int, attribute_call: bool) -> bool:
@@ -375,7 +333,7 @@ class _Helpers:
     def read(self, fn: _FunctionNode, cls: ast.ClassDef | None, aliases: set[str]) -> bool:
         names = set(aliases)
         containers: set[str] = set()
-        nodes = list(_own_nodes(fn))
+        nodes = list(own_nodes(fn))
         self._spread(nodes, names, containers)
         if self._reads(nodes, names, containers):
             return True
@@ -383,7 +341,7 @@ class _Helpers:
         if cls is not None and shared:
             for method in cls.body:
                 if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method is not fn:
-                    m_nodes = list(_own_nodes(method))
+                    m_nodes = list(own_nodes(method))
                     m_names: set[str] = set()
                     m_containers = set(shared)
                     self._spread(m_nodes, m_names, m_containers)
@@ -459,7 +417,7 @@ def _callees(func: ast.expr, nodes: list[ast.AST]) -> list[tuple[str, int]]:
     parameters are already bound: its own name, and for a local variable the functions
     assigned to it (``backward_func = backward_step`` or ``partial(backward_step, ...)``,
     as Megatron-LM's schedules do)."""
-    name = _tail(func)
+    name = tail(func)
     out = [(name, 0)]
     if not isinstance(func, ast.Name):
         return out
@@ -474,8 +432,8 @@ def _callees(func: ast.expr, nodes: list[ast.AST]) -> list[tuple[str, int]]:
         value = node.value
         if isinstance(value, ast.Name):
             out.append((value.id, 0))
-        elif isinstance(value, ast.Call) and _tail(value.func) == "partial" and value.args:
-            out.append((_tail(value.args[0]), len(value.args) - 1))
+        elif isinstance(value, ast.Call) and tail(value.func) == "partial" and value.args:
+            out.append((tail(value.args[0]), len(value.args) - 1))
     return out
 
 
@@ -500,25 +458,6 @@ def _drawn(expr: ast.AST, containers: set[str]) -> bool:
     return False
 
 
-_Located = tuple[_FunctionNode, ast.ClassDef | None]
-
-
-def _functions(tree: ast.Module) -> Iterator[_Located]:
-    """Every function with the class it is a method of (None for plain functions)."""
-
-    def visit(node: ast.AST, cls: ast.ClassDef | None) -> Iterator[_Located]:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                yield child, cls
-                yield from visit(child, None)
-            elif isinstance(child, ast.ClassDef):
-                yield from visit(child, child)
-            else:
-                yield from visit(child, cls)
-
-    yield from visit(tree, None)
-
-
 def check(source: Source, project: Project) -> Iterable[Finding]:
     # a receive happens in this file (the leaf may be made by a helper elsewhere): a
     # cheap prefilter on the text
@@ -527,8 +466,8 @@ def check(source: Source, project: Project) -> Iterable[Finding]:
         return []
     reads = _Helpers(source, project)
     found: dict[tuple[int, int], Finding] = {}
-    for fn, cls in _functions(source.tree):
-        own = list(_own_nodes(fn))
+    for fn, cls in functions(source.tree):
+        own = list(own_nodes(fn))
         if not any(isinstance(n, ast.Call) and _receive_call(n) for n in own):
             continue  # nothing received here: skip the walks over its loops
         loops = [n for n in own if isinstance(n, (ast.For, ast.AsyncFor, ast.While))]

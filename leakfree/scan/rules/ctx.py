@@ -76,19 +76,20 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from leakfree.scan._ast import (
+from leakfree.scan._flow import Flow, TensorEvidence, metadata_named
+from leakfree.scan._model import NOTE, Finding, Project, Rule, Source
+from leakfree.scan._syntax import (
     FunctionClass,
-    TensorEvidence,
-    aliases_of,
+    FunctionNode,
     elements,
     function_classes,
     imports,
-    metadata_named,
+    name_words,
     own_nodes,
     parameters,
+    tail,
     words,
 )
-from leakfree.scan._model import Finding, FunctionNode, Project, Rule, Source
 
 __all__ = ["RULES"]
 
@@ -202,7 +203,7 @@ class _Releases:
         if key in self.memo:
             return self.memo[key]
         self.memo[key] = frozenset()  # recursion guard
-        ctx = aliases_of(fn, param)
+        ctx = Flow(fn).aliases(param)
         out: set[str] = set()
         for n in own_nodes(fn):
             if isinstance(n, ast.Assign) and _is_empty(n.value):
@@ -311,7 +312,7 @@ class _Releases:
         """Does ``fn`` empty the container it receives as ``param``?"""
         key = (id(fn), param)
         if key not in self.clears:
-            names = aliases_of(fn, param)
+            names = Flow(fn).aliases(param)
             self.clears[key] = any(
                 (
                     isinstance(n, ast.Call)
@@ -337,9 +338,22 @@ class _Releases:
 
 # --- outputs -----------------------------------------------------------------------------
 
+#: words naming outputs that never get a grad_fn: integers and booleans (indices, id maps,
+#: masks, counts) and communication handles (no cycle through them)
+_NOT_DIFFERENTIABLE = words(
+    "idx index indices ids id map mask masks count counts argmax argmin handle handles "
+    "work works req reqs request requests future futures fut event events stream group"
+)
 
-def _outputs(fn: FunctionNode, ctx: set[str], setup: bool) -> tuple[set[str], set[str]]:
-    """Names that are outputs of the node, and ctx attributes ``forward`` returns."""
+
+def _outputs(
+    fn: FunctionNode, ctx: set[str], setup: bool, tensors: TensorEvidence
+) -> tuple[set[str], set[str]]:
+    """Names that are tensor outputs of the node, and ctx attributes ``forward`` returns.
+
+    A returned name counts only with evidence that it holds a tensor (``tensors`` is
+    gathered without the return itself as evidence): a tuple of communication handles, a
+    NumPy array or an index map gets no ``grad_fn``, so storing it makes no cycle."""
     params = {p.arg for p in parameters(fn)}
     nodes = list(own_nodes(fn))
     dirty: set[str] = set()
@@ -350,15 +364,13 @@ def _outputs(fn: FunctionNode, ctx: set[str], setup: bool) -> tuple[set[str], se
             and isinstance(n.func, ast.Attribute)
             and isinstance(n.func.value, ast.Name)
             and n.func.value.id in ctx
+            and n.func.attr in ("mark_dirty", "mark_non_differentiable")
         ):
-            target = dirty if n.func.attr == "mark_dirty" else None
-            if n.func.attr == "mark_non_differentiable":
-                target = nondiff
-            if target is not None:
-                for a in n.args:
-                    v = a.value if isinstance(a, ast.Starred) else a
-                    if isinstance(v, ast.Name):
-                        target.add(v.id)
+            target = dirty if n.func.attr == "mark_dirty" else nondiff
+            for a in n.args:
+                v = a.value if isinstance(a, ast.Starred) else a
+                if isinstance(v, ast.Name):
+                    target.add(v.id)
     names: set[str] = set()
     attrs: set[str] = set()
     if setup:
@@ -370,7 +382,8 @@ def _outputs(fn: FunctionNode, ctx: set[str], setup: bool) -> tuple[set[str], se
             if isinstance(n, ast.Return) and n.value is not None:
                 for r in elements(n.value):
                     if isinstance(r, ast.Name) and (r.id not in params or r.id in dirty):
-                        names.add(r.id)
+                        if tensors.holds(r) or r.id in dirty:
+                            names.add(r.id)
                     elif (returned := _ctx_attr(r, ctx)) is not None:
                         attrs.add(returned)
     # unpacking and views of outputs are outputs too (a, b = output; v = out.view(...))
@@ -384,12 +397,7 @@ def _outputs(fn: FunctionNode, ctx: set[str], setup: bool) -> tuple[set[str], se
                         if isinstance(e, ast.Name) and e.id not in names:
                             names.add(e.id)
                             changed = True
-    # integer outputs (indices, id maps, masks) get no grad_fn: taken at their name's word
-    return {n for n in names - nondiff if not _words_of(n) & _INDEX_WORDS}, attrs
-
-
-def _words_of(name: str) -> set[str]:
-    return {w for w in name.lower().split("_") if w}
+    return {n for n in names - nondiff if not name_words(n) & _NOT_DIFFERENTIABLE}, attrs
 
 
 def _is_output(e: ast.AST, outs: set[str]) -> bool:
@@ -407,6 +415,31 @@ def _is_output(e: ast.AST, outs: set[str]) -> bool:
     if isinstance(e, ast.Dict):
         return any(_is_output(v, outs) for v in e.values)
     return False
+
+
+# --- what lives anyway ---------------------------------------------------------------------
+
+#: words naming a module's parameters and buffers: they live as long as the module
+_WEIGHT_WORDS = words("weight weights bias biases param params parameter parameters buffer")
+
+
+def _lives_anyway(value: ast.AST, names: dict[str, str]) -> str | None:
+    """Why the stored value costs nothing beyond what lives anyway (a note, not a leak):
+    a parameter, weight or buffer, or an RNG state (a few KB); None for anything else."""
+    for n in ast.walk(value):
+        if isinstance(n, ast.Call) and tail(n.func) == "get_rng_state":
+            return "an RNG state (a few KB per call, not activations)"
+    leaves = list(elements(value))
+    if leaves and all(
+        (isinstance(v, (ast.Name, ast.Attribute)) and name_words(tail(v)) & _WEIGHT_WORDS)
+        or (isinstance(v, ast.Call) and tail(v.func) in ("parameters", "buffers"))
+        for v in leaves
+    ):
+        return "a parameter or weight, which lives as long as its module anyway"
+    if all(isinstance(v, ast.Name) and "rng" in name_words(v.id) for v in leaves):
+        return "an RNG state (a few KB per call, not activations)"
+    del names
+    return None
 
 
 # --- the check ---------------------------------------------------------------------------
@@ -429,19 +462,20 @@ def _findings(source: Source, project: Project) -> tuple[list[Finding], list[Fin
     lf002: list[Finding] = []
     if not _DERIVES.search(source.text):
         return lf001, lf002  # no class names a ...Function base: skip the tree walks
-    names = imports(source.tree, source.module)
-    classes = function_classes(source.tree, source.module, names)
+    names = imports(source.tree, source.package)
     releases = _Releases(project, names)
-    for fc in classes:
+    for fc in function_classes(source.tree, names):
         entry = _entry(fc)
         if entry is None:
             continue
         fn, setup = entry
-        ctx = aliases_of(fn, parameters(fn)[0].arg)
+        flow = Flow(fn)
+        ctx = flow.aliases(parameters(fn)[0].arg)
         stores = list(_stores(fn, ctx))
         if not stores:
             continue
-        outs, out_attrs = _outputs(fn, ctx, setup)
+        shown = TensorEvidence(fn, names, ctx, flow=flow, returned=False)
+        outs, out_attrs = _outputs(fn, ctx, setup, shown)
         cycle: set[str] = set()
         for s in stores:
             if s.attr not in cycle and (s.attr in out_attrs or _is_output(s.value, outs)):
@@ -471,20 +505,35 @@ def _findings(source: Source, project: Project) -> tuple[list[Finding], list[Fin
             if s.attr in seen or s.attr in released or s.attr in cycle:
                 continue
             if evidence is None:
-                evidence = TensorEvidence(fn, names, ctx)
-            if not metadata_named(s.attr, s.value) and evidence.holds(s.value):
-                seen.add(s.attr)
+                evidence = TensorEvidence(fn, names, ctx, flow=flow)
+            if metadata_named(s.attr, s.value) or not evidence.holds(s.value):
+                continue
+            seen.add(s.attr)
+            because = evidence.explain(s.value)
+            anyway = _lives_anyway(s.value, names)
+            if anyway is not None:
                 lf001.append(
                     source.finding(
                         s.node,
                         "LF001",
                         f"{fc.node.name}.{s.attr}",
-                        f"ctx.{s.attr} can hold tensors and backward never releases it, so "
-                        "they stay alive as long as the graph does; set it to None in "
-                        "backward after its last use (or save tensors with "
-                        "ctx.save_for_backward), or subclass leakfree.Function",
+                        f"ctx.{s.attr} is never released by backward, but it holds {anyway}: "
+                        "the graph keeps it a little longer, no activations",
+                        NOTE,
                     )
                 )
+                continue
+            lf001.append(
+                source.finding(
+                    s.node,
+                    "LF001",
+                    f"{fc.node.name}.{s.attr}",
+                    f"ctx.{s.attr} can hold tensors (because {because}) and backward never "
+                    "releases it, so they stay alive as long as the graph does; set it to "
+                    "None in backward after its last use (or save tensors with "
+                    "ctx.save_for_backward), or subclass leakfree.Function",
+                )
+            )
     return lf001, lf002
 
 

@@ -31,7 +31,9 @@ What counts, decided from the code only:
   name, a method (``self.pack``), a lambda, ``functools.partial(pack, ...)``, or the
   closure a factory call returns (``make_pack(...)`` whose body ends in ``return pack``);
   across files through the scanned tree's functions of that name.
-- **A long-lived table**: a subscript store whose container is reached from the
+- **A long-lived table**: a subscript store (``table[key] = t``), a ``table.update({key:
+  t})`` / ``table.update(key=t)``, or an append to a list whose index the hook returns
+  (``table.append(t.cpu()); return len(table) - 1``), whose container is reached from the
   instance (``self.x[...]``, ``self`` being the method's first parameter or the enclosing
   method's for a closure defined in ``__init__``), from a module global, or from a
   variable of an enclosing function or a parameter bound by ``partial`` (either lives as
@@ -44,23 +46,41 @@ What counts, decided from the code only:
   other than through metadata (``.shape``, ``.dtype``, ``.device``, ``.stride()``,
   ``.numel()``, ``data_ptr()``, ``id()``, ``len()``, ``weakref.ref(t)``...).
 - **Returns a key**: a ``return`` of the same expression as that store's key (or a tuple
-  holding it beside nothing tensor-derived), so a store that is not the one the key
-  indexes is not reported. A hook returning the tensor itself or a handle object is
-  silent, whatever else it records.
+  holding it beside nothing tensor-derived), or of the list's last index (``len(table) -
+  1``) after an append, so a store that is not the one the key indexes is not reported. A
+  hook returning the tensor itself or a handle object is silent, whatever else it records.
 
 When the hook's return value is a call (``return self._pack(t)``, ``return
 manager.offload(t)``) that receives the tensor, the called function is checked the same
-way (two levels deep), by name in the scanned tree. Clearing the table in ``unpack`` or
-``__enter__`` does not silence the rule: it cannot run for a graph freed without backward.
+way (two levels deep), by name in the scanned tree.
+
+**What it can and cannot tell.** Clearing the table in ``unpack`` or ``__enter__`` does
+not silence the rule: neither runs for a graph freed without backward. It does change
+how long the payload stays, and the finding says which: a table the owning class clears
+in ``__enter__`` / ``__exit__`` (TRL from 1.5, so 1.16) keeps such entries until the next
+``with`` block; one cleared nowhere but in ``unpack`` (TRL 1.3) keeps them for the
+manager's life. Whether a graph is ever freed without backward is a run-time fact the
+scan cannot see; ``leakfree.testing.assert_no_leak`` around an evaluation step shows it.
 """
 
 from __future__ import annotations
 
 import ast
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
+from leakfree.scan._callables import Callables, Target
+from leakfree.scan._flow import META_ATTRS, META_BUILTINS, META_METHODS, Flow, Reason, Step
 from leakfree.scan._model import Finding, Project, Rule, Source
+from leakfree.scan._syntax import (
+    Scope,
+    Scopes,
+    bound_names,
+    declared,
+    own_nodes,
+    positional,
+    root,
+    tail,
+)
 
 __all__ = ["RULES"]
 
@@ -68,274 +88,35 @@ CODE = "LF004"
 CONFIRM = "leakfree.testing.assert_no_leak"
 
 _FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
-_Scope = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda
 
 #: calls whose first argument is a pack hook
 _REGISTER = frozenset({"saved_tensors_hooks", "_push_saved_tensors_default_hooks"})
-#: tensor attributes that are metadata, not the payload
-_META_ATTRS = frozenset(
-    {
-        "shape",
-        "dtype",
-        "device",
-        "layout",
-        "requires_grad",
-        "is_leaf",
-        "is_cuda",
-        "ndim",
-        "names",
-        "_version",
-        "is_sparse",
-        "is_quantized",
-        "is_meta",
-        "grad_fn",
-        "itemsize",
-        "nbytes",
-    }
-)
-#: tensor methods whose result is metadata
-_META_METHODS = frozenset(
-    {
-        "size",
-        "stride",
-        "dim",
-        "numel",
-        "nelement",
-        "element_size",
-        "storage_offset",
-        "data_ptr",
-        "is_contiguous",
-        "get_device",
-        "is_floating_point",
-        "is_complex",
-        "untyped_storage",  # only ever followed by data_ptr()/nbytes() in key code
-        "_typed_storage",
-    }
-)
-#: builtins / functions whose result holds no tensor (or only weakly)
-_META_CALLS = frozenset(
-    {
-        "id",
-        "len",
-        "isinstance",
-        "type",
-        "hash",
-        "str",
-        "repr",
-        "int",
-        "float",
-        "bool",
-        "ref",  # weakref.ref(t)
-        "WeakMethod",
-        "StorageWeakRef",
-        "hasattr",
-    }
-)
+#: what a tensor's metadata is read through, not its payload (``untyped_storage()`` only
+#: ever leads to ``data_ptr()`` / ``nbytes()`` in key code; ``weakref.ref(t)`` keeps nothing)
+_META_ATTRS = META_ATTRS
+_META_METHODS = META_METHODS | {"untyped_storage", "_typed_storage"}
+_META_CALLS = META_BUILTINS | {"ref", "WeakMethod", "StorageWeakRef"}
 
 MESSAGE = (
     "the pack hook stores the saved tensor in {table} and returns a key into it, so the "
     "table, not the graph, owns the payload: a graph freed without backward leaves it "
-    "there for the manager's life; return an object that owns the payload instead (as "
+    "there {how_long}; return an object that owns the payload instead (as "
     "leakfree.offload.OffloadActivations does)"
 )
-
-
-# --- scopes ---------------------------------------------------------------------------
-
-
-def _parents(tree: ast.Module) -> dict[ast.AST, tuple[_Scope, ...]]:
-    """For every function, lambda and call: the chain of enclosing classes / functions."""
-    out: dict[ast.AST, tuple[_Scope, ...]] = {}
-
-    def visit(node: ast.AST, chain: tuple[_Scope, ...]) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
-                out[child] = chain
-                visit(child, (*chain, child))
-            else:
-                if isinstance(child, ast.Call):
-                    out[child] = chain
-                visit(child, chain)
-
-    visit(tree, ())
-    return out
-
-
-def _own_nodes(fn: ast.AST) -> Iterator[ast.AST]:
-    """The nodes of ``fn``'s body, not entering nested functions, lambdas or classes."""
-    stack = list(ast.iter_child_nodes(fn))
-    while stack:
-        node = stack.pop()
-        yield node
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
-            stack.extend(ast.iter_child_nodes(node))
-
-
-def _params(fn: _FunctionNode | ast.Lambda) -> list[str]:
-    a = fn.args
-    return [p.arg for p in (*a.posonlyargs, *a.args)]
-
-
-def _is_method(fn: ast.AST, chain: tuple[_Scope, ...]) -> bool:
-    if not (chain and isinstance(chain[-1], ast.ClassDef)):
-        return False
-    decorators = getattr(fn, "decorator_list", [])
-    return not any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in decorators)
-
-
-def _assigned(fn: ast.AST) -> set[str]:
-    """Names bound in ``fn``'s own body (targets, loop variables, imports, nested defs)."""
-    names: set[str] = set()
-    for node in _own_nodes(fn):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            names.add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-    return names
-
-
-def _declared(fn: ast.AST, kind: type[ast.Global] | type[ast.Nonlocal]) -> set[str]:
-    return {n for node in _own_nodes(fn) if isinstance(node, kind) for n in node.names}
-
-
-def _module_names(tree: ast.Module) -> set[str]:
-    """Names bound at module level (under ``if`` / ``try`` too, not inside functions)."""
-    return _assigned(tree)
 
 
 # --- the hook function ----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Hook:
-    source: Source
-    fn: _FunctionNode | ast.Lambda
-    chain: tuple[_Scope, ...]
-    param: str  #: the parameter that receives the saved tensor
-    bound: tuple[str, ...] = ()  #: parameters bound by functools.partial (live as long)
-
-
-def _hook_from(
-    fn: _FunctionNode | ast.Lambda,
-    chain: tuple[_Scope, ...],
-    source: Source,
-    skip_self: bool,
-    bound: int = 0,
-) -> _Hook | None:
-    """The hook ``fn``; ``bound`` leading parameters are bound by ``functools.partial``."""
-    params = _params(fn)
-    if skip_self and _is_method(fn, chain):
-        params = params[1:]
-    bound_names = tuple(params[:bound])
-    params = params[bound:]
-    return _Hook(source, fn, chain, params[0], bound_names) if params else None
-
-
-class _Parents:
-    """``_parents`` of each file, computed once per check."""
-
-    def __init__(self) -> None:
-        self._by_tree: dict[int, dict[ast.AST, tuple[_Scope, ...]]] = {}
-
-    def of(self, source: Source) -> dict[ast.AST, tuple[_Scope, ...]]:
-        found = self._by_tree.get(id(source.tree))
-        if found is None:
-            found = self._by_tree[id(source.tree)] = _parents(source.tree)
-        return found
-
-
-class _Resolver:
-    """Finds the function behind a pack-hook expression, in the file or the project."""
-
-    def __init__(self, source: Source, project: Project, parents: _Parents) -> None:
-        self.source = source
-        self.project = project
-        self.all_parents = parents
-        self.parents = parents.of(source)
-
-    def chain(self, node: ast.AST) -> tuple[_Scope, ...]:
-        return self.parents.get(node, ())
-
-    def resolve(
-        self, expr: ast.expr, chain: tuple[_Scope, ...], depth: int = 0, bound: int = 0
-    ) -> _Hook | None:
-        if isinstance(expr, ast.Lambda):
-            return _hook_from(expr, self.chain(expr), self.source, False, bound)
-        if isinstance(expr, ast.Name):
-            fn = self._find_def(expr.id, chain)
-            if fn is not None:
-                return _hook_from(fn, self.chain(fn), self.source, True, bound)
-            for src, other in self.project.helpers(expr.id):
-                if src is not self.source:
-                    chain_there = self.all_parents.of(src).get(other, ())
-                    return _hook_from(other, chain_there, src, True, bound)
-            return None
-        if (
-            isinstance(expr, ast.Call)
-            and _dotted_tail(expr.func) == "partial"
-            and expr.args
-            and not expr.keywords
-        ):
-            # functools.partial(pack, a, b): the tensor is the first parameter not bound
-            return self.resolve(expr.args[0], chain, depth, bound + len(expr.args) - 1)
-        if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name):
-            cls = _enclosing_class_of_self(expr.value.id, chain)
-            if cls is not None:
-                for stmt in cls.body:
-                    if (
-                        isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))
-                        and stmt.name == expr.attr
-                    ):
-                        inner = (*self.chain(cls), cls)
-                        return _hook_from(stmt, inner, self.source, True, bound)
-            return None
-        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and depth < 2:
-            # a factory: ``make_pack(...)`` returning a nested ``def pack``
-            factory = self._find_def(expr.func.id, chain)
-            if factory is None:
-                return None
-            for node in _own_nodes(factory):
-                if isinstance(node, ast.Return) and node.value is not None:
-                    inner = (*self.chain(factory), factory)
-                    return self.resolve(node.value, inner, depth + 1)
-        return None
-
-    def _find_def(self, name: str, chain: tuple[_Scope, ...]) -> _FunctionNode | None:
-        scopes: list[ast.AST] = [s for s in reversed(chain) if not isinstance(s, ast.ClassDef)]
-        scopes.append(self.source.tree)
-        for scope in scopes:
-            for node in _own_nodes(scope):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-                    return node
-        return None
-
-
-def _enclosing_class_of_self(name: str, chain: tuple[_Scope, ...]) -> ast.ClassDef | None:
-    """The class whose instance ``name`` is: the first parameter of a method in ``chain``."""
-    for i in range(len(chain) - 1, 0, -1):
-        fn, owner = chain[i], chain[i - 1]
-        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and isinstance(
-            owner, ast.ClassDef
-        ):
-            params = _params(fn)
-            if params and params[0] == name and _is_method(fn, chain[:i]):
-                return owner
-            if name in _assigned(fn) or name in params:
-                return None
-    return None
-
-
-def _registrations(source: Source, resolver: _Resolver) -> Iterator[_Hook]:
+def _registrations(source: Source, resolver: Callables) -> Iterator[Target]:
     """Every pack hook registered in ``source``."""
     for node in ast.walk(source.tree):
         if not isinstance(node, ast.Call):
             continue
-        chain = resolver.chain(node)
+        chain = resolver.scopes.chain(node)
         pack: ast.expr | None = None
         func = node.func
-        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        name = tail(func)
         if name in _REGISTER and node.args:
             pack = node.args[0]
         elif name == "__init__" and isinstance(func, ast.Attribute):
@@ -358,117 +139,84 @@ def _registrations(source: Source, resolver: _Resolver) -> Iterator[_Hook]:
 
 
 def _super_init_pack(
-    node: ast.Call, func: ast.Attribute, chain: tuple[_Scope, ...]
+    node: ast.Call, func: ast.Attribute, chain: tuple[Scope, ...]
 ) -> ast.expr | None:
     classes = [s for s in chain if isinstance(s, ast.ClassDef)]
-    if not classes or not any(_dotted_tail(b) == "saved_tensors_hooks" for b in classes[-1].bases):
+    if not classes or not any(tail(b) == "saved_tensors_hooks" for b in classes[-1].bases):
         return None
     base = func.value
     if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
         return node.args[0] if node.args else None
-    if _dotted_tail(base) == "saved_tensors_hooks":  # saved_tensors_hooks.__init__(self, p, u)
+    if tail(base) == "saved_tensors_hooks":  # saved_tensors_hooks.__init__(self, p, u)
         return node.args[1] if len(node.args) > 1 else None
     return None
-
-
-def _dotted_tail(expr: ast.expr) -> str:
-    if isinstance(expr, ast.Attribute):
-        return expr.attr
-    return expr.id if isinstance(expr, ast.Name) else ""
 
 
 # --- what the hook does ---------------------------------------------------------------
 
 
-def _carries(expr: ast.AST, tainted: set[str]) -> bool:
+def _carries(expr: ast.AST, tainted: Iterable[str]) -> bool:
     """Whether ``expr`` can hold (a copy of) a tainted tensor, not just its metadata."""
     if isinstance(expr, ast.Name):
         return expr.id in tainted
     if isinstance(expr, ast.Attribute):
-        if expr.attr in _META_ATTRS:
-            return False
-        return _carries(expr.value, tainted)
+        return expr.attr not in _META_ATTRS and _carries(expr.value, tainted)
     if isinstance(expr, ast.Call):
         f = expr.func
-        fname = _dotted_tail(f)
-        if fname in _META_CALLS:
-            return False
-        if isinstance(f, ast.Attribute) and fname in _META_METHODS:
+        fname = tail(f)
+        if fname in _META_CALLS or (isinstance(f, ast.Attribute) and fname in _META_METHODS):
             return False
         parts: list[ast.AST] = [*expr.args, *(k.value for k in expr.keywords)]
         if isinstance(f, ast.Attribute):
             parts.append(f.value)
         return any(_carries(p, tainted) for p in parts)
-    if isinstance(expr, (ast.Compare, ast.BoolOp)) and not isinstance(expr, ast.BoolOp):
-        return False  # a comparison is a bool
-    if isinstance(expr, ast.Lambda):
-        return False
+    if isinstance(expr, (ast.Compare, ast.Lambda)):
+        return False  # a comparison is a bool; a lambda runs later
     return any(_carries(c, tainted) for c in ast.iter_child_nodes(expr))
 
 
-def _taint(fn: ast.AST, param: str) -> set[str]:
-    tainted = {param}
-    assigns = [
-        n for n in _own_nodes(fn) if isinstance(n, (ast.Assign, ast.AnnAssign, ast.NamedExpr))
-    ]
-    assigns.sort(key=lambda n: (n.lineno, n.col_offset))
-    for _ in range(2):  # a value can flow back through a loop
-        for node in assigns:
-            if node.value is None:
-                continue
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if _carries(node.value, tainted):
-                for t in targets:
-                    if isinstance(t, (ast.Tuple, ast.List)) and isinstance(
-                        node.value, (ast.Tuple, ast.List)
-                    ):
-                        for sub_t, sub_v in zip(t.elts, node.value.elts):
-                            if isinstance(sub_t, ast.Name) and _carries(sub_v, tainted):
-                                tainted.add(sub_t.id)
-                    else:
-                        tainted.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
-    return tainted
+def _taint(hook: Target) -> dict[str, Reason]:
+    """The hook's parameter and the locals derived from it (``activation =
+    activation.contiguous()``, ``cpu = torch.empty_like(a); cpu.copy_(a)``)."""
+    flow = Flow(hook.fn)
+
+    def carries(step: Step, reached: dict[str, Reason]) -> bool:
+        return _carries(step.value, reached)
+
+    # only plain names and display targets: ``self.table[k] = t`` is the store itself
+    return flow.spread(
+        {hook.params[0]: "the saved tensor"}, carries, lambda s: isinstance(s.target, ast.Name)
+    )
 
 
-def _root(expr: ast.expr) -> tuple[ast.Name | None, list[str]]:
-    """``self.a.b`` -> (Name self, ["a", "b"]); subscripts along the way are skipped."""
-    attrs: list[str] = []
-    while isinstance(expr, (ast.Attribute, ast.Subscript)):
-        if isinstance(expr, ast.Attribute):
-            attrs.append(expr.attr)
-        expr = expr.value
-    attrs.reverse()
-    return (expr if isinstance(expr, ast.Name) else None), attrs
-
-
-def _table_symbol(hook: _Hook, table: ast.expr, module_names: set[str]) -> str | None:
+def _table_symbol(hook: Target, table: ast.expr, module_names: set[str]) -> str | None:
     """The long-lived table's symbol (``Class.attr``, a global, ``func.var``), or None when
     ``table`` is local to the hook."""
-    name, attrs = _root(table)
+    name, attrs = root(table)
     if name is None:
         return None
     fn = hook.fn
-    local = set(_params(fn)) | _assigned(fn)
-    if name.id in _declared(fn, ast.Global):
+    local = set(positional(fn)) | bound_names(fn)
+    if name.id in declared(fn, ast.Global):
         return ".".join([name.id, *attrs])
     own_chain = (*hook.chain, fn) if not isinstance(fn, ast.Lambda) else hook.chain
+    label = fn.name if not isinstance(fn, ast.Lambda) else "<lambda>"
     if name.id in hook.bound:  # bound by partial: it lives as long as the hook
-        label = fn.name if not isinstance(fn, ast.Lambda) else "<lambda>"
         return ".".join([label, name.id, *attrs])
-    if name.id in local and name.id not in _declared(fn, ast.Nonlocal):
+    if name.id in local and name.id not in declared(fn, ast.Nonlocal):
         # the hook's own parameter: ``self`` of a method hook
-        cls = _enclosing_class_of_self(name.id, own_chain) if attrs else None
+        cls = Scopes.class_of_self(name.id, own_chain) if attrs else None
         return ".".join([cls.name, *attrs]) if cls is not None else None
     # a free variable: an enclosing function's (its ``self``, or a closure variable)
     for scope in reversed(hook.chain):
         if isinstance(scope, ast.ClassDef):
             continue
-        if name.id in _params(scope) or name.id in _assigned(scope):
-            cls = _enclosing_class_of_self(name.id, own_chain) if attrs else None
+        if name.id in positional(scope) or name.id in bound_names(scope):
+            cls = Scopes.class_of_self(name.id, own_chain) if attrs else None
             if cls is not None:
                 return ".".join([cls.name, *attrs])
-            label = scope.name if not isinstance(scope, ast.Lambda) else "<lambda>"
-            return ".".join([label, name.id, *attrs])
+            outer = scope.name if not isinstance(scope, ast.Lambda) else "<lambda>"
+            return ".".join([outer, name.id, *attrs])
     if name.id in module_names:
         return ".".join([name.id, *attrs])
     return None
@@ -480,15 +228,15 @@ _WEAK_TABLES = frozenset({"WeakKeyDictionary", "WeakValueDictionary", "WeakSet"}
 def _weak_table(tree: ast.Module, table: ast.expr) -> bool:
     """Whether ``table``'s name is bound to a weak container anywhere in the file (the
     graph owns a handle key, and the entry goes with it: ``allow_mutation_on_saved_tensors``)."""
-    name = _dotted_tail(table)
+    name = tail(table)
     if not name:
         return False
     for node in ast.walk(tree):
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call):
-            if _dotted_tail(node.value.func) not in _WEAK_TABLES:
+            if tail(node.value.func) not in _WEAK_TABLES:
                 continue
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(_dotted_tail(t) == name for t in targets):
+            if any(tail(t) == name for t in targets):
                 return True
     return False
 
@@ -496,58 +244,142 @@ def _weak_table(tree: ast.Module, table: ast.expr) -> bool:
 def _returns(fn: _FunctionNode | ast.Lambda) -> list[ast.expr]:
     if isinstance(fn, ast.Lambda):
         return [fn.body]
-    return [n.value for n in _own_nodes(fn) if isinstance(n, ast.Return) and n.value is not None]
+    return [n.value for n in own_nodes(fn) if isinstance(n, ast.Return) and n.value is not None]
 
 
-def _returns_key(value: ast.expr, key: ast.expr, tainted: set[str]) -> bool:
-    want = ast.dump(key)
-    if ast.dump(value) == want:
+def _same(a: ast.AST, b: ast.AST) -> bool:
+    return ast.dump(a) == ast.dump(b)
+
+
+def _last_index(value: ast.expr, table: ast.expr) -> bool:
+    """``len(table) - 1`` (the index an append just took)."""
+    return (
+        isinstance(value, ast.BinOp)
+        and isinstance(value.op, ast.Sub)
+        and isinstance(value.left, ast.Call)
+        and tail(value.left.func) == "len"
+        and len(value.left.args) == 1
+        and _same(value.left.args[0], table)
+        and isinstance(value.right, ast.Constant)
+        and value.right.value == 1
+    )
+
+
+def _returns_key(
+    value: ast.expr, key: ast.expr | None, table: ast.expr, tainted: Iterable[str]
+) -> bool:
+    """Does the hook return the store's key (``key`` None: an append, whose key is the
+    list's last index), alone or in a tuple beside nothing tensor-derived?"""
+
+    def is_key(e: ast.expr) -> bool:
+        return _last_index(e, table) if key is None else _same(e, key)
+
+    if is_key(value):
         return True
     if isinstance(value, ast.Tuple):
-        keyed = [e for e in value.elts if ast.dump(e) == want]
-        rest = [e for e in value.elts if ast.dump(e) != want]
-        return bool(keyed) and not any(_carries(e, tainted) for e in rest)
+        keyed = [e for e in value.elts if is_key(e)]
+        return bool(keyed) and not any(_carries(e, tainted) for e in value.elts if not is_key(e))
     return False
 
 
+def _stores(
+    nodes: Iterable[ast.AST], tainted: Iterable[str]
+) -> Iterator[tuple[ast.AST, ast.expr, ast.expr | None]]:
+    """(node, table, key) where the hook stores the tensor: ``table[key] = t``,
+    ``table.update({key: t})`` / ``table.update(key=t)`` (the key as a string constant),
+    and ``table.append(t)`` (key None: the list's last index)."""
+    for node in nodes:
+        if isinstance(node, ast.Assign) and _carries(node.value, tainted):
+            for t in node.targets:
+                if isinstance(t, ast.Subscript):
+                    yield node, t.value, t.slice
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            table = node.func.value
+            if node.func.attr == "append" and node.args and _carries(node.args[0], tainted):
+                yield node, table, None
+            elif node.func.attr == "update":
+                for arg in node.args:
+                    if isinstance(arg, ast.Dict):
+                        for k, v in zip(arg.keys, arg.values):
+                            if k is not None and _carries(v, tainted):
+                                yield node, table, k
+                for kw in node.keywords:
+                    if kw.arg and _carries(kw.value, tainted):
+                        yield node, table, ast.Constant(kw.arg)
+
+
+def _empty_display(e: ast.AST) -> bool:
+    return (isinstance(e, ast.Dict) and not e.keys) or (isinstance(e, ast.List) and not e.elts)
+
+
+#: methods whose body clears a table at the start or end of each ``with`` block
+_RESETS = ("__enter__", "__exit__")
+
+
+def _cleared_per_block(hook: Target, attrs: list[str]) -> str | None:
+    """The method (``__enter__``) of the hook's class that empties ``self.<attrs>``, if any."""
+    classes = [s for s in hook.chain if isinstance(s, ast.ClassDef)]
+    if not classes or not attrs:
+        return None
+    for stmt in classes[-1].body:
+        if (
+            not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))
+            or stmt.name not in _RESETS
+        ):
+            continue
+        for n in own_nodes(stmt):
+            target: ast.AST | None = None
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+                if n.func.attr == "clear":
+                    target = n.func.value
+            elif isinstance(n, ast.Assign) and _empty_display(n.value):
+                target = n.targets[0]
+            if target is not None and root(target)[1] == attrs:
+                return stmt.name
+    return None
+
+
 def _check_hook(
-    hook: _Hook, project: Project, parents: _Parents, depth: int, seen: set[int]
+    hook: Target, project: Project, files: Callables, depth: int, seen: set[int]
 ) -> Iterator[Finding]:
     if id(hook.fn) in seen:
         return
     seen.add(id(hook.fn))
     fn = hook.fn
-    tainted = _taint(fn, hook.param)
-    module_names = _module_names(hook.source.tree)
-    stores: list[tuple[ast.Assign, ast.expr, ast.expr]] = []  # (node, table, key)
-    nodes = [fn.body] if isinstance(fn, ast.Lambda) else list(_own_nodes(fn))
-    for node in nodes:
-        if isinstance(node, ast.Assign) and _carries(node.value, tainted):
-            for t in node.targets:
-                if isinstance(t, ast.Subscript):
-                    stores.append((node, t.value, t.slice))
+    tainted = _taint(hook)
+    module_names = bound_names(hook.source.tree)
+    nodes = [fn.body] if isinstance(fn, ast.Lambda) else list(own_nodes(fn))
     returns = _returns(fn)
     reported: set[str] = set()
-    for node, table, key in sorted(stores, key=lambda s: (s[0].lineno, s[0].col_offset)):
-        if not any(_returns_key(r, key, tainted) for r in returns):
+    stores = sorted(_stores(nodes, tainted), key=lambda s: (s[0].lineno, s[0].col_offset))  # type: ignore[attr-defined]
+    for node, table, key in stores:
+        if not any(_returns_key(r, key, table, tainted) for r in returns):
             continue
         symbol = _table_symbol(hook, table, module_names)
         if symbol is None or symbol in reported or _weak_table(hook.source.tree, table):
             continue
         reported.add(symbol)
-        yield hook.source.finding(node, CODE, symbol, MESSAGE.format(table=symbol))
+        reset = _cleared_per_block(hook, root(table)[1])
+        how_long = (
+            f"until {reset} clears it at the next `with` block"
+            if reset
+            else "for the manager's life"
+        )
+        yield hook.source.finding(
+            node, CODE, symbol, MESSAGE.format(table=symbol, how_long=how_long)
+        )
     if depth >= 2:
         return
     for value in returns:
-        yield from _follow(hook, value, tainted, project, parents, depth, seen)
+        yield from _follow(hook, value, tainted, project, files, depth, seen)
 
 
 def _follow(
-    hook: _Hook,
+    hook: Target,
     value: ast.expr,
-    tainted: set[str],
+    tainted: Iterable[str],
     project: Project,
-    parents: _Parents,
+    files: Callables,
     depth: int,
     seen: set[int],
 ) -> Iterator[Finding]:
@@ -557,20 +389,19 @@ def _follow(
     positions = [i for i, a in enumerate(value.args) if _carries(a, tainted)]
     if len(positions) != 1:
         return
-    name = _dotted_tail(value.func)
+    name = tail(value.func)
     if not name:
         return
     for src, callee in project.helpers(name):
-        chain = parents.of(src).get(callee, ())
-        params = _params(callee)
-        is_method = _is_method(callee, chain)
+        chain = files.scopes_of(src).chain(callee)
+        params = positional(callee)
+        is_method = Scopes.is_method(callee, chain)
         if is_method != isinstance(value.func, ast.Attribute):
             continue
-        offset = 1 if is_method else 0
-        index = positions[0] + offset
+        index = positions[0] + (1 if is_method else 0)
         if index < len(params):
-            inner = _Hook(src, callee, chain, params[index])
-            yield from _check_hook(inner, project, parents, depth + 1, seen)
+            inner = Target(src, callee, chain, tuple(params[index:]))
+            yield from _check_hook(inner, project, files, depth + 1, seen)
 
 
 #: a file registers a pack hook only if its text names one of these (a cheap prefilter)
@@ -580,12 +411,11 @@ _MARKERS = ("saved_tensors_hooks", "saved_tensors_default_hooks", "pack_hook", "
 def check(source: Source, project: Project) -> Iterable[Finding]:
     if not any(m in source.text for m in _MARKERS):
         return []
-    parents = _Parents()
-    resolver = _Resolver(source, project, parents)
+    resolver = Callables(source, project)
     seen: set[int] = set()
     found: dict[tuple[str, int, str], Finding] = {}
     for hook in _registrations(source, resolver):
-        for f in _check_hook(hook, project, parents, 0, seen):
+        for f in _check_hook(hook, project, resolver, 0, seen):
             found.setdefault((f.path, f.line, f.symbol), f)
     return sorted(found.values())
 

@@ -1,0 +1,116 @@
+"""Which function a callable expression names, read from syntax: the pack hook handed to
+``saved_tensors_hooks(pack, unpack)``, the helper a loop calls through a local alias.
+
+:class:`Callables` resolves an expression to a :class:`Target` (the function, the file it
+lies in, its enclosing scopes, and how many leading parameters ``functools.partial``
+bound): a nested or module-level ``def`` of that name, a method reached through ``self``,
+a lambda, ``partial(f, ...)``, the closure a factory call returns (``make_pack(...)``
+whose body ends in ``return pack``), and across files the scanned tree's functions of
+that name (:meth:`Project.helpers <leakfree.scan._model.Project.helpers>`).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+from leakfree.scan._model import Project, Source
+from leakfree.scan._syntax import FunctionNode, Scope, Scopes, own_nodes, positional, tail
+
+__all__ = ["Callables", "Target"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A function a callable expression names: ``params`` are the parameters a call's
+    arguments fill (an instance's ``self`` and those ``partial`` bound left out), and
+    ``bound`` the names ``partial`` bound (they live as long as the callable)."""
+
+    source: Source
+    fn: FunctionNode | ast.Lambda
+    chain: tuple[Scope, ...]
+    params: tuple[str, ...]
+    bound: tuple[str, ...] = ()
+
+    @classmethod
+    def of(
+        cls,
+        fn: FunctionNode | ast.Lambda,
+        chain: tuple[Scope, ...],
+        source: Source,
+        skip_self: bool,
+        bound: int = 0,
+    ) -> Target:
+        params = positional(fn)
+        if skip_self and Scopes.is_method(fn, chain):
+            params = params[1:]
+        return cls(source, fn, chain, tuple(params[bound:]), tuple(params[:bound]))
+
+
+class Callables:
+    """Resolves callable expressions of one file, with each file's :class:`Scopes`
+    computed once."""
+
+    def __init__(self, source: Source, project: Project) -> None:
+        self.source = source
+        self.project = project
+        self._scopes: dict[int, Scopes] = {}
+        self.scopes = self.scopes_of(source)
+
+    def scopes_of(self, source: Source) -> Scopes:
+        found = self._scopes.get(id(source.tree))
+        if found is None:
+            found = self._scopes[id(source.tree)] = Scopes(source.tree)
+        return found
+
+    def resolve(
+        self, expr: ast.expr, chain: tuple[Scope, ...], depth: int = 0, bound: int = 0
+    ) -> Target | None:
+        """The function ``expr`` names, seen from a node enclosed by ``chain``."""
+        if isinstance(expr, ast.Lambda):
+            return Target.of(expr, self.scopes.chain(expr), self.source, False, bound)
+        if isinstance(expr, ast.Name):
+            fn = self.find_def(expr.id, chain)
+            if fn is not None:
+                return Target.of(fn, self.scopes.chain(fn), self.source, True, bound)
+            for src, other in self.project.helpers(expr.id):
+                if src is not self.source:
+                    return Target.of(other, self.scopes_of(src).chain(other), src, True, bound)
+            return None
+        if isinstance(expr, ast.Call) and tail(expr.func) == "partial" and expr.args:
+            if expr.keywords:
+                return None
+            # functools.partial(pack, a, b): the call fills the parameters not bound
+            return self.resolve(expr.args[0], chain, depth, bound + len(expr.args) - 1)
+        if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name):
+            cls = Scopes.class_of_self(expr.value.id, chain)
+            if cls is None:
+                return None
+            for stmt in cls.body:
+                if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                    stmt.name == expr.attr
+                ):
+                    inner: tuple[Scope, ...] = (*self.scopes.chain(cls), cls)
+                    return Target.of(stmt, inner, self.source, True, bound)
+            return None
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and depth < 2:
+            # a factory: ``make_pack(...)`` returning a nested ``def pack``
+            factory = self.find_def(expr.func.id, chain)
+            if factory is None:
+                return None
+            for node in own_nodes(factory):
+                if isinstance(node, ast.Return) and node.value is not None:
+                    enclosing: tuple[Scope, ...] = (*self.scopes.chain(factory), factory)
+                    return self.resolve(node.value, enclosing, depth + 1)
+        return None
+
+    def find_def(self, name: str, chain: tuple[Scope, ...]) -> FunctionNode | None:
+        """The ``def name`` visible from ``chain``: enclosing functions first, then the
+        module (class bodies are not enclosing scopes)."""
+        scopes: list[ast.AST] = [s for s in reversed(chain) if not isinstance(s, ast.ClassDef)]
+        scopes.append(self.source.tree)
+        for scope in scopes:
+            for node in own_nodes(scope):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                    return node
+        return None
