@@ -105,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _scan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from leakfree.scan import UsageError, render, scan
+    from leakfree.scan._report import summary
     from leakfree.scan.rules import RULES
 
     if args.list_rules:
@@ -124,12 +125,18 @@ def _scan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except UsageError as e:
         parser.error(str(e))  # exit status 2
     report = render(result, args.format)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(report + "\n")
-    else:
-        print(report)
-    return 1 if result.findings else 0
+    try:
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(report + "\n")
+            print(f"{summary(result)}; report written to {args.output}")
+        else:
+            print(report, flush=True)
+    except BrokenPipeError:
+        # the reader left (`leakfree scan ... | head`): stop quietly, as `cat` does, and
+        # keep the interpreter from failing again when it flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return result.status
 
 
 if __name__ == "__main__":

@@ -183,6 +183,7 @@ def test_json_and_sarif_reports_carry_every_field(tmp_path: Path) -> None:
             "line": 1,
             "column": 1,
             "rule": "LF900",
+            "level": "warning",
             "symbol": "x.parked",
             "message": "parked on x",
         }

@@ -8,19 +8,22 @@ every rule's).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import io
 import multiprocessing as mp
 import os
 import re
 import time
 import tokenize
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from leakfree.scan._imports import add_imported, module_of
 from leakfree.scan._locate import Target, UsageError, python_files, resolve
-from leakfree.scan._model import Finding, Project, Rule, Source, parse
+from leakfree.scan._model import WARNING, Finding, Project, Rule, Source, parse
 
 __all__ = ["ScanResult", "choose_rules", "scan", "scan_sources", "suppressions"]
 
@@ -85,10 +88,40 @@ class ScanResult:
     unparsed: list[str] = field(default_factory=list)
     rules: list[Rule] = field(default_factory=list)
     seconds: float = 0.0
+    #: reported path -> the folder it is relative to (absolute; SARIF's uriBaseId)
+    bases: dict[str, str] = field(default_factory=dict)
 
     @property
     def files_per_second(self) -> float:
         return self.files / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def leaks(self) -> list[Finding]:
+        """The findings that are leaks (``warning``), not notes."""
+        return [f for f in self.findings if f.level == WARNING]
+
+    @property
+    def status(self) -> int:
+        """The exit status: 1 when a leak was found, else 3 when a file that could hold
+        one did not parse (the scan could not see into it), else 0. Notes alone are 0."""
+        if self.leaks:
+            return 1
+        return 3 if self.unparsed else 0
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while rules run: syntax trees are millions
+    of objects, and each collection walks every one still alive (26 of torch's 36 CPU-s
+    were the collector). Trees have no cycles: reference counting frees each one when its
+    file is released. The collector is restored, never forced, afterwards."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _display(path: Path, base: Path) -> str:
@@ -135,6 +168,7 @@ def _check(
                 codes = quiet.get(finding.line, ())
                 if finding.rule not in codes and ALL not in codes:
                     findings.add(finding)
+        project.release(path)
     return sorted(findings), unparsed
 
 
@@ -152,7 +186,11 @@ def _check_all(
     to parse (``ast.parse`` is most of the time: torch's tree is 46 MB of source). Each
     worker inherits the project's texts and parses on demand, helpers included."""
     global _WORK
-    paths = [p for p, (text, _) in project.texts.items() if any(r.wants(text) for r in rules)]
+    paths = [
+        p
+        for p, (text, _) in project.texts.items()
+        if p not in project.context and any(r.wants(text) for r in rules)
+    ]
     if jobs <= 1 or len(paths) < PARALLEL_FROM or "fork" not in mp.get_all_start_methods():
         return _check(project, paths, rules)
     parts = min(len(paths), jobs * 4)  # interleaved slices: big files spread out
@@ -216,10 +254,15 @@ def scan(
             except (OSError, SyntaxError, UnicodeDecodeError) as e:
                 result.unparsed.append(f"{shown}: {type(e).__name__}: {e}")
                 continue
-            project.add_text(shown, text, _module_name(path, target))
+            project.add_text(shown, text, _module_name(path, target) or module_of(path))
+            result.bases[shown] = str(target.base.resolve())
+    for target in targets:
+        if target.path.is_file():  # one file of a package: read what it imports from it
+            add_imported(project, target.path)
     if jobs is None:
         jobs = os.cpu_count() or 1
-    result.findings, unparsed = _check_all(project, chosen, jobs)
+    with _collector_paused():
+        result.findings, unparsed = _check_all(project, chosen, jobs)
     for shown in unparsed:  # a rule needed it: say why it was not checked
         try:
             parse(shown, project.texts[shown][0])
