@@ -37,7 +37,7 @@ from leakfree.scan._syntax import (
     words,
 )
 
-__all__ = ["Flow", "Step", "TensorEvidence", "metadata_named", "short"]
+__all__ = ["Flow", "Step", "TensorEvidence", "handle_named", "metadata_named", "short"]
 
 #: container methods that put their (last) argument into the receiver
 ADDERS = words("append extend add insert appendleft update setdefault")
@@ -371,6 +371,49 @@ def metadata_named(attr: str, value: ast.AST) -> bool:
     )
 
 
+#: words naming objects that are not tensors: communication handles, events, streams,
+#: NumPy arrays (a forward may return them beside its tensors)
+HANDLE_WORDS = words(
+    "handle handles work works req reqs request requests future futures fut event events "
+    "stream streams group np numpy"
+)
+#: methods whose result is (a view or copy of) the tensor they are called on
+_SAME_DATA = words(
+    "to float half bfloat16 double cuda cpu contiguous view reshape transpose permute "
+    "detach clone t flatten squeeze unsqueeze expand"
+)
+
+
+def handle_named(name: str) -> bool:
+    """Does the name say a handle, an event, a stream or a NumPy array (not a tensor)?"""
+    return bool(name_words(name) & HANDLE_WORDS)
+
+
+def _through_views(e: ast.AST) -> ast.Name | None:
+    """The name under ``x.to(d).contiguous()`` / ``x[:, :n]``: a tensor-only use of the
+    result is one of ``x`` (a slice, not an index: ``ops[i].requires_grad`` is about an
+    element of a list)."""
+    while True:
+        if isinstance(e, ast.Name):
+            return e
+        if isinstance(e, ast.Subscript) and (
+            isinstance(e.slice, ast.Slice)
+            or (
+                isinstance(e.slice, ast.Tuple)
+                and any(isinstance(x, ast.Slice) for x in e.slice.elts)
+            )
+        ):
+            e = e.value
+        elif (
+            isinstance(e, ast.Call)
+            and isinstance(e.func, ast.Attribute)
+            and e.func.attr in _SAME_DATA
+        ):
+            e = e.func.value
+        else:
+            return None
+
+
 def _operands(e: ast.AST) -> list[ast.Name]:
     """The names ``e`` is, or is arithmetic of names only (``a``, ``a / b``, ``-a``); in
     ``f(x) * n - shift`` the plain names may be numbers scaling a tensor."""
@@ -419,11 +462,15 @@ class TensorEvidence:
         flow: Flow | None = None,
         inputs: bool = True,
         returned: bool = True,
+        seed: Iterable[str] = (),
+        plain_call: Callable[[ast.Call, TensorEvidence], bool] | None = None,
     ) -> None:
         self.names = names
+        #: does a call's callee, read where it is defined, return no tensor?
+        self.plain_call = plain_call
         self.ctx = ctx
         self.flow = flow or Flow(fn)
-        why: dict[str, Reason] = {}
+        why: dict[str, Reason] = {name: f"{name} is handed a tensor" for name in seed}
         params = parameters(fn)
         va = fn.args.vararg
         every = params + ([va] if va else [])
@@ -463,9 +510,10 @@ class TensorEvidence:
                         )
                         if isinstance(a, ast.Starred):
                             spread.add(v.id)
-            elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
-                if n.attr in TENSOR_USES and n.value.id not in ctx:
-                    why.setdefault(n.value.id, f"{n.value.id}.{n.attr} at L{n.lineno}")
+            elif isinstance(n, ast.Attribute) and n.attr in TENSOR_USES:
+                used = _through_views(n.value)
+                if used is not None and used.id not in ctx:
+                    why.setdefault(used.id, f"{ast.unparse(n)} at L{n.lineno}")
             elif (
                 isinstance(n, ast.Return)
                 and n.value is not None
@@ -473,7 +521,7 @@ class TensorEvidence:
                 and fn.name == "forward"
             ):
                 for r in elements(n.value):
-                    if isinstance(r, ast.Name) and r.id not in ctx:
+                    if isinstance(r, ast.Name) and r.id not in ctx and not handle_named(r.id):
                         why.setdefault(r.id, f"forward returns {r.id} at L{n.lineno}")
             if isinstance(n, ast.Call):
                 # a name handed first to a torch function (torch.matmul(a, b), F.linear(x, w));
@@ -609,5 +657,8 @@ class TensorEvidence:
             full = self.names.get(func.id, func.id)
             if full.startswith("torch."):
                 return torch_makes_tensor(full)
-        # any other call: its result may keep what it was handed
-        return weak and any(self.holds(a, local, weak, excluded) for a in args)
+        # any other call: its result may keep what it was handed, unless the callee's own
+        # body shows it returns none of it (``_resolve_kv_heads(x, ...)`` -> an int)
+        if not (weak and any(self.holds(a, local, weak, excluded) for a in args)):
+            return False
+        return self.plain_call is None or not self.plain_call(e, self)

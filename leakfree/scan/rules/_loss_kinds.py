@@ -150,6 +150,24 @@ def log_like(names: Iterable[str]) -> bool:
     return any(name_words(n) & LOG_WORDS for n in names)
 
 
+#: words of containers that loggers fill with detached values (``tracker["values"]``)
+_LOGGED_WORDS = frozenset(
+    {"tracker", "history", "histories", "metric", "metrics", "log", "logs", "logged",
+     "stats", "statistics", "record", "records", "summary", "summaries", "scalars"}
+)  # fmt: skip
+
+
+def read_from_log(e: ast.Subscript) -> bool:
+    """An entry read out of a logger's container: what loggers keep is detached (where one
+    keeps a graph, the finding is at the store, not at the read)."""
+    names = [tail(e.value)]
+    base = e.value
+    while isinstance(base, (ast.Attribute, ast.Subscript)):
+        base = base.value
+        names.append(tail(base))
+    return any(name_words(n) & _LOGGED_WORDS for n in names if n)
+
+
 class Kinds:
     """The kind of an expression, given what the function knows of its locals
     (``env.kinds``), its instance's name (``self_name``) and, for a call of a function
@@ -189,6 +207,8 @@ class Kinds:
                 return base
             return Kind.FORWARD if FORWARD_NAME.match(e.attr) and e.attr != "output" else None
         if isinstance(e, ast.Subscript):
+            if read_from_log(e):
+                return Kind.CLEAN
             base = self.kind(e.value)
             if base is not None:
                 return base
@@ -242,7 +262,12 @@ class Kinds:
                 return Kind.CLEAN
             if receiver is not None and name in KEEP:
                 return receiver
-        if LOSS_CALLEE.match(name) or (LOSS_NAME.match(name) and name != "losses"):
+        named_loss = LOSS_CALLEE.match(name) or (LOSS_NAME.match(name) and name != "losses")
+        if named_loss or MODEL_CALLEE.match(name):
+            read = self.helper_kind(e)  # the helper's own body decides over its name
+            if read is not False:
+                return read  # type: ignore[return-value]
+        if named_loss:
             return Kind.LOSS
         if MODEL_CALLEE.match(name):
             return Kind.FORWARD

@@ -76,7 +76,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from leakfree.scan._flow import Flow, TensorEvidence, metadata_named
+from leakfree.scan._flow import Flow, TensorEvidence, handle_named, metadata_named
 from leakfree.scan._model import NOTE, Finding, Project, Rule, Source
 from leakfree.scan._syntax import (
     FunctionClass,
@@ -87,6 +87,7 @@ from leakfree.scan._syntax import (
     name_words,
     own_nodes,
     parameters,
+    plain_annotation,
     tail,
     words,
 )
@@ -119,46 +120,30 @@ class _Store:
     attr: str
     value: ast.AST
     node: ast.AST
+    #: names an enclosing ``if torch.is_tensor(x)`` proves hold no tensor here
+    not_tensors: frozenset[str] = frozenset()
 
 
-def _stores(fn: FunctionNode, ctx: set[str]) -> Iterator[_Store]:
-    """Every value ``fn`` puts into a ctx attribute, in source order."""
+def _stores(fn: FunctionNode, flow: Flow, ctx: set[str]) -> Iterator[_Store]:
+    """Every value ``fn`` puts into a ctx attribute (``ctx.a = v``, ``ctx.a[k] = v``,
+    ``ctx.a.append(v)``..., ``setattr(ctx, "a", v)``), in source order."""
+    for step in flow.steps:
+        target = step.target.value if isinstance(step.target, ast.Subscript) else step.target
+        attr = _ctx_attr(target, ctx)
+        if attr is not None and (step.how in _ADDERS or step.how in ("=", "+=")):
+            yield _Store(attr, step.value, step.node, step.not_tensors)
     for n in own_nodes(fn):
-        if isinstance(n, ast.Assign):
-            for t in n.targets:
-                yield from _target_stores(t, n.value, ctx, n)
-        elif isinstance(n, (ast.AnnAssign, ast.AugAssign)) and n.value is not None:
-            yield from _target_stores(n.target, n.value, ctx, n)
-        elif isinstance(n, ast.Call):
-            f = n.func
-            if (
-                isinstance(f, ast.Name)
-                and f.id == "setattr"
-                and len(n.args) == 3
-                and isinstance(n.args[0], ast.Name)
-                and n.args[0].id in ctx
-                and isinstance(n.args[1], ast.Constant)
-                and isinstance(n.args[1].value, str)
-            ):
-                yield _Store(n.args[1].value, n.args[2], n)
-            elif isinstance(f, ast.Attribute) and f.attr in _ADDERS and n.args:
-                attr = _ctx_attr(f.value, ctx)
-                if attr is not None:
-                    yield _Store(attr, n.args[-1], n)
-
-
-def _target_stores(t: ast.AST, value: ast.AST, ctx: set[str], node: ast.AST) -> Iterator[_Store]:
-    if isinstance(t, (ast.Tuple, ast.List)):
-        same = isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(t.elts)
-        for i, e in enumerate(t.elts):
-            v = value.elts[i] if same else value  # type: ignore[attr-defined]
-            yield from _target_stores(e.value if isinstance(e, ast.Starred) else e, v, ctx, node)
-        return
-    if isinstance(t, ast.Subscript):  # ctx.a[k] = v stores v into ctx.a
-        t = t.value
-    attr = _ctx_attr(t, ctx)
-    if attr is not None:
-        yield _Store(attr, value, node)
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name)
+            and n.func.id == "setattr"
+            and len(n.args) == 3
+            and isinstance(n.args[0], ast.Name)
+            and n.args[0].id in ctx
+            and isinstance(n.args[1], ast.Constant)
+            and isinstance(n.args[1].value, str)
+        ):
+            yield _Store(n.args[1].value, n.args[2], n)
 
 
 def _ctx_attr(e: ast.AST, ctx: set[str]) -> str | None:
@@ -338,12 +323,12 @@ class _Releases:
 
 # --- outputs -----------------------------------------------------------------------------
 
-#: words naming outputs that never get a grad_fn: integers and booleans (indices, id maps,
-#: masks, counts) and communication handles (no cycle through them)
-_NOT_DIFFERENTIABLE = words(
-    "idx index indices ids id map mask masks count counts argmax argmin handle handles "
-    "work works req reqs request requests future futures fut event events stream group"
-)
+#: words naming integer or boolean outputs (indices, id maps, masks, counts): tensors that
+#: never get a grad_fn, so storing them makes no cycle
+_INDEX_WORDS = words("idx index indices ids id map mask masks count counts argmax argmin")
+#: calls whose result is a tuple or list of tensors: as one element of forward's result it
+#: is not a tensor output and gets no grad_fn
+_SEQUENCES = words("chunk split unbind tensor_split hsplit vsplit dsplit list tuple")
 
 
 def _outputs(
@@ -397,7 +382,22 @@ def _outputs(
                         if isinstance(e, ast.Name) and e.id not in names:
                             names.add(e.id)
                             changed = True
-    return {n for n in names - nondiff if not name_words(n) & _NOT_DIFFERENTIABLE}, attrs
+    sequences = {
+        t.id
+        for n in nodes
+        if isinstance(n, ast.Assign)
+        and (
+            isinstance(n.value, (ast.List, ast.ListComp))
+            or (isinstance(n.value, ast.Call) and tail(n.value.func) in _SEQUENCES)
+        )
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+    return {
+        n
+        for n in names - nondiff - sequences
+        if not name_words(n) & _INDEX_WORDS and not handle_named(n)
+    }, attrs
 
 
 def _is_output(e: ast.AST, outs: set[str]) -> bool:
@@ -417,6 +417,36 @@ def _is_output(e: ast.AST, outs: set[str]) -> bool:
     return False
 
 
+def _tensor_element(
+    value: ast.AST, outs: set[str], fc: FunctionClass, names: dict[str, str]
+) -> bool:
+    """In ``setup_context``, ``output[k]`` is forward's k-th returned element: is that a
+    tensor on forward's own evidence? (A NumPy array or an index map gets no grad_fn.)
+    Anything else stored is judged as a whole."""
+    if not (
+        isinstance(value, ast.Subscript)
+        and isinstance(value.value, ast.Name)
+        and value.value.id in outs
+        and isinstance(value.slice, ast.Constant)
+        and isinstance(value.slice.value, int)
+    ):
+        return True
+    forward = fc.method("forward")
+    if forward is None:
+        return True
+    k = value.slice.value
+    for n in own_nodes(forward):
+        if isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple) and k < len(n.value.elts):
+            element = n.value.elts[k]
+            if isinstance(element, ast.Name) and (
+                handle_named(element.id) or name_words(element.id) & _INDEX_WORDS
+            ):
+                return False
+            evidence = TensorEvidence(forward, names, set(), returned=False)
+            return evidence.holds(element)
+    return True
+
+
 # --- what lives anyway ---------------------------------------------------------------------
 
 #: words naming a module's parameters and buffers: they live as long as the module
@@ -429,7 +459,10 @@ def _lives_anyway(value: ast.AST, names: dict[str, str]) -> str | None:
     for n in ast.walk(value):
         if isinstance(n, ast.Call) and tail(n.func) == "get_rng_state":
             return "an RNG state (a few KB per call, not activations)"
-    leaves = list(elements(value))
+    leaves = [
+        v.generators[0].iter if isinstance(v, (ast.ListComp, ast.GeneratorExp)) else v
+        for v in elements(value)
+    ]
     if leaves and all(
         (isinstance(v, (ast.Name, ast.Attribute)) and name_words(tail(v)) & _WEIGHT_WORDS)
         or (isinstance(v, ast.Call) and tail(v.func) in ("parameters", "buffers"))
@@ -440,6 +473,43 @@ def _lives_anyway(value: ast.AST, names: dict[str, str]) -> str | None:
         return "an RNG state (a few KB per call, not activations)"
     del names
     return None
+
+
+# --- helpers read before judging ------------------------------------------------------------
+
+
+class _Helpers:
+    """Whether a call's callee, read where it is defined (this file first, else the one
+    function of that name in the project), returns no tensor: its return annotation is a
+    plain type, or none of its returned values holds one on its own evidence, with the
+    parameters that received tensors taken as tensors (``_resolve_kv_heads(x, ...)``
+    returns ``x.shape[2] // n``: an int)."""
+
+    def __init__(self, source: Source, project: Project) -> None:
+        self.source = source
+        self.project = project
+
+    def plain(self, call: ast.Call, caller: TensorEvidence) -> bool:
+        if not isinstance(call.func, ast.Name):
+            return False
+        name = call.func.id
+        local = self.project.defs(self.source).get(name, [])
+        found = [(self.source, fn) for fn in local] or list(self.project.helpers(name))
+        if len(found) != 1:
+            return False  # not found, or several of that name: the name decides nothing
+        src, fn = found[0]
+        if plain_annotation(fn.returns):
+            return True
+        params = [p.arg for p in parameters(fn)]
+        seed = {
+            params[i]
+            for i, a in enumerate(call.args)
+            if i < len(params) and not isinstance(a, ast.Starred) and caller.holds(a)
+        }
+        names = self.project.memo("imports", src, src.tree, lambda: imports(src.tree, src.package))
+        evidence = TensorEvidence(fn, names, set(), seed=seed, inputs=False, returned=False)
+        returns = [n.value for n in own_nodes(fn) if isinstance(n, ast.Return) and n.value]
+        return bool(returns) and not any(evidence.holds(r) for r in returns)
 
 
 # --- the check ---------------------------------------------------------------------------
@@ -464,6 +534,7 @@ def _findings(source: Source, project: Project) -> tuple[list[Finding], list[Fin
         return lf001, lf002  # no class names a ...Function base: skip the tree walks
     names = imports(source.tree, source.package)
     releases = _Releases(project, names)
+    helpers = _Helpers(source, project)
     for fc in function_classes(source.tree, names):
         entry = _entry(fc)
         if entry is None:
@@ -471,13 +542,15 @@ def _findings(source: Source, project: Project) -> tuple[list[Finding], list[Fin
         fn, setup = entry
         flow = Flow(fn)
         ctx = flow.aliases(parameters(fn)[0].arg)
-        stores = list(_stores(fn, ctx))
+        stores = sorted(_stores(fn, flow, ctx), key=lambda s: (s.node.lineno, s.node.col_offset))  # type: ignore[attr-defined]
         if not stores:
             continue
         shown = TensorEvidence(fn, names, ctx, flow=flow, returned=False)
         outs, out_attrs = _outputs(fn, ctx, setup, shown)
         cycle: set[str] = set()
         for s in stores:
+            if setup and not _tensor_element(s.value, outs, fc, names):
+                continue
             if s.attr not in cycle and (s.attr in out_attrs or _is_output(s.value, outs)):
                 cycle.add(s.attr)
                 lf002.append(
@@ -505,8 +578,10 @@ def _findings(source: Source, project: Project) -> tuple[list[Finding], list[Fin
             if s.attr in seen or s.attr in released or s.attr in cycle:
                 continue
             if evidence is None:
-                evidence = TensorEvidence(fn, names, ctx, flow=flow)
-            if metadata_named(s.attr, s.value) or not evidence.holds(s.value):
+                evidence = TensorEvidence(fn, names, ctx, flow=flow, plain_call=helpers.plain)
+            if metadata_named(s.attr, s.value) or not evidence.holds(
+                s.value, excluded=s.not_tensors
+            ):
                 continue
             seen.add(s.attr)
             because = evidence.explain(s.value)

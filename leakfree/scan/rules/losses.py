@@ -80,6 +80,7 @@ from leakfree.scan._syntax import (
     function_classes,
     functions,
     imports,
+    name_words,
     root,
     symbol,
     tail,
@@ -109,6 +110,9 @@ from leakfree.scan.rules._loss_kinds import (
 
 __all__ = ["RULES"]
 
+#: words naming metric objects, whose ``update(...)`` runs without grad (torchmetrics)
+_METRIC_WORDS = frozenset({"metric", "metrics", "meter", "meters"})
+
 CODE = "LF003"
 CONFIRM = "leakfree.diagnostics.find_retained"
 
@@ -123,7 +127,13 @@ class _FunctionScan(Kinds):
         module: Module,
         func: FunctionNode,
         cls: ast.ClassDef | None,
+        depth: int = 0,
     ) -> None:
+        self.depth = depth  #: how many helpers deep this function is being read
+        #: the loops around the statement being read, innermost last
+        self.loops: list[ast.For | ast.AsyncFor | ast.While] = []
+        #: kinds of what the function returns (collected when read as a helper)
+        self.returns: list[Kind | None] = []
         self.source = source
         self.project = project
         self.module = module
@@ -205,8 +215,19 @@ class _FunctionScan(Kinds):
     def run(self) -> list[Finding]:
         if is_no_grad_decorated(self.func) or NO_GRAD_STEPS.match(self.func.name):
             return []
+        if self.in_metric_update():
+            return []
         self.block(self.func.body)
         return self.findings
+
+    def in_metric_update(self) -> bool:
+        """``update`` / ``compute`` of a torchmetrics-style ``Metric`` subclass: torchmetrics
+        runs them with grad disabled, so what they keep carries no graph."""
+        return (
+            self.cls is not None
+            and self.func.name in ("update", "compute")
+            and any(tail(b).endswith("Metric") for b in self.cls.bases)
+        )
 
     def block(self, body: list[ast.stmt]) -> None:
         for stmt in body:
@@ -237,14 +258,17 @@ class _FunctionScan(Kinds):
         if isinstance(s, ast.Expr):
             self.check_calls(s.value)
             return
-        if isinstance(s, ast.For | ast.AsyncFor):
-            for n in ast.walk(s.target):
-                if isinstance(n, ast.Name):
-                    self.env.kinds[n.id] = None
+        if isinstance(s, ast.For | ast.AsyncFor | ast.While):
+            if not isinstance(s, ast.While):
+                for n in ast.walk(s.target):
+                    if isinstance(n, ast.Name):
+                        self.env.kinds[n.id] = None
+            self.loops.append(s)
             self.block(s.body)
+            self.loops.pop()
             self.block(s.orelse)
             return
-        if isinstance(s, ast.While | ast.If):
+        if isinstance(s, ast.If):
             self.block(s.body)
             self.block(s.orelse)
             return
@@ -259,8 +283,10 @@ class _FunctionScan(Kinds):
             for case in s.cases:
                 self.block(case.body)
             return
-        if isinstance(s, ast.Return) and s.value is not None:
-            self.check_calls(s.value)
+        if isinstance(s, ast.Return):
+            if s.value is not None:
+                self.check_calls(s.value)
+            self.returns.append(self.kind(s.value) if s.value is not None else Kind.CLEAN)
 
     def forget_assigned(self, body: list[ast.stmt]) -> None:
         """Names assigned under no_grad carry no graph."""
@@ -278,6 +304,7 @@ class _FunctionScan(Kinds):
                     kind is None
                     and isinstance(value, ast.Call | ast.Subscript | ast.Attribute)
                     and not is_lookup(value)
+                    and not self.known_unknown(value)
                 )
             ):
                 # loss = outputs[0], aux_loss = model.aux(x): a value fetched and named a
@@ -335,6 +362,12 @@ class _FunctionScan(Kinds):
             for node, text in self.pending.pop(value.id):
                 self.report(node, target, text, Kind.LOSS)
 
+    def known_unknown(self, value: ast.expr) -> bool:
+        """``x[i]`` / ``x.a`` of a local this function assigned something of unknown kind
+        (``mtp_losses = tracker["values"] * scale``): fetching from it says no more."""
+        base, _ = root(value)
+        return base is not None and base.id in self.known and self.known[base.id] is None
+
     def is_fresh_container(self, value: ast.expr) -> bool:
         if isinstance(value, ast.List | ast.Dict | ast.ListComp | ast.DictComp):
             return True
@@ -353,7 +386,10 @@ class _FunctionScan(Kinds):
             target.id not in self.module.globals
             or (target.id not in self.declared_global and target.id in self.locals)
         ):
-            # a local running sum: a loss too, dies with the function
+            # a local running sum: a loss too, and dies with the function, unless the loop
+            # around it backpropagates each term (the PyTorch FAQ's ``total_loss += loss``)
+            if self.kind(s.value) is Kind.LOSS and self.sums_backpropagated(target.id, s):
+                self.report(s, target, ast.unparse(s.value), Kind.LOSS, running=True)
             joined = join([self.env.kinds.get(target.id), self.kind(s.value)])
             self.env.kinds[target.id] = joined
             return
@@ -368,6 +404,72 @@ class _FunctionScan(Kinds):
         if ok and not self.feeds_backward(target):
             self.report(s, target, ast.unparse(s.value), Kind.LOSS, running=True)
 
+    def sums_backpropagated(self, total: str, s: ast.AugAssign) -> bool:
+        """Is ``total += term`` inside a loop that calls ``term.backward()`` each iteration,
+        with ``total`` started before the loop and never backpropagated itself? Then every
+        iteration's graph stays chained to ``total`` until the loop ends."""
+        if not self.loops or not isinstance(s.op, ast.Add):
+            return False
+        loop = self.loops[0]
+        term, _ = root(s.value)
+        backwarded = {
+            b.id
+            for n in ast.walk(self.func)
+            if isinstance(n, ast.Call)
+            and tail(n.func) == "backward"
+            and isinstance(n.func, ast.Attribute)
+            for b in [root(n.func.value)[0]]
+            if b is not None
+        }
+        rebound = any(
+            isinstance(n, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == total for t in n.targets)
+            for n in ast.walk(loop)
+        )
+        in_loop = {
+            b.id
+            for n in ast.walk(loop)
+            if isinstance(n, ast.Call)
+            and tail(n.func) == "backward"
+            and isinstance(n.func, ast.Attribute)
+            for b in [root(n.func.value)[0]]
+            if b is not None
+        }
+        return term is not None and term.id in in_loop and total not in backwarded and not rebound
+
+    def helper_kind(self, call: ast.Call) -> Kind | bool | None:
+        """The kind a helper returns, read from its definition (nested in this function,
+        else in this file, else the one of that name in the project) with its parameters
+        given the kinds of the call's arguments; False when it cannot be read."""
+        name = tail(call.func)
+        if self.depth >= 2 or not name:
+            return False
+        if isinstance(call.func, ast.Attribute) and not (
+            isinstance(call.func.value, ast.Name) and call.func.value.id == self.self_name
+        ):
+            return False
+        nested = [
+            n
+            for n in ast.walk(self.func)
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name
+        ]
+        found = [(self.source, fn) for fn in nested or self.project.defs(self.source).get(name, [])]
+        found = found or list(self.project.helpers(name))
+        if len(found) != 1:
+            return False
+        src, fn = found[0]
+        facts = self.module if src is self.source else module_facts_cached(self.project, src)
+        reader = _FunctionScan(src, self.project, facts, fn, None, self.depth + 1)
+        params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+        if isinstance(call.func, ast.Attribute) and params:
+            params = params[1:]
+        for p, a in zip(params, call.args):
+            reader.known[p] = self.kind(a)
+        reader.block(fn.body)
+        if not reader.returns:
+            return Kind.CLEAN  # returns None
+        return join(reader.returns)
+
     def check_calls(self, expr: ast.expr) -> None:
         for node in ast.walk(expr):
             if not isinstance(node, ast.Call):
@@ -379,7 +481,7 @@ class _FunctionScan(Kinds):
             if method in SINK_METHODS and node.args:
                 value = node.args[-1]
                 self.sink(node.func.value, value, node)
-            elif method == "update":
+            elif method == "update" and not name_words(tail(node.func.value)) & _METRIC_WORDS:
                 # dict.update({...}) / update(k=v) only: metric objects' update(loss)
                 # (torchmetrics) run without grad and keep no graph
                 values = [a for a in node.args if isinstance(a, ast.Dict)]
