@@ -6,6 +6,7 @@ say which file and version); the inline cases pin each heuristic of the rules.
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -406,3 +407,320 @@ def test_file_without_functions_and_syntax_of_new_python() -> None:
         """
     )
     assert scan(src) == []
+
+
+# --- evidence before a finding: the false findings of issue 26, from their real shapes ----
+
+
+def test_annotated_numbers_are_not_tensors_megatron_rmsnorm() -> None:
+    # Megatron-Core 0.16 transformer/custom_layers/batch_invariant_kernels.py,
+    # BatchInvariantRMSNormFn: `eps: float` goes through torch.rsqrt(ms + eps); only the
+    # tensor parked beside save_for_backward is a finding
+    src = inline(
+        """
+        import torch
+
+        class BatchInvariantRMSNormFn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        zero_centered_gamma: bool, num_heads: int):
+                ms = x.float().pow(2).mean(-1, keepdim=True)
+                rsigma = torch.rsqrt(ms + eps)
+                ctx.eps = eps
+                ctx.zero_centered_gamma = zero_centered_gamma
+                ctx.num_heads = num_heads
+                ctx.rsigma = rsigma
+                ctx.save_for_backward(x, weight, rsigma)
+                return x * rsigma * weight
+
+            @staticmethod
+            def backward(ctx, dy):
+                x, weight, rsigma = ctx.saved_tensors
+                return dy * rsigma * weight, None, None, None, None
+        """
+    )
+    (f,) = scan(src)
+    assert (f.rule, f.symbol) == ("LF001", "BatchInvariantRMSNormFn.rsigma")
+    assert "because rsigma is passed to ctx.save_for_backward" in f.message
+
+
+def test_a_helper_that_returns_a_count_is_read_deepspeed_kv_heads() -> None:
+    # DeepSpeed 0.19 sequence/layer.py, _SeqAllToAll: the head count comes from a helper
+    # handed the input tensor; its body returns ints
+    src = inline(
+        """
+        import torch
+        from torch import Tensor
+
+        def _resolve_kv_heads(input, scatter_idx, seq_world_size, num_kv_heads):
+            if num_kv_heads is None and not scatter_idx < 2:
+                return input.shape[2] // seq_world_size
+            return num_kv_heads
+
+        class _SeqAllToAll(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, group, input: Tensor, scatter_idx, gather_idx, num_kv_heads=None):
+                num_kv_heads = _resolve_kv_heads(input, scatter_idx, 4, num_kv_heads)
+                ctx.num_kv_heads = num_kv_heads
+                ctx.group = group
+                return input.contiguous()
+
+            @staticmethod
+            def backward(ctx, *grad_output):
+                return (None, grad_output[0], None, None, None)
+        """
+    )
+    assert scan(src) == []
+    # the same call into a helper that hands the tensor back is still a finding
+    keeps = src.text.replace("return input.shape[2] // seq_world_size", "return input")
+    assert brief(scan(inline(keeps))) == [("LF001", "_SeqAllToAll.num_kv_heads")]
+
+
+def test_communication_handles_are_not_outputs_megatron_fused_dispatch() -> None:
+    # Megatron-Core 0.16 transformer/moe/fused_a2a.py, FusedDispatch: the DeepEP handle is
+    # stored on ctx and returned beside the tensors; it gets no grad_fn: no cycle
+    src = inline(
+        """
+        import torch
+
+        class FusedDispatch(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, token_indices, token_probs, num_experts, group):
+                buffer = get_buffer(group)
+                recv_x, recv_token_indices, recv_token_probs, tokens_per_expert, handle, event = (
+                    buffer.dispatch(x, topk_idx=token_indices, topk_weights=token_probs)
+                )
+                ctx.group = group
+                ctx.handle = handle
+                ctx.event = event
+                return (recv_x, recv_token_indices, recv_token_probs, tokens_per_expert, handle)
+
+            @staticmethod
+            def backward(ctx, grad_output, grad_token_indices, grad_token_probs, grad_tpe, grad_handle):
+                grad_x = combine(grad_output, ctx.handle)
+                ctx.handle = None
+                return grad_x, None, None, None, None
+        """
+    )
+    assert scan(src) == []
+
+
+def test_numpy_output_in_setup_context_is_not_a_cycle_torch_function_db() -> None:
+    # torch 2.13 testing/_internal/autograd_function_db.py, NumpyCubeNotComposable
+    src = inline(
+        """
+        import torch
+
+        class NumpyCubeNotComposable(torch.autograd.Function):
+            @staticmethod
+            def forward(input, np_module):
+                input_np = to_numpy(input)
+                return torch.tensor(input_np ** 3, device=input.device), input_np
+
+            @staticmethod
+            def setup_context(ctx, inputs, output):
+                ctx.input_np = output[1]
+                ctx.device = inputs[0].device
+
+            @staticmethod
+            def backward(ctx, grad_output, grad_saved):
+                result_np = 3 * (ctx.input_np ** 2)
+                return torch.tensor(result_np, device=ctx.device), None
+        """
+    )
+    assert [f for f in scan(src) if f.rule == "LF002"] == []
+    # the tensor element of the same output is one
+    tensor = src.text.replace("ctx.input_np = output[1]", "ctx.input_np = output[0]")
+    assert ("LF002", "NumpyCubeNotComposable.input_np") in brief(scan(inline(tensor)))
+
+
+def test_a_chunk_tuple_returned_beside_a_tensor_is_not_an_output_fast_llm() -> None:
+    # Fast-LLM functional/triton/mlp.py, ChunkWeight: `weight.chunk(n)` is returned as a
+    # tuple beside the input: autograd gives it no grad_fn. It holds the weight: a note
+    src = inline(
+        """
+        import torch
+
+        class ChunkWeight(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, input_: torch.Tensor, weight: torch.Tensor, num_chunks: int):
+                with torch.no_grad():
+                    weight_chunked = weight.chunk(num_chunks)
+                ctx.weight = weight
+                ctx.weight_chunked = weight_chunked
+                return input_, weight_chunked
+
+            @staticmethod
+            def backward(ctx, grad_input, dummy):
+                for weight_chunk in ctx.weight_chunked:
+                    check(weight_chunk)
+                return grad_input, None, None
+        """
+    )
+    found = scan(src)
+    assert [f.rule for f in found] == ["LF001", "LF001"]
+    assert all(f.level == "note" and "lives as long as its module" in f.message for f in found)
+
+
+# --- notes: memory that lives anyway ---------------------------------------------------
+
+
+def test_rng_state_and_parameters_are_notes_not_leaks() -> None:
+    # torch/utils/checkpoint.py CheckpointFunction keeps the CPU RNG state (5 KB); DeepSpeed
+    # ulysses_sp.py TiledMLP keeps the parameters that need grad
+    src = inline(
+        """
+        import torch
+
+        class Tiled(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, fn, x, compute_params):
+                ctx.fwd_cpu_state = torch.get_rng_state()
+                ctx.compute_params = [p for p in compute_params if p.requires_grad]
+                ctx.save_for_backward(x)
+                return fn(x)
+
+            @staticmethod
+            def backward(ctx, g):
+                return None, g, None
+        """
+    )
+    found = scan(src)
+    assert [(f.symbol, f.level) for f in found] == [
+        ("Tiled.fwd_cpu_state", "note"),
+        ("Tiled.compute_params", "note"),
+    ]
+    assert "RNG state" in found[0].message and "parameter or weight" in found[1].message
+
+
+# --- recall: the misses of issue 26, from their real shapes --------------------------------
+
+
+def test_a_dict_built_from_forward_args_deepspeed_tiled_compute() -> None:
+    # DeepSpeed 0.19 runtime/sequence_parallel/ulysses_sp.py, SequenceTiledCompute
+    src = inline(
+        """
+        import torch
+
+        class SequenceTiledCompute(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key, compute_params, output_unshard_dimension, output_reduction, *args):
+                args = list(args)
+                ctx.fn = fn
+                ctx.shards = shards
+                kwargs_to_shard = {k: args.pop(0) for k in keys_to_shard}
+                kwargs_to_pass = {k: args.pop(0) for k in keys_to_pass}
+                ctx.kwargs_to_shard = kwargs_to_shard
+                ctx.kwargs_to_pass = kwargs_to_pass
+                with torch.no_grad():
+                    return fn(**kwargs_to_shard, **kwargs_to_pass)
+
+            @staticmethod
+            def backward(ctx, *grads):
+                kwargs_to_shard = ctx.kwargs_to_shard
+                return (None,) * 9 + tuple(grads)
+        """
+    )
+    found = scan(src)
+    assert brief(found) == [
+        ("LF001", "SequenceTiledCompute.kwargs_to_shard"),
+        ("LF001", "SequenceTiledCompute.kwargs_to_pass"),
+    ]
+    assert "*args are forward's inputs" in found[0].message
+
+
+def test_a_list_of_chunk_objects_deepspeed_fpdt() -> None:
+    # DeepSpeed 0.19 sequence/fpdt_layer.py, _FPDTGPUOffloadingAttentionImpl_: the
+    # attention output is kept as SequenceChunk objects appended in a loop
+    src = inline(
+        """
+        import torch
+
+        class SequenceChunk:
+            def __init__(self, chunk, is_in_use=False):
+                self.chunk = chunk
+
+        class _FPDTGPUOffloadingAttentionImpl_(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, layernorm_output, attention_mask, inference_params, rotary_pos_emb, spg, scatter_idx, gather_idx, hidden_size, projection_size, hidden_size_per_attention_head, kv_projection_size, qkv_linear_weight, qkv_linear_bias, dropout, num_chunks=8, cpu_offloading=True):
+                global_o = []
+                final_output = []
+                for i in range(num_chunks):
+                    cur_attn_output, cur_attn_lse = update_out_and_lse(None, None, i)
+                    all2all_output = single_all_to_all(cur_attn_output.to(ctx.dtype).contiguous(), gather_idx, scatter_idx, 0, spg)
+                    final_output.append(all2all_output)
+                    global_o.append(SequenceChunk(cur_attn_output.to(ctx.dtype)))
+                final_output = torch.cat(final_output, dim=1)
+                ctx.attn_output = global_o
+                return final_output
+
+            @staticmethod
+            def backward(ctx, grad_output):
+                attn_output = ctx.attn_output
+                return (grad_output,) + (None,) * 15
+        """
+    )
+    (f,) = scan(src)
+    assert f.symbol == "_FPDTGPUOffloadingAttentionImpl_.attn_output"
+    assert "because global_o gets SequenceChunk(cur_attn_output.to(ctx.dtype)) appended at L" in (
+        f.message
+    )
+
+
+def test_the_textbook_input_arithmetic_read_back_in_backward() -> None:
+    src = inline(
+        """
+        import torch
+
+        class Double(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.x = x * 2
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad * ctx.x
+        """
+    )
+    (f,) = scan(src)
+    assert (f.symbol, f.level) == ("Double.x", "warning")
+    assert "x is forward's input" in f.message
+
+
+def test_an_is_tensor_guard_on_a_statement_torch_checkpoint() -> None:
+    # torch/utils/checkpoint.py, CheckpointFunction: only non-tensor arguments go on
+    # ctx.inputs (tensors are saved); the else branch of `if torch.is_tensor(arg)` is not one
+    src = inline(
+        """
+        import torch
+
+        class CheckpointFunction(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, run_function, preserve_rng_state, *args):
+                ctx.run_function = run_function
+                ctx.inputs = []
+                ctx.tensor_indices = []
+                tensor_inputs = []
+                for i, arg in enumerate(args):
+                    if torch.is_tensor(arg):
+                        tensor_inputs.append(arg)
+                        ctx.tensor_indices.append(i)
+                        ctx.inputs.append(None)
+                    else:
+                        ctx.inputs.append(arg)
+                ctx.save_for_backward(*tensor_inputs)
+                with torch.no_grad():
+                    outputs = run_function(*args)
+                return outputs
+
+            @staticmethod
+            def backward(ctx, *args):
+                inputs = list(ctx.inputs)
+                return (None, None) + tuple(inputs)
+        """
+    )
+    assert scan(src) == []
+    # the same append in the tensor branch is a finding (the guard is what decides)
+    unguarded = re.sub(r"\n *else:\n", "\n", src.text)
+    assert brief(scan(inline(unguarded))) == [("LF001", "CheckpointFunction.inputs")]

@@ -212,3 +212,62 @@ SILENT = {
 def test_not_this_shape_silent(case: str) -> None:
     header = "import weakref\nfrom torch.autograd.graph import saved_tensors_hooks\n"
     assert scan(header + textwrap.dedent(SILENT[case])) == []
+
+
+# --- issue 26: offloaders that key a list by index or store through dict.update -----------
+
+
+def test_a_list_stash_returning_the_index_is_flagged() -> None:
+    text = """
+        import torch
+        from torch.autograd.graph import saved_tensors_hooks
+
+        class ListOffload(saved_tensors_hooks):
+            def __init__(self):
+                self.stash = []
+
+                def pack(t):
+                    self.stash.append(t.cpu())
+                    return len(self.stash) - 1
+
+                def unpack(i):
+                    return self.stash[i].cuda()
+
+                super().__init__(pack, unpack)
+    """
+    (f,) = scan(text)
+    assert (f.symbol, f.line) == ("ListOffload.stash", line_of(text, "self.stash.append"))
+    # returning the tensor itself after recording it is not the shape
+    assert scan(text.replace("return len(self.stash) - 1", "return t")) == []
+
+
+def test_a_dict_update_store_is_flagged() -> None:
+    text = """
+        from torch.autograd.graph import saved_tensors_hooks
+
+        class DictOffload(saved_tensors_hooks):
+            def __init__(self):
+                self.table = {}
+                self.n = 0
+
+                def pack(t):
+                    self.n += 1
+                    key = self.n
+                    self.table.update({key: t.to("cpu", non_blocking=True)})
+                    return key
+
+                super().__init__(pack, lambda key: self.table.pop(key))
+    """
+    (f,) = scan(text)
+    assert f.symbol == "DictOffload.table"
+
+
+def test_trl_1_16_and_1_3_are_told_apart_by_how_long_the_entry_stays() -> None:
+    # TRL 1.16 (and torchtune) clear the tables in __enter__ (from TRL 1.5); TRL 1.3 has no
+    # __enter__: an entry of a graph freed without backward stays for the manager's life
+    text = (CASES / "trl_offload_leaky.py").read_text()
+    new = scan(text)[0].message
+    assert "until __enter__ clears it at the next `with` block" in new
+    head, _, _ = text.partition("    def __enter__(self):")
+    old = scan(head)[0].message
+    assert "for the manager's life" in old and "__enter__" not in old

@@ -382,3 +382,149 @@ def test_an_enum_member_named_like_a_loss_is_not_a_loss() -> None:
     project = Project()
     project.add(source)
     assert [f.line for f in RULES[0].check(source, project)] == [4]
+
+
+# --- issue 26: evidence before a finding, and the FAQ's running sum ----------------------
+
+
+def test_a_nested_helper_that_detaches_is_read_deepspeed_pipe_engine() -> None:
+    # DeepSpeed 0.19 runtime/pipe/engine.py, _exec_forward_pass: add_to_total_loss is named
+    # like a loss function, but its body accumulates `_loss.detach()`
+    found = scan_text(
+        """
+        import torch
+
+        class PipelineEngine:
+            def _exec_forward_pass(self, buffer_id):
+                outputs = self.module(inputs)
+                self.loss = self.loss_model(outputs, labels)
+
+                def add_to_total_loss(_total_loss, _loss):
+                    if isinstance(_loss, torch.Tensor):
+                        if _total_loss is None:
+                            _total_loss = torch.zeros_like(_loss)
+                        _total_loss += _loss.detach()
+                    else:
+                        if _total_loss is None:
+                            _total_loss = [torch.zeros_like(_l) for _l in _loss]
+                        for _idx, _l in enumerate(_loss):
+                            _total_loss[_idx] += _l.detach()
+                    return _total_loss
+
+                self.total_loss = add_to_total_loss(self.total_loss, self.loss)
+                for name, loss in self.module.get_additional_losses().items():
+                    total = self.total_additional_losses[name] if name in self.total_additional_losses else None
+                    self.total_additional_losses[name] = add_to_total_loss(total, loss)
+        """
+    )
+    assert found == []
+
+
+def test_a_helper_that_keeps_the_graph_is_still_a_loss() -> None:
+    (f,) = scan_text(
+        """
+        class Engine:
+            def step(self, batch):
+                def add_to_total_loss(total, loss):
+                    return total + loss
+
+                loss = self.criterion(self.model(batch))
+                loss.backward()
+                self.history.append(add_to_total_loss(0.0, loss))
+        """
+    )
+    assert f.symbol == "self.history"
+
+
+def test_values_read_from_a_tracker_are_what_it_was_filled_with_megatron_mtp() -> None:
+    # Megatron-Core 0.16 transformer/multi_token_prediction.py: the tracker is filled with
+    # `loss.detach()` elsewhere; reading it back and logging it keeps no graph
+    assert (
+        scan_text(
+            """
+            def track_mtp_metrics(loss_scale, iteration, writer, total_loss_dict=None):
+                tracker = MTPLossLoggingHelper.tracker
+                mtp_losses = tracker["values"] * loss_scale
+                for i in range(mtp_losses.shape[0]):
+                    name = f"mtp_{i+1} loss"
+                    loss = mtp_losses[i]
+                    if total_loss_dict is not None:
+                        if name in total_loss_dict:
+                            total_loss_dict[name] += loss
+                        else:
+                            total_loss_dict[name] = loss
+            """
+        )
+        == []
+    )
+
+
+def test_torchmetrics_updates_run_without_grad_composer() -> None:
+    # Composer 0.32 metrics/metrics.py (a torchmetrics Metric's update) and
+    # models/huggingface.py (metric.update(outputs=...))
+    assert (
+        scan_text(
+            """
+            from torchmetrics import Metric
+
+            class LanguageCrossEntropy(Metric):
+                def update(self, output, target):
+                    losses = self.loss_function(output, target)
+                    self.sum_loss += losses
+
+            class HuggingFaceModel:
+                def update_metric(self, batch, outputs, metric):
+                    if getattr(metric, "needs_batch", False):
+                        return metric.update(batch=batch, outputs=outputs, labels=self.labels)
+                    return metric.update(outputs, self.labels)
+            """
+        )
+        == []
+    )
+
+
+FAQ = """
+    total_loss = 0
+    for i in range(10000):
+        optimizer.zero_grad()
+        output = model(input)
+        loss = criterion(output)
+        loss.backward()
+        optimizer.step()
+        total_loss += loss
+"""
+
+
+def test_the_pytorch_faq_epoch_running_sum_at_module_level_and_in_a_function() -> None:
+    (f,) = scan_text(FAQ)
+    assert f.symbol == "total_loss" and "running sum total_loss += loss" in f.message
+    inside = "def train(model, optimizer, criterion, input):\n" + textwrap.indent(
+        textwrap.dedent(FAQ), "    "
+    )
+    (g,) = scan_text(inside)
+    assert g.symbol == "total_loss" and g.line == 10
+    assert "each iteration's graph" in g.message
+
+
+def test_summing_losses_for_one_backward_is_not_the_faq_leak() -> None:
+    # gradient accumulation: the sum is what backward runs on; and a detached sum
+    assert (
+        scan_text(
+            """
+            def step(model, batches, criterion):
+                total = 0
+                for batch in batches:
+                    loss = criterion(model(batch))
+                    total += loss
+                total.backward()
+
+            def epoch(model, batches, criterion):
+                total_loss = 0
+                for batch in batches:
+                    loss = criterion(model(batch))
+                    loss.backward()
+                    total_loss += loss.item()
+            """
+        )
+        == []
+    )

@@ -389,7 +389,7 @@ class _FunctionScan(Kinds):
             # a local running sum: a loss too, and dies with the function, unless the loop
             # around it backpropagates each term (the PyTorch FAQ's ``total_loss += loss``)
             if self.kind(s.value) is Kind.LOSS and self.sums_backpropagated(target.id, s):
-                self.report(s, target, ast.unparse(s.value), Kind.LOSS, running=True)
+                self.report(s, target, ast.unparse(s.value), Kind.LOSS, running=True, epoch=True)
             joined = join([self.env.kinds.get(target.id), self.kind(s.value)])
             self.env.kinds[target.id] = joined
             return
@@ -515,6 +515,7 @@ class _FunctionScan(Kinds):
         kind: Kind,
         *,
         running: bool = False,
+        epoch: bool = False,
         via: str = "",
     ) -> None:
         base, path = root(recv)
@@ -522,7 +523,13 @@ class _FunctionScan(Kinds):
             held = ".".join([symbol(self.env.aliases[base.id]), *path])
         else:
             held = symbol(recv)
-        if running:
+        if epoch:
+            why = (
+                f"running sum {held} += {value} keeps each iteration's graph alive after its "
+                f"backward, chained into {held} until the loop ends (the PyTorch FAQ's leak)"
+            )
+            fix = f"add {value}.item() (or {value}.detach())"
+        elif running:
             why = (
                 f"running sum {held} += {value} chains every step's autograd graph into "
                 "one that is never freed"
