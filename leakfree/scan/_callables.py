@@ -15,9 +15,20 @@ import ast
 from dataclasses import dataclass
 
 from leakfree.scan._model import Project, Source
-from leakfree.scan._syntax import FunctionNode, Scope, Scopes, own_nodes, positional, tail
+from leakfree.scan._syntax import (
+    FunctionNode,
+    Scope,
+    Scopes,
+    imports,
+    own_nodes,
+    parameters,
+    plain_annotation,
+    positional,
+    tail,
+)
+from leakfree.scan._tensors import TensorEvidence
 
-__all__ = ["Callables", "Target"]
+__all__ = ["Callables", "ReturnReader", "Target"]
 
 
 @dataclass(frozen=True)
@@ -114,3 +125,37 @@ class Callables:
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
                     return node
         return None
+
+
+class ReturnReader:
+    """Whether a call's callee, read where it is defined (this file first, else the one
+    function of that name in the project), returns no tensor: its return annotation is a
+    plain type, or none of its returned values holds one on its own evidence, with the
+    parameters that received tensors taken as tensors (``_resolve_kv_heads(x, ...)``
+    returns ``x.shape[2] // n``: an int)."""
+
+    def __init__(self, source: Source, project: Project) -> None:
+        self.source = source
+        self.project = project
+
+    def plain(self, call: ast.Call, caller: TensorEvidence) -> bool:
+        if not isinstance(call.func, ast.Name):
+            return False
+        name = call.func.id
+        local = self.project.defs(self.source).get(name, [])
+        found = [(self.source, fn) for fn in local] or list(self.project.helpers(name))
+        if len(found) != 1:
+            return False  # not found, or several of that name: the name decides nothing
+        src, fn = found[0]
+        if plain_annotation(fn.returns):
+            return True
+        params = [p.arg for p in parameters(fn)]
+        seed = {
+            params[i]
+            for i, a in enumerate(call.args)
+            if i < len(params) and not isinstance(a, ast.Starred) and caller.holds(a)
+        }
+        names = self.project.memo("imports", src, src.tree, lambda: imports(src.tree, src.package))
+        evidence = TensorEvidence(fn, names, set(), seed=seed, inputs=False, returned=False)
+        returns = [n.value for n in own_nodes(fn) if isinstance(n, ast.Return) and n.value]
+        return bool(returns) and not any(evidence.holds(r) for r in returns)

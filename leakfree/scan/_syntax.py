@@ -28,6 +28,7 @@ __all__ = [
     "FunctionClass",
     "FunctionNode",
     "Scopes",
+    "attr_of",
     "bound_names",
     "dotted",
     "elements",
@@ -111,6 +112,13 @@ def symbol(node: ast.AST) -> str:
     """``context.losses[name]`` -> ``context.losses``: a container, named without keys."""
     base, path = root(node)
     return ".".join([base.id, *path]) if base is not None else ast.unparse(node)
+
+
+def attr_of(e: ast.AST, owners: set[str]) -> str | None:
+    """``a`` for ``x.a`` where ``x`` is one of ``owners`` (a ctx and its aliases), else None."""
+    if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id in owners:
+        return e.attr
+    return None
 
 
 def elements(e: ast.AST) -> Iterator[ast.AST]:

@@ -7,6 +7,14 @@
 * :mod:`~leakfree.scan.rules.hooks`: LF004 a saved-tensor pack hook that parks payloads in
   a table its manager owns;
 * :mod:`~leakfree.scan.rules.buffers`: LF005 leaf receive buffers made in a loop.
+
+A rule module holds its rule's decision and wording; the private ``_<rule>_*.py`` beside it
+hold the parts of that decision large enough to read on their own (what backward releases,
+which names are outputs, a loss's vocabulary, a function's scope, a buffer's reads). All of
+them read code through the one syntax layer: :mod:`leakfree.scan._syntax` (names, scopes,
+imports, autograd Functions, annotations), :mod:`leakfree.scan._flow` (where values go),
+:mod:`leakfree.scan._tensors` (what holds tensors) and :mod:`leakfree.scan._callables`
+(which function a call reaches, and what it returns).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ from enum import Enum
 
 from leakfree.scan._syntax import FunctionNode, name_words, tail
 
+CODE = "LF003"
+
 
 class Kind(Enum):
     LOSS = "loss"

@@ -69,7 +69,7 @@ import ast
 from collections.abc import Iterable, Iterator
 
 from leakfree.scan._callables import Callables, Target
-from leakfree.scan._flow import META_ATTRS, META_BUILTINS, META_METHODS, Flow, Reason, Step
+from leakfree.scan._flow import Flow, Reason, Step
 from leakfree.scan._model import Finding, Project, Rule, Source
 from leakfree.scan._syntax import (
     Scope,
@@ -81,6 +81,7 @@ from leakfree.scan._syntax import (
     root,
     tail,
 )
+from leakfree.scan._tensors import META_ATTRS, META_BUILTINS, META_METHODS
 
 __all__ = ["RULES"]
 

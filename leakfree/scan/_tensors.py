@@ -1,0 +1,424 @@
+"""Can this value hold tensors? The one inference every rule asks, on evidence only.
+
+:class:`TensorEvidence` is built on :class:`~leakfree.scan._flow.Flow`. It is one-sided on
+purpose: it answers *yes* only on evidence (a ``torch`` call, a tensor method, a name the
+code itself treats as a tensor, a helper whose body returns one...) and *no* otherwise, so
+a rule built on it stays quiet on values it cannot see into. Each name it believes holds
+tensors keeps its reason, so a finding can say why.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable, Iterable
+
+from leakfree.scan._flow import Flow, Reason, Step, said, short, tensor_test
+from leakfree.scan._syntax import (
+    FunctionNode,
+    elements,
+    name_words,
+    own_nodes,
+    parameters,
+    plain_annotation,
+    resolve,
+    words,
+)
+
+__all__ = [
+    "META_ATTRS",
+    "META_BUILTINS",
+    "META_METHODS",
+    "TensorEvidence",
+    "handle_named",
+    "metadata_named",
+]
+
+
+# --- can a value hold tensors? --------------------------------------------------------
+
+#: attributes of a tensor that are plain metadata
+META_ATTRS = words(
+    "shape dtype device ndim requires_grad is_cuda is_leaf layout is_sparse is_quantized "
+    "is_meta names itemsize nbytes is_nested _version is_cpu is_mps is_xpu grad_fn"
+)
+#: methods of a tensor that return metadata (numbers, bools, sizes, strings)
+META_METHODS = words(
+    "size dim numel stride item tolist data_ptr is_contiguous element_size get_device "
+    "nelement storage_offset is_floating_point is_complex ndimension is_pinned is_shared "
+    "is_set_to __len__ is_signed is_inference type"
+)
+#: attribute uses that only a tensor (or a tensor-like storage object) has
+TENSOR_USES = words(
+    "view reshape contiguous numel requires_grad data_ptr transpose is_contiguous stride "
+    "is_cuda element_size new_empty new_zeros new_ones new_full narrow unsqueeze squeeze "
+    "expand permute detach requires_grad_ untyped_storage masked_fill matmul mm bmm "
+    "view_as expand_as reshape_as copy_ zero_ fill_ add_ mul_ grad_fn _base storage clone "
+    "T mT"
+)
+#: builtins whose result holds no tensor, whatever they are given
+META_BUILTINS = words(
+    "len isinstance issubclass int float bool str type id hash repr range hasattr "
+    "callable getattr format abs round object super print any all ord chr bytes frozenset"
+)
+#: builtins that build containers of their arguments' elements
+CONTAINER_BUILTINS = words(
+    "list tuple set dict sorted reversed zip enumerate iter next max min map filter"
+)
+#: modules whose functions return tensors (except the metadata ones below)
+TORCH_TENSOR_MODULES = words(
+    "torch torch.nn.functional torch.linalg torch.fft torch.special torch.sparse "
+    "torch.nested torch._C._nn torch._C._VariableFunctions"
+)
+_TORCH_META_PREFIXES = (
+    "is_", "get_default", "get_autocast", "current_", "set_", "device", "get_device",
+    "default_", "_is", "are_", "use_", "compiled_with", "get_num", "typename",
+)  # fmt: skip
+_TORCH_META = words(
+    "dtype Size finfo iinfo result_type promote_types numel equal no_grad enable_grad "
+    "inference_mode Generator Stream Event stream autocast empty_cache manual_seed seed "
+    "initial_seed can_cast sym_int sym_float sym_max sym_min broadcast_shapes"
+)
+#: attributes of a tensor (or of a storage object) that are tensors
+TENSOR_ATTRS = frozenset({"T", "mT", "H", "mH", "data", "grad", "real", "imag", "_base"})
+#: torch functions whose positional arguments are sizes or data, not tensors
+_FACTORIES = words(
+    "zeros ones empty full arange range tensor as_tensor rand randn randint randperm "
+    "linspace logspace eye from_numpy empty_strided scalar_tensor frombuffer asarray "
+    "normal bernoulli"
+)
+#: words that name metadata (``ctx.grad_shape``, ``s_dtype``, ``index_strides``)
+META_WORDS = words(
+    "dtype dtypes shape shapes size sizes stride strides layout layouts spec specs ndim "
+    "dims numel device devices len lens length lengths rank ranks world mode flag flags "
+    "kind config cfg dtype_a offsets_meta sig signature"
+)
+#: words that name tensors, for the elements of ``a, b = f(x)``
+TENSOR_WORDS = words("tensor tensors args inputs outputs activations buffers grads")
+#: what a forward's first input is called when it is the tensor the node transforms (a
+#: first parameter of another name is as often a flag, a callable or a config)
+_INPUT_NAMES = words(
+    "x x_ inp input input_ inputs tensor hidden hidden_states query q act activation activations"
+)
+
+
+def _tensor_attr(name: str) -> bool:
+    if "meta" in name:
+        return False  # _metadata_cache, fp8_meta: bookkeeping beside the data
+    return name in TENSOR_ATTRS or "data" in name or "tensor" in name
+
+
+def torch_makes_tensor(full: str) -> bool:
+    """Does the ``torch`` function of this dotted name return a tensor?"""
+    mod, _, fn = full.rpartition(".")
+    if fn == "get_rng_state":
+        return True  # torch.get_rng_state / torch.cuda.get_rng_state: a state tensor
+    if not (mod in TORCH_TENSOR_MODULES or mod.startswith("torch.ops.")):
+        return False
+    return not (fn in _TORCH_META or fn.startswith(_TORCH_META_PREFIXES) or fn[:1].isupper())
+
+
+def metadata_named(attr: str, value: ast.AST) -> bool:
+    """Does the attribute, or every name the value is made of, name metadata?
+
+    ``ctx.grad_shape = ...``, ``ctx.dtypes = s_dtype, t_dtype``: a name that says shape,
+    dtype, stride, layout, spec, device, rank, mode... is taken at its word.
+    """
+    if name_words(attr) & META_WORDS:
+        return True
+    names = list(elements(value))
+    return bool(names) and all(
+        isinstance(v, ast.Name) and name_words(v.id) & META_WORDS for v in names
+    )
+
+
+#: words naming objects that are not tensors: communication handles, events, streams,
+#: NumPy arrays (a forward may return them beside its tensors)
+HANDLE_WORDS = words(
+    "handle handles work works req reqs request requests future futures fut event events "
+    "stream streams group np numpy"
+)
+#: methods whose result is (a view or copy of) the tensor they are called on
+_SAME_DATA = words(
+    "to float half bfloat16 double cuda cpu contiguous view reshape transpose permute "
+    "detach clone t flatten squeeze unsqueeze expand"
+)
+
+
+def handle_named(name: str) -> bool:
+    """Does the name say a handle, an event, a stream or a NumPy array (not a tensor)?"""
+    return bool(name_words(name) & HANDLE_WORDS)
+
+
+def _through_views(e: ast.AST) -> ast.Name | None:
+    """The name under ``x.to(d).contiguous()`` / ``x[:, :n]``: a tensor-only use of the
+    result is one of ``x`` (a slice, not an index: ``ops[i].requires_grad`` is about an
+    element of a list)."""
+    while True:
+        if isinstance(e, ast.Name):
+            return e
+        if isinstance(e, ast.Subscript) and (
+            isinstance(e.slice, ast.Slice)
+            or (
+                isinstance(e.slice, ast.Tuple)
+                and any(isinstance(x, ast.Slice) for x in e.slice.elts)
+            )
+        ):
+            e = e.value
+        elif (
+            isinstance(e, ast.Call)
+            and isinstance(e.func, ast.Attribute)
+            and e.func.attr in _SAME_DATA
+        ):
+            e = e.func.value
+        else:
+            return None
+
+
+def _operands(e: ast.AST) -> list[ast.Name]:
+    """The names ``e`` is, or is arithmetic of names only (``a``, ``a / b``, ``-a``); in
+    ``f(x) * n - shift`` the plain names may be numbers scaling a tensor."""
+    if isinstance(e, ast.Name):
+        return [e]
+    if isinstance(e, ast.BinOp):
+        left, right = _operands(e.left), _operands(e.right)
+        return left + right if left and right else []
+    if isinstance(e, ast.UnaryOp) and not isinstance(e.op, ast.Not):
+        return _operands(e.operand)
+    return []
+
+
+class TensorEvidence:
+    """Which local names of a function hold tensors, on evidence in the function itself,
+    each with the reason (:attr:`why`).
+
+    A name holds tensors when the code shows it: it is annotated ``Tensor``; it is passed
+    to ``ctx.save_for_backward`` / ``mark_dirty`` / ``save_for_forward``, or first to a
+    ``torch`` function (alone or in arithmetic of names: ``torch.round(a / b)``); it is
+    used with a tensor-only attribute (``x.view(...)``, ``x.clone()``, ``x.T``...; not
+    ``.shape`` or ``.dtype``, which quantization states and specs have too); it is one of
+    ``forward``'s inputs (its first parameter after ctx, or its ``*args``) or a name
+    ``forward`` returns (``returned``); or it is assigned (appended, extended, stored into)
+    from an expression that holds tensors: a ``torch`` function call (bar metadata
+    queries), a tensor method or attribute (bar ``.shape``, ``.size()``, ``.item()``...),
+    arithmetic, indexing or a container of such values, a loop or comprehension over them
+    (a branch guarded by ``torch.is_tensor`` / ``isinstance(..., Tensor)`` is judged by
+    its guard), or a call of any other function that is handed one (its result may keep
+    it). Tuple targets of a call whose other element is spread into
+    ``save_for_backward(*tensors)`` hold tensors too (the ``tensors, objects =
+    prepare_for_saving(...)`` split).
+
+    Nothing else does: a name annotated as a number, string, bool, dtype, device or a
+    tuple of those (:func:`plain_annotation`), a parameter only passed through, a
+    ``self.`` attribute, a constructor without tensor arguments, a parameter the function
+    writes tensors into (the caller's object).
+    """
+
+    def __init__(
+        self,
+        fn: FunctionNode,
+        names: dict[str, str],
+        ctx: set[str],
+        *,
+        flow: Flow | None = None,
+        inputs: bool = True,
+        returned: bool = True,
+        seed: Iterable[str] = (),
+        plain_call: Callable[[ast.Call, TensorEvidence], bool] | None = None,
+    ) -> None:
+        self.names = names
+        #: does a call's callee, read where it is defined, return no tensor?
+        self.plain_call = plain_call
+        self.ctx = ctx
+        self.flow = flow or Flow(fn)
+        why: dict[str, Reason] = {name: f"{name} is handed a tensor" for name in seed}
+        params = parameters(fn)
+        va = fn.args.vararg
+        every = params + ([va] if va else [])
+        self.plain = {p.arg for p in every if plain_annotation(p.annotation)}
+        self.plain |= {
+            n.target.id
+            for n in own_nodes(fn)
+            if isinstance(n, ast.AnnAssign)
+            and isinstance(n.target, ast.Name)
+            and plain_annotation(n.annotation)
+        }
+        for p in every:
+            ann = ast.unparse(p.annotation) if p.annotation is not None else ""
+            if p.arg not in ctx and "Tensor" in ann and p.arg not in self.plain:
+                why[p.arg] = f"{p.arg} is annotated {ann}"
+        if inputs and fn.name == "forward":
+            rest = [p for p in fn.args.posonlyargs + fn.args.args if p.arg not in ctx]
+            if rest and (rest[0].arg in _INPUT_NAMES or (len(rest) == 1 and va is None)):
+                why.setdefault(rest[0].arg, f"{rest[0].arg} is forward's input")
+            if va is not None:
+                why.setdefault(va.arg, f"*{va.arg} are forward's inputs")
+        nodes = list(own_nodes(fn))
+        spread: set[str] = set()  # save_for_backward(*tensors): a list built to be saved
+        for n in nodes:
+            if (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and isinstance(n.func.value, ast.Name)
+                and n.func.value.id in ctx
+                and n.func.attr in ("save_for_backward", "mark_dirty", "save_for_forward")
+            ):
+                for a in n.args:
+                    v = a.value if isinstance(a, ast.Starred) else a
+                    if isinstance(v, ast.Name):
+                        why.setdefault(
+                            v.id, f"{v.id} is passed to ctx.{n.func.attr} at L{n.lineno}"
+                        )
+                        if isinstance(a, ast.Starred):
+                            spread.add(v.id)
+            elif isinstance(n, ast.Attribute) and n.attr in TENSOR_USES:
+                used = _through_views(n.value)
+                if used is not None and used.id not in ctx:
+                    why.setdefault(used.id, f"{ast.unparse(n)} at L{n.lineno}")
+            elif (
+                isinstance(n, ast.Return)
+                and n.value is not None
+                and returned
+                and fn.name == "forward"
+            ):
+                for r in elements(n.value):
+                    if isinstance(r, ast.Name) and r.id not in ctx and not handle_named(r.id):
+                        why.setdefault(r.id, f"forward returns {r.id} at L{n.lineno}")
+            if isinstance(n, ast.Call):
+                # a name handed first to a torch function (torch.matmul(a, b), F.linear(x, w));
+                # later arguments are often sizes, dims or split lists
+                full = resolve(n.func, names)
+                if (
+                    full is not None
+                    and full.startswith("torch.")
+                    and torch_makes_tensor(full)
+                    and full.rsplit(".", 1)[-1] not in _FACTORIES
+                    and n.args
+                ):
+                    for v in _operands(n.args[0]):
+                        if v.id not in ctx:
+                            why.setdefault(v.id, f"{v.id} is passed to {short(n)} at L{n.lineno}")
+        for s in self.flow.steps:  # ``tensors, objects = split(...)``: both halves
+            if s.split and isinstance(s.node, ast.Assign) and isinstance(s.value, ast.Call):
+                halves = {
+                    e.id for t in s.node.targets for e in elements(t) if isinstance(e, ast.Name)
+                }
+                if halves & spread and isinstance(s.target, ast.Name):
+                    why.setdefault(
+                        s.target.id,
+                        f"{s.target.id} is split from {short(s.value)} "
+                        f"beside what is saved at L{s.node.lineno}",
+                    )
+        for plain in self.plain:
+            why.pop(plain, None)
+        self._params = {p.arg for p in every}
+        self.tensors: set[str] = set(why)
+        self.why = self.flow.spread(why, self._carries, self._may_hold)
+        self.tensors = set(self.why)
+
+    def _may_hold(self, s: Step) -> bool:
+        name = s.name
+        if name is None or name in self.ctx or name in self.plain:
+            return False
+        # p.x = t / p[k] = t into a parameter: the caller's object, not this call's state
+        return isinstance(s.target, ast.Name) or name not in self._params
+
+    def _carries(self, s: Step, reached: dict[str, Reason]) -> bool:
+        self.tensors = set(reached)
+        weak = not s.split or (
+            isinstance(s.target, ast.Name) and bool(name_words(s.target.id) & TENSOR_WORDS)
+        )
+        return self.holds(s.value, weak=weak, excluded=s.not_tensors)
+
+    def explain(self, e: ast.AST) -> str:
+        """Why ``e`` holds tensors, in words: the reason of the first name it holds them
+        through, followed one step back (``global_o gets SequenceChunk(...) appended at
+        L774; o = torch.matmul(...) at L770``), or what ``e`` is."""
+        for n in ast.walk(e):
+            if isinstance(n, ast.Name) and n.id in self.why:
+                first = self.why[n.id]
+                if isinstance(first, Step):
+                    for m in ast.walk(first.value):
+                        if isinstance(m, ast.Name) and m.id != n.id and m.id in self.why:
+                            return f"{first.said()}; {said(self.why[m.id])}"
+                return said(first)
+        return f"{short(e)} makes a tensor"
+
+    def holds(
+        self,
+        e: ast.AST,
+        local: frozenset[str] = frozenset(),
+        weak: bool = True,
+        excluded: frozenset[str] = frozenset(),
+    ) -> bool:
+        """Can ``e`` hold a tensor, on the evidence gathered? With ``weak`` off, a call
+        counts only as a ``torch`` function or a tensor method, not as any call handed a
+        tensor; ``excluded`` names are known not to hold one here."""
+
+        def h(x: ast.AST, loc: frozenset[str] = local) -> bool:
+            return self.holds(x, loc, weak, excluded)
+
+        if isinstance(e, ast.Name):
+            return (e.id in self.tensors or e.id in local) and e.id not in excluded
+        if isinstance(e, ast.Attribute):
+            # x.T, x.grad, storage._data: tensors; any other attribute of a tensor-like
+            # object (x._spec, q.layout) is taken as metadata
+            return _tensor_attr(e.attr) and h(e.value)
+        if isinstance(e, ast.Subscript):
+            return h(e.value)
+        if isinstance(e, (ast.Starred, ast.NamedExpr, ast.Await)):
+            return h(e.value)
+        if isinstance(e, ast.BinOp):
+            return h(e.left) or h(e.right)
+        if isinstance(e, ast.UnaryOp):
+            return not isinstance(e.op, ast.Not) and h(e.operand)
+        if isinstance(e, ast.BoolOp):
+            return any(h(v) for v in e.values)
+        if isinstance(e, ast.IfExp):
+            # ``a if not torch.is_tensor(a) else None``: the test says which branch is not
+            guard = tensor_test(e.test)
+            if guard is not None:
+                return h(e.body if guard[0] else e.orelse)
+            return h(e.body) or h(e.orelse)
+        if isinstance(e, (ast.Tuple, ast.List, ast.Set)):
+            return any(h(v) for v in e.elts)
+        if isinstance(e, ast.Dict):
+            return any(h(v) for v in e.values)
+        if isinstance(e, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            inner = set(local)
+            for g in e.generators:
+                if h(g.iter, frozenset(inner)):
+                    inner.update(n.id for n in ast.walk(g.target) if isinstance(n, ast.Name))
+            fl = frozenset(inner)
+            return h(e.value, fl) if isinstance(e, ast.DictComp) else h(e.elt, fl)
+        if isinstance(e, ast.Call):
+            return self._call_holds(e, local, weak, excluded)
+        return False
+
+    def _call_holds(
+        self, e: ast.Call, local: frozenset[str], weak: bool, excluded: frozenset[str]
+    ) -> bool:
+        func = e.func
+        args = [*e.args, *(k.value for k in e.keywords)]
+        if isinstance(func, ast.Attribute):
+            if func.attr in META_METHODS or func.attr.startswith("__"):
+                return False
+            if func.attr == "get_rng_state":
+                return True
+            full = resolve(func, self.names)
+            if full is not None and full.split(".", 1)[0] == "torch":
+                return torch_makes_tensor(full)
+            if self.holds(func.value, local, weak, excluded):
+                return True  # a tensor method (or a container's .copy()/.pop())
+        elif isinstance(func, ast.Name):
+            if func.id in META_BUILTINS:
+                return False
+            if func.id in CONTAINER_BUILTINS:
+                return any(self.holds(a, local, weak, excluded) for a in args)
+            full = self.names.get(func.id, func.id)
+            if full.startswith("torch."):
+                return torch_makes_tensor(full)
+        # any other call: its result may keep what it was handed, unless the callee's own
+        # body shows it returns none of it (``_resolve_kv_heads(x, ...)`` -> an int)
+        if not (weak and any(self.holds(a, local, weak, excluded) for a in args)):
+            return False
+        return self.plain_call is None or not self.plain_call(e, self)
