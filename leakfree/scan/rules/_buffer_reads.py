@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from leakfree.scan._flow import Flow
 from leakfree.scan._model import Project, Source
 from leakfree.scan._syntax import own_nodes, positional, tail
 
@@ -127,10 +128,9 @@ class Helpers:
                 params = params[1:]
             if index >= len(params):
                 continue
-            nodes = list(own_nodes(fn))
             names = {params[index]}
-            self._spread(nodes, names, set())
-            yield nodes, names
+            self._spread(fn, names, set())
+            yield list(own_nodes(fn)), names
 
     def receive_makes_leaf(self, name: str) -> bool:
         """Whether a receive function ``name``, or a function it calls that is defined in
@@ -182,7 +182,7 @@ class Helpers:
         names = set(aliases)
         containers: set[str] = set()
         nodes = list(own_nodes(fn))
-        self._spread(nodes, names, containers)
+        self._spread(fn, names, containers)
         if self._reads(nodes, names, containers):
             return True
         shared = {c for c in containers if c.startswith("self.")}
@@ -192,33 +192,34 @@ class Helpers:
                     m_nodes = list(own_nodes(method))
                     m_names: set[str] = set()
                     m_containers = set(shared)
-                    self._spread(m_nodes, m_names, m_containers)
+                    self._spread(method, m_names, m_containers)
                     if self._reads(m_nodes, m_names, m_containers):
                         return True
         return False
 
     @staticmethod
-    def _spread(nodes: list[ast.AST], names: set[str], containers: set[str]) -> None:
-        """Follow the leaf into containers and back out, to a fixed point (two passes)."""
+    def _spread(fn: ast.AST, names: set[str], containers: set[str]) -> None:
+        """Follow the leaf through ``fn``'s flow into containers (``inputs.append(x)``,
+        ``d[k] = x``) and back out (``x = inputs.pop(0)``, ``for t in inputs``), to a fixed
+        point (two passes)."""
+        steps = Flow(fn).steps
         for _ in range(2):
-            for node in nodes:
-                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                    if node.func.attr in _PUTS and any(_mentions(a, names) for a in node.args):
-                        containers.add(ast.unparse(node.func.value))
-                elif isinstance(node, ast.Assign):
-                    for t in node.targets:
-                        if isinstance(t, ast.Subscript) and _mentions(node.value, names):
-                            containers.add(ast.unparse(t.value))
-                        elif isinstance(t, (ast.Name, ast.Tuple)) and _drawn(
-                            node.value, containers
-                        ):
-                            names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
-                        elif isinstance(t, ast.Name) and base_name(node.value) in names:
-                            names.add(t.id)
-                elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)) and (
-                    _drawn(node.iter, containers) or _mentions(node.iter, names)
+            for step in steps:
+                target, value = step.target, step.value
+                if step.how in _PUTS or (step.how == "=" and isinstance(target, ast.Subscript)):
+                    if _mentions(value, names):
+                        base = target.value if isinstance(target, ast.Subscript) else target
+                        containers.add(ast.unparse(base))
+                elif (
+                    step.how in ("=", "for")
+                    and isinstance(target, ast.Name)
+                    and (
+                        _drawn(value, containers)
+                        or (isinstance(value, ast.expr) and base_name(value) in names)
+                        or (step.how == "for" and _mentions(value, names))
+                    )
                 ):
-                    names.update(n.id for n in ast.walk(node.target) if isinstance(n, ast.Name))
+                    names.add(target.id)
 
     def _reads(self, nodes: list[ast.AST], names: set[str], containers: set[str]) -> bool:
         for node in nodes:
