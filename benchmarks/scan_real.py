@@ -1,107 +1,448 @@
-"""`leakfree scan` on real installed packages: findings per rule, files, and speed.
+"""`leakfree scan` on real training stacks: findings per rule, each labelled by reading it,
+and the scan's CPU time against one plain `ast.parse` pass over the same files.
 
-The false-positive counts in docs/scan.md come from reading each finding this prints
-(`--findings`); this script gives the counts and the speed. Each target is scanned alone
-(a fresh Project), 3 times; the speed is the median, with the spread.
+Targets are the installed packages (torch, transformers, TRL, torchtune, peft, accelerate,
+lightning, bitsandbytes) and unpacked sources in a corpora folder (``--corpora``, default
+``$LEAKFREE_CORPORA`` or ``benchmarks/corpora``), which ``--fetch`` fills from the package
+index (DeepSpeed, Megatron-Core, torchtitan, Composer: source distributions, unpacked, never
+built or installed); Transformer Engine and Fast-LLM come from their repositories::
 
-    python benchmarks/scan_real.py                # the default targets (installed ones)
+    git -C TransformerEngine archive v2.13 transformer_engine | tar -x -C corpora/te-2.13
+    git -C TransformerEngine archive v2.15 transformer_engine | tar -x -C corpora/te-2.15
+    git -C Fast-LLM archive 7d61a1b fast_llm | tar -x -C corpora/fast-llm-7d61a1b
+    git -C trl archive v1.3.0 trl/models/activation_offloading.py | tar -x -C corpora/trl-1.3.0
+
+Every finding is looked up in :data:`LABELS` (TRUE: memory really held past its use;
+BENIGN: true by the rule but harmless, a weight or a state that lives anyway; FALSE: the
+rule is wrong); one that is not there is counted ``unread`` and printed. Files a rule needs
+that do not parse with this interpreter (Fast-LLM's Python 3.12 syntax) are scanned again
+with a newer interpreter when one is found (``--newer-python``).
+
+    python benchmarks/scan_real.py                 # table, JSON, and the speed ratio
+    python benchmarks/scan_real.py --write-docs    # regenerate docs/scan.md's table
     python benchmarks/scan_real.py torch --findings
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
+import gc
 import importlib.util
 import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
+import time
+import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
 
 from leakfree._text import format_table
-from leakfree.scan import scan
+from leakfree.scan import Finding, ScanResult, scan
+from leakfree.scan._locate import python_files, resolve
 from leakfree.scan.rules import RULES
 
-#: what docs/scan.md reports on: the packages with custom autograd Functions, trainers
-#: that log losses, offloaders and pipelines
-TARGETS = (
-    "trl",
+#: installed packages, by import name
+INSTALLED = (
+    "torch",
     "transformers",
-    "torch.autograd",
-    "torch/utils/checkpoint.py",
-    "torch.distributed",
+    "trl",
     "torchtune",
-    "bitsandbytes",
     "peft",
     "accelerate",
     "lightning",
-    "torch",
+    "bitsandbytes",
 )
+#: unpacked sources: label -> folder inside the corpora folder
+CORPORA = {
+    "transformer_engine 2.13": "te-2.13/transformer_engine",
+    "transformer_engine 2.15": "te-2.15/transformer_engine",
+    "trl 1.3.0 (offloader)": "trl-1.3.0/trl",
+    "deepspeed 0.19.8": "deepspeed-0.19.8/deepspeed",
+    "megatron-core 0.16.1": "megatron_core-0.16.1/megatron",
+    "torchtitan 0.3.0": "torchtitan-0.3.0/torchtitan",
+    "composer 0.32.1": "mosaicml-0.32.1/composer",
+    "fast-llm 7d61a1b": "fast-llm-7d61a1b/fast_llm",
+}
+#: what --fetch downloads: distribution==version, unpacked as <name>-<version>/
+SDISTS = ("deepspeed==0.19.8", "megatron-core==0.16.1", "torchtitan==0.3.0", "mosaicml==0.32.1")
+
+TRUE, BENIGN, FALSE = "TRUE", "BENIGN", "FALSE"
+
+#: (rule, path inside its package, symbol) -> (label, why), read finding by finding
+LABELS: dict[tuple[str, str, str], tuple[str, str]] = {
+    # torch 2.13.0
+    ("LF001", "torch/_higher_order_ops/base_hop.py", "BaseHOPFunction.operands"): (
+        TRUE, "the forward's input tensors, on ctx and never dropped by backward"),
+    ("LF003", "torch/distributed/pipelining/schedules.py", "self._internal_losses"): (
+        TRUE, "each microbatch's loss and graph until the step ends (docs/pipeline.md)"),
+    ("LF001", "torch/nn/modules/_functions.py", "CrossMapLRN2d.scale"): (
+        TRUE, "a tensor the size of the input, kept after backward"),
+    ("LF001", "torch/nn/utils/_expanded_weights/group_norm_expanded_weights.py",
+     "GroupNormPerSampleGrad.input"): (TRUE, "the input activation"),
+    ("LF001", "torch/nn/utils/_expanded_weights/linear_expanded_weights.py",
+     "LinearPerSampleGrad.args"): (TRUE, "(input, weight): the input activation"),
+    ("LF001", "torch/nn/utils/_expanded_weights/linear_expanded_weights.py",
+     "LinearPerSampleGrad.kwargs"): (BENIGN, "{'bias': bias}: a parameter"),
+    ("LF001", "torch/utils/checkpoint.py", "CheckpointFunction.fwd_cpu_state"): (
+        BENIGN, "the CPU RNG state, 5 KB per call (a note)"),
+    # transformers
+    ("LF001", "transformers/models/ibert/quant_modules.py", "FixedPointMul.identity"): (
+        TRUE, "an activation-sized tensor"),
+    # TRL 1.16 and torchtune 0.6.1: the tables patch_all() replaces
+    ("LF004", "trl/models/activation_offloading.py", "OffloadActivations.tracker"): (
+        TRUE, "payloads of a graph freed without backward stay until the next __enter__ "
+        "(1.16), for the manager's life (1.3)"),
+    ("LF004", "trl/models/activation_offloading.py", "OffloadActivations.fwd_stash"): (
+        TRUE, "as tracker"),
+    ("LF004", "torchtune/training/_activation_offloading.py", "OffloadActivations.tracker"): (
+        TRUE, "as TRL's"),
+    ("LF004", "torchtune/training/_activation_offloading.py",
+     "OffloadActivations.fwd_stash"): (TRUE, "as TRL's"),
+    # bitsandbytes 0.50.2
+    ("LF001", "bitsandbytes/autograd/_functions.py", "MatMul8bitLt.A"): (
+        TRUE, "the input activation"),
+    ("LF001", "bitsandbytes/autograd/_functions.py", "MatMul8bitLt.B"): (
+        BENIGN, "the quantized weight, which lives anyway"),
+    ("LF001", "bitsandbytes/autograd/_functions.py", "MatMul8bitLt.bias"): (
+        BENIGN, "a parameter (a note)"),
+    ("LF001", "bitsandbytes/autograd/_functions.py", "MatMul8bitLt.tensors"): (
+        TRUE, "holds the input activation beside int8 buffers"),
+    ("LF001", "bitsandbytes/autograd/_functions.py", "MatMul8bitFp.A"): (
+        TRUE, "the input activation"),
+    ("LF001", "bitsandbytes/autograd/_functions.py", "MatMul4Bit.A"): (
+        TRUE, "the input activation"),
+    ("LF001", "bitsandbytes/autograd/_functions.py", "MatMul4Bit.B"): (
+        BENIGN, "the 4-bit weight, which lives anyway"),
+    ("LF001", "bitsandbytes/autograd/_functions.py", "MatMul4Bit.tensors"): (
+        TRUE, "(A, B): holds the input activation"),
+    # Transformer Engine v2.13: the five tensor_objects holders REFERENCE.md lists, and
+    # the MoE permutation's maps and probabilities (gone from 2.15)
+    ("LF001", "transformer_engine/pytorch/attention/dot_product_attention/backends.py",
+     "FusedAttnFunc.tensor_objects"): (TRUE, "quantized storage objects (FP8 buffers)"),
+    ("LF001", "transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py",
+     "AttnFuncWithCPAndKVP2P.tensor_objects"): (TRUE, "as FusedAttnFunc"),
+    ("LF001", "transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py",
+     "AttnFuncWithCPAndQKVOA2A.tensor_objects"): (TRUE, "as FusedAttnFunc"),
+    ("LF001", "transformer_engine/pytorch/module/grouped_linear.py",
+     "_GroupedLinear.tensor_objects"): (TRUE, "as FusedAttnFunc"),
+    ("LF001", "transformer_engine/pytorch/ops/fuser.py",
+     "_OperationFuserAutogradFunction.tensor_objects"): (TRUE, "the 2.6-2.13 fuser leak"),
+    ("LF001", "transformer_engine/pytorch/distributed.py",
+     "_CheckpointFunction.fwd_cpu_rng_state"): (BENIGN, "the CPU RNG state (a note)"),
+    ("LF001", "transformer_engine/pytorch/module/grouped_linear.py",
+     "_GroupedLinear.weight_objects"): (BENIGN, "weights (a note)"),
+    ("LF001", "transformer_engine/pytorch/module/layernorm_linear.py",
+     "_LayerNormLinear.weight_object"): (BENIGN, "the weight (a note)"),
+    ("LF001", "transformer_engine/pytorch/module/layernorm_linear.py",
+     "_LayerNormLinear.weight"): (BENIGN, "the weight (a note)"),
+    ("LF001", "transformer_engine/pytorch/module/linear.py", "_Linear.weight_object"): (
+        BENIGN, "the weight (a note)"),
+    ("LF001", "transformer_engine/pytorch/permutation.py",
+     "_moe_permute_index_map.row_id_map"): (TRUE, "an int32 map, tokens x top-k"),
+    ("LF001", "transformer_engine/pytorch/permutation.py", "_moe_unpermute_index_map.probs"): (
+        TRUE, "the router probabilities, tokens x top-k"),
+    ("LF001", "transformer_engine/pytorch/permutation.py", "_moe_permute_mask_map.probs"): (
+        TRUE, "as above"),
+    ("LF001", "transformer_engine/pytorch/permutation.py",
+     "_moe_unpermute_mask_map.merging_probs"): (TRUE, "as above"),
+    # DeepSpeed 0.19.8
+    ("LF001", "deepspeed/runtime/activation_checkpointing/checkpointing.py",
+     "CheckpointFunction.fwd_cpu_rng_state"): (BENIGN, "RNG state (a note)"),
+    ("LF001", "deepspeed/runtime/activation_checkpointing/checkpointing.py",
+     "CheckpointFunction.fwd_cuda_rng_state"): (BENIGN, "RNG state (a note)"),
+    ("LF001", "deepspeed/runtime/sequence_parallel/ulysses_sp.py",
+     "SequenceTiledCompute.compute_params"): (BENIGN, "parameters (a note)"),
+    ("LF001", "deepspeed/runtime/sequence_parallel/ulysses_sp.py", "TiledMLP.compute_params"): (
+        BENIGN, "parameters (a note)"),
+    ("LF001", "deepspeed/runtime/sequence_parallel/ulysses_sp.py",
+     "SequenceTiledCompute.kwargs_to_shard"): (TRUE, "the forward's input activations"),
+    ("LF001", "deepspeed/runtime/sequence_parallel/ulysses_sp.py",
+     "SequenceTiledCompute.kwargs_to_pass"): (TRUE, "forward inputs passed through"),
+    **{
+        ("LF001", "deepspeed/sequence/fpdt_layer.py", f"{cls}.{attr}"): (
+            TRUE, "per-chunk q/k/v/output/lse activations (host copies when offloading)")
+        for cls, attrs in (
+            ("_FPDTGPUAttentionImpl_", ("global_q", "global_k", "global_v")),
+            ("_FPDTGPUOffloadingAttentionImpl_",
+             ("layernorm_output", "global_q", "global_k", "global_v", "attn_output", "attn_lse")),
+        )
+        for attr in attrs
+    },
+    # Megatron-Core 0.16.1
+    ("LF005", "megatron/core/pipeline_parallel/schedules.py", "input_tensor.grad"): (
+        TRUE, "leaf receive buffers with .grad in the 1F1B loops"),
+    ("LF001", "megatron/core/transformer/custom_layers/batch_invariant_kernels.py",
+     "BatchInvariantRMSNormFn.rsigma"): (TRUE, "saved and also parked on ctx: outlives backward"),
+    # torchtitan 0.3.0
+    ("LF003", "torchtitan/experiments/graph_trainer/graph_pp/runner.py",
+     "schedule._internal_losses"): (TRUE, "torch's schedule list, filled by hand"),
+    # Fast-LLM 7d61a1b (scanned with Python 3.12)
+    ("LF001", "fast_llm/functional/triton/mlp.py", "ChunkWeight.weight"): (BENIGN, "a note"),
+    ("LF001", "fast_llm/functional/triton/mlp.py", "ChunkWeight.weight_chunked"): (
+        BENIGN, "views of the weight (a note)"),
+    ("LF001", "fast_llm/functional/triton/mlp.py", "ChunkWeightPost.weight"): (
+        BENIGN, "a note"),
+    ("LF001", "fast_llm/functional/triton/mlp.py", "ChunkWeightPost.weight_chunked"): (
+        BENIGN, "a note"),
+    ("LF001", "fast_llm/functional/utils.py", "Function.context"): (
+        TRUE, "wrap_forward_backward's context (tensors for backward), never dropped"),
+    ("LF001", "fast_llm/functional/utils.py", "AuxiliaryLoss.grad"): (
+        TRUE, "a tensor the size of the auxiliary loss (small)"),
+}  # fmt: skip
 
 
-def _path(target: str) -> str | None:
-    """``torch/utils/checkpoint.py`` style targets are files inside an installed package."""
-    if "/" not in target:
-        top = target.split(".")[0]
-        return target if importlib.util.find_spec(top) is not None else None
-    top, _, rest = target.partition("/")
-    spec = importlib.util.find_spec(top)
-    if spec is None or not spec.submodule_search_locations:
+def _package_path(name: str) -> Path | None:
+    if importlib.util.find_spec(name) is None:
         return None
-    path = Path(next(iter(spec.submodule_search_locations))) / rest
-    return str(path) if path.exists() else None
+    (target,) = resolve([name])
+    return target.path
+
+
+def _relative(finding: Finding, target: Path) -> str:
+    """The finding's path inside its package (``torch/utils/checkpoint.py``)."""
+    path = Path(finding.path)
+    if path.is_absolute():
+        return path.relative_to(target.parent).as_posix()
+    return path.as_posix()
+
+
+def _label(rule: str, rel: str, symbol: str) -> tuple[str, str]:
+    return LABELS.get((rule, rel, symbol), ("unread", "not labelled yet: read it"))
+
+
+def _newer_python(wanted: str | None) -> str | None:
+    """An interpreter of Python 3.12 or later that runs (pyenv's shims may not)."""
+    pyenv = sorted(Path.home().glob(".pyenv/versions/3.1[2-9]*/bin/python"), reverse=True)
+    candidates = [wanted] if wanted else ["python3.13", "python3.12", *map(str, pyenv)]
+    for candidate in candidates:
+        found = shutil.which(candidate) if candidate else None
+        if found:
+            probe = subprocess.run([found, "-c", "import ast"], capture_output=True)
+            if probe.returncode == 0:
+                return found
+    return None
+
+
+def _version(python: str) -> str:
+    """``Python 3.12`` for an interpreter's path."""
+    out = subprocess.run(
+        [python, "-c", "import sys; print('Python %d.%d' % sys.version_info[:2])"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    return out.stdout.strip() or Path(python).name
+
+
+def _rescan(python: str, path: Path) -> ScanResult:
+    """``path`` scanned by another interpreter (JSON), as a ScanResult of Findings."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [python, "-m", "leakfree", "scan", str(path), "--format", "json"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    data = json.loads(out.stdout)
+    result = ScanResult(files=data["files"], unparsed=data["unparsed"], seconds=data["seconds"])
+    result.findings = [
+        Finding(f["path"], f["line"], f["column"], f["rule"], f["symbol"], f["message"], f["level"])
+        for f in data["findings"]
+    ]
+    return result
+
+
+def _parse_all(files: list[Path]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        for path in files:
+            with contextlib.suppress(SyntaxError, ValueError, UnicodeDecodeError):
+                ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def speed(path: Path, rounds: int) -> dict[str, object]:
+    """CPU seconds of ``scan([path], jobs=1)`` and of one ``ast.parse`` pass over the same
+    files, interleaved, ``rounds`` times: the median and range of each and of the ratio."""
+    files = [p for target in resolve([str(path)]) for p in python_files(target)]
+    scans, parses = [], []
+    for _ in range(rounds):
+        gc.collect()
+        started = time.process_time()
+        scan([str(path)], jobs=1)
+        scans.append(time.process_time() - started)
+        gc.collect()
+        started = time.process_time()
+        _parse_all(files)
+        parses.append(time.process_time() - started)
+    ratios = sorted(s / p for s, p in zip(scans, parses))
+    return {
+        "files": len(files),
+        "scan_cpu_s": sorted(scans),
+        "parse_cpu_s": sorted(parses),
+        "ratio": {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]},
+    }
+
+
+def fetch(corpora: Path) -> None:
+    """Download and unpack :data:`SDISTS` (source distributions only, no dependencies,
+    nothing built or installed)."""
+    corpora.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             "--dest", tmp, *SDISTS],
+            check=True,
+        )  # fmt: skip
+        for archive in Path(tmp).glob("*.tar.gz"):
+            with tarfile.open(archive) as tar:
+                tar.extractall(corpora, filter="data")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("targets", nargs="*", default=list(TARGETS))
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("targets", nargs="*", help="installed packages or corpora labels")
+    parser.add_argument(
+        "--corpora",
+        default=os.environ.get("LEAKFREE_CORPORA", str(HERE / "corpora")),
+        help="folder holding the unpacked sources",
+    )
+    parser.add_argument("--fetch", action="store_true", help="download the sdists first")
+    parser.add_argument("--rounds", type=int, default=3, help="speed rounds (interleaved)")
+    parser.add_argument("--no-speed", action="store_true", help="skip the speed measurement")
+    parser.add_argument("--newer-python", default=None, help="interpreter for newer syntax")
     parser.add_argument("--findings", action="store_true", help="print every finding")
+    parser.add_argument("--write-docs", action="store_true", help="update docs/scan.md")
     parser.add_argument("--json", default=str(HERE / "results" / "scan_real.json"))
     args = parser.parse_args(argv)
+    corpora = Path(args.corpora)
+    if args.fetch:
+        fetch(corpora)
+    wanted = set(args.targets)
+    targets: list[tuple[str, Path]] = []
+    for name in INSTALLED:
+        path = _package_path(name)
+        if (not wanted or name in wanted) and path is not None:
+            targets.append((name, path))
+    for label, folder in CORPORA.items():
+        path = corpora / folder
+        if (not wanted or label in wanted or label.split()[0] in wanted) and path.exists():
+            targets.append((label, path))
+    newer = _newer_python(args.newer_python)
     codes = [r.code for r in RULES]
-    rows, out = [], []
-    for target in args.targets:
-        path = _path(target)
-        if path is None:
-            print(f"{target}: not installed, skipped", file=sys.stderr)
-            continue
-        runs = [scan([path]) for _ in range(max(1, args.repeat))]
-        result = runs[-1]
-        speeds = sorted(r.files_per_second for r in runs)
+    rows, out, unread = [], [], []
+    totals = {TRUE: 0, BENIGN: 0, FALSE: 0, "unread": 0}
+    for name, path in targets:
+        result = scan([str(path)])
+        how = f"Python {sys.version_info.major}.{sys.version_info.minor}"
+        if result.unparsed and newer is not None:
+            result, how = _rescan(newer, path), _version(newer)
+        listed = []
+        counts = {TRUE: 0, BENIGN: 0, FALSE: 0, "unread": 0}
+        for f in result.findings:
+            rel = _relative(f, path)
+            label, why = _label(f.rule, rel, f.symbol)
+            counts[label] += 1
+            totals[label] += 1
+            entry = f"{f.rule}{' (note)' if f.level == 'note' else ''} {rel}:{f.line} {f.symbol}"
+            listed.append({"finding": entry, "label": label, "why": why})
+            if label == "unread":
+                unread.append(f"{name}: {entry}: {f.message}")
+            if args.findings:
+                print(f"{label:7} {entry}: {why}")
         per_rule = {c: sum(f.rule == c for f in result.findings) for c in codes}
-        median = statistics.median(speeds)
+        notes = sum(f.level == "note" for f in result.findings)
         rows.append(
             (
-                target,
+                name if how == _version(sys.executable) else f"{name} (read with {how})",
                 str(result.files),
                 *(str(per_rule[c]) for c in codes),
-                f"{statistics.median(r.seconds for r in runs):.2f}",
-                f"{median:.0f} ({speeds[0]:.0f}-{speeds[-1]:.0f})",
+                str(notes),
+                str(counts[TRUE]),
+                str(counts[BENIGN]),
+                str(counts[FALSE]),
+                str(len(result.unparsed)) + ("" if not result.unparsed else " (!)"),
             )
         )
         out.append(
             {
-                "target": target,
+                "target": name,
+                "scanned_with": how,
                 "files": result.files,
                 "unparsed": result.unparsed,
                 "findings": per_rule,
-                "seconds": [r.seconds for r in runs],
-                "files_per_second": {"median": median, "min": speeds[0], "max": speeds[-1]},
-                "listed": [str(f) for f in result.findings],
+                "notes": notes,
+                "labels": counts,
+                "listed": listed,
             }
         )
-        if args.findings:
-            for finding in result.findings:
-                print(finding)
-    header = ("target", "files", *codes, "seconds", "files/s (min-max)")
-    print(format_table(header, rows, markdown=True))
+    header = ("package", "files", *codes, "of them notes", TRUE, BENIGN, FALSE, "not parsed")
+    table = format_table(header, rows, markdown=True)
+    print(table)
+    print(
+        f"\nfindings: {totals[TRUE]} TRUE, {totals[BENIGN]} BENIGN, {totals[FALSE]} FALSE, "
+        f"{totals['unread']} unread"
+    )
+    for line in unread:
+        print(f"unread: {line}")
+    timing: dict[str, object] = {}
+    torch_path = _package_path("torch")
+    if not args.no_speed and torch_path is not None:
+        timing = speed(torch_path, args.rounds)
+        ratio = timing["ratio"]
+        assert isinstance(ratio, dict)
+        print(
+            f"\nspeed, the whole of torch ({timing['files']} files), one process, CPU time: "
+            f"scan / one ast.parse pass = {ratio['median']:.2f}x "
+            f"(min {ratio['min']:.2f}, max {ratio['max']:.2f}, {args.rounds} rounds); "
+            f"scan {timing['scan_cpu_s']}, parse {timing['parse_cpu_s']}"
+        )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"rules": codes, "results": out}, indent=2))
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                "rules": codes,
+                "python": sys.version.split()[0],
+                "results": out,
+                "totals": totals,
+                "speed": timing,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.json}")
+    if args.write_docs:
+        _write_docs(table, totals, timing)
     return 0
+
+
+BEGIN, END = "<!-- scan_real:begin -->", "<!-- scan_real:end -->"
+
+
+def _write_docs(table: str, totals: dict[str, int], timing: dict[str, object]) -> None:
+    docs = ROOT / "docs" / "scan.md"
+    text = docs.read_text()
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    body = [table, ""]
+    body.append(
+        f"Findings read: **{totals[TRUE]} TRUE, {totals[BENIGN]} BENIGN, {totals[FALSE]} "
+        f"FALSE** ({totals['unread']} not yet read)."
+    )
+    ratio = timing.get("ratio") if timing else None
+    if isinstance(ratio, dict):
+        body.append(
+            f"Speed: the whole of torch ({timing['files']} files), one process, in "
+            f"**{ratio['median']:.2f}x** the CPU time of one `ast.parse` pass over the same "
+            f"files (min {ratio['min']:.2f}, max {ratio['max']:.2f})."
+        )
+    docs.write_text(f"{head}{BEGIN}\n{chr(10).join(body)}\n{END}{tail}")
+    print(f"updated {docs}")
 
 
 if __name__ == "__main__":
