@@ -21,7 +21,7 @@ Everything here reads :mod:`ast` only; nothing is imported or evaluated. What a 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "Scopes",
     "attr_of",
     "bound_names",
+    "calls_on",
     "dotted",
     "elements",
     "function_classes",
@@ -119,6 +120,23 @@ def attr_of(e: ast.AST, owners: set[str]) -> str | None:
     if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id in owners:
         return e.attr
     return None
+
+
+def calls_on(
+    nodes: Iterable[ast.AST], owners: set[str], methods: Iterable[str]
+) -> Iterator[tuple[ast.Call, str]]:
+    """``(call, method)`` for each ``x.method(...)`` among ``nodes`` where ``x`` is one of
+    ``owners`` (a ctx and its aliases: ``ctx.save_for_backward(...)``)."""
+    wanted = set(methods)
+    for n in nodes:
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and isinstance(n.func.value, ast.Name)
+            and n.func.value.id in owners
+            and n.func.attr in wanted
+        ):
+            yield n, n.func.attr
 
 
 def elements(e: ast.AST) -> Iterator[ast.AST]:

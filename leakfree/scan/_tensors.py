@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from leakfree.scan._flow import Flow, Reason, Step, said, short, tensor_test
 from leakfree.scan._syntax import (
     FunctionNode,
+    calls_on,
     elements,
     name_words,
     own_nodes,
@@ -86,6 +87,8 @@ _FACTORIES = words(
     "linspace logspace eye from_numpy empty_strided scalar_tensor frombuffer asarray "
     "normal bernoulli"
 )
+#: ctx methods whose arguments are tensors
+_SAVES = ("save_for_backward", "mark_dirty", "save_for_forward")
 #: words that name metadata (``ctx.grad_shape``, ``s_dtype``, ``index_strides``)
 META_WORDS = words(
     "dtype dtypes shape shapes size sizes stride strides layout layouts spec specs ndim "
@@ -254,23 +257,15 @@ class TensorEvidence:
                 why.setdefault(va.arg, f"*{va.arg} are forward's inputs")
         nodes = list(own_nodes(fn))
         spread: set[str] = set()  # save_for_backward(*tensors): a list built to be saved
+        for call, method in calls_on(nodes, ctx, _SAVES):
+            for a in call.args:
+                v = a.value if isinstance(a, ast.Starred) else a
+                if isinstance(v, ast.Name):
+                    why.setdefault(v.id, f"{v.id} is passed to ctx.{method} at L{call.lineno}")
+                    if isinstance(a, ast.Starred):
+                        spread.add(v.id)
         for n in nodes:
-            if (
-                isinstance(n, ast.Call)
-                and isinstance(n.func, ast.Attribute)
-                and isinstance(n.func.value, ast.Name)
-                and n.func.value.id in ctx
-                and n.func.attr in ("save_for_backward", "mark_dirty", "save_for_forward")
-            ):
-                for a in n.args:
-                    v = a.value if isinstance(a, ast.Starred) else a
-                    if isinstance(v, ast.Name):
-                        why.setdefault(
-                            v.id, f"{v.id} is passed to ctx.{n.func.attr} at L{n.lineno}"
-                        )
-                        if isinstance(a, ast.Starred):
-                            spread.add(v.id)
-            elif isinstance(n, ast.Attribute) and n.attr in TENSOR_USES:
+            if isinstance(n, ast.Attribute) and n.attr in TENSOR_USES:
                 used = _through_views(n.value)
                 if used is not None and used.id not in ctx:
                     why.setdefault(used.id, f"{ast.unparse(n)} at L{n.lineno}")

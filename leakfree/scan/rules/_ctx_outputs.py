@@ -9,6 +9,7 @@ from leakfree.scan._syntax import (
     FunctionClass,
     FunctionNode,
     attr_of,
+    calls_on,
     elements,
     name_words,
     own_nodes,
@@ -47,19 +48,12 @@ def outputs(
     nodes = list(own_nodes(fn))
     dirty: set[str] = set()
     nondiff: set[str] = set()
-    for n in nodes:
-        if (
-            isinstance(n, ast.Call)
-            and isinstance(n.func, ast.Attribute)
-            and isinstance(n.func.value, ast.Name)
-            and n.func.value.id in ctx
-            and n.func.attr in ("mark_dirty", "mark_non_differentiable")
-        ):
-            target = dirty if n.func.attr == "mark_dirty" else nondiff
-            for a in n.args:
-                v = a.value if isinstance(a, ast.Starred) else a
-                if isinstance(v, ast.Name):
-                    target.add(v.id)
+    for call, method in calls_on(nodes, ctx, ("mark_dirty", "mark_non_differentiable")):
+        target = dirty if method == "mark_dirty" else nondiff
+        for a in call.args:
+            v = a.value if isinstance(a, ast.Starred) else a
+            if isinstance(v, ast.Name):
+                target.add(v.id)
     names: set[str] = set()
     attrs: set[str] = set()
     if setup:
