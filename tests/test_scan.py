@@ -428,3 +428,16 @@ def test_the_pre_commit_hook_runs_the_scanner_on_the_changed_files(tmp_path: Pat
         [*command, str(fuser), str(leaky)], capture_output=True, text=True, timeout=60
     )
     assert dirty.returncode == 1 and "train.py:5:5: LF003 total_loss" in dirty.stdout
+
+
+def test_a_checked_file_s_tree_is_released_unless_a_helper_lives_in_it(tmp_path: Path) -> None:
+    from leakfree.scan._run import _check
+
+    project = Project()
+    project.add_text("a.py", "restore(x)\nx.parked = 1\n")
+    project.add_text("b.py", "def restore(ctx):\n    ctx.parked = None\n")
+    project.add_text("c.py", "y.parked = 2\n")
+    findings, unparsed = _check(project, ["a.py", "c.py"], RULES)
+    assert [f.path for f in findings] == ["a.py", "a.py", "c.py"] and unparsed == []
+    # a.py and c.py were checked and dropped; b.py defines the helper and stays parsed
+    assert set(project.parsed) == {"b.py"}

@@ -724,3 +724,27 @@ def test_an_is_tensor_guard_on_a_statement_torch_checkpoint() -> None:
     # the same append in the tensor branch is a finding (the guard is what decides)
     unguarded = re.sub(r"\n *else:\n", "\n", src.text)
     assert brief(scan(inline(unguarded))) == [("LF001", "CheckpointFunction.inputs")]
+
+
+def test_a_returned_object_without_tensor_evidence_is_not_an_output() -> None:
+    # a dict of settings returned beside the result (as TE's _Linear returns its weight
+    # workspace beside `out`): no evidence it is a tensor, so no cycle to report
+    src = inline(
+        """
+        import torch
+
+        class WithInfo(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                info = {"scale": 2}
+                ctx.info = info
+                return x * 2, info
+
+            @staticmethod
+            def backward(ctx, g, g_info):
+                return g * ctx.info["scale"]
+        """
+    )
+    assert scan(src) == []
+    tensor = src.text.replace('info = {"scale": 2}', "info = torch.ones(1)")
+    assert brief(scan(inline(tensor))) == [("LF002", "WithInfo.info")]

@@ -528,3 +528,19 @@ def test_summing_losses_for_one_backward_is_not_the_faq_leak() -> None:
         )
         == []
     )
+
+
+def test_an_entry_read_straight_from_a_tracker_is_clean() -> None:
+    # the same tracker, read by key: what a logger stores is detached by convention; a
+    # logger that keeps graphs is reported where it stores them
+    assert (
+        scan_text(
+            """
+            class Reporter:
+                def log(self):
+                    loss = self.tracker["loss"]
+                    self.history.append(loss)
+            """
+        )
+        == []
+    )

@@ -177,6 +177,15 @@ def _through_views(e: ast.AST) -> ast.Name | None:
             return None
 
 
+def _literal(e: ast.AST) -> bool:
+    """A constant, or a display of constants (``{"scale": 2}``, ``(1, 2)``)."""
+    try:
+        ast.literal_eval(e)  # type: ignore[arg-type]
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True
+
+
 def _operands(e: ast.AST) -> list[ast.Name]:
     """The names ``e`` is, or is arithmetic of names only (``a``, ``a / b``, ``-a``); in
     ``f(x) * n - shift`` the plain names may be numbers scaling a tensor."""
@@ -256,6 +265,12 @@ class TensorEvidence:
             if va is not None:
                 why.setdefault(va.arg, f"*{va.arg} are forward's inputs")
         nodes = list(own_nodes(fn))
+        # names only ever bound to literals (``info = {"scale": 2}``): returning one is no
+        # evidence of a tensor
+        bound: dict[str, list[ast.AST]] = {}
+        for name, value, _ in self.flow.assigned():
+            bound.setdefault(name, []).append(value)
+        literals = {name for name, values in bound.items() if all(map(_literal, values))}
         spread: set[str] = set()  # save_for_backward(*tensors): a list built to be saved
         for call, method in calls_on(nodes, ctx, _SAVES):
             for a in call.args:
@@ -276,7 +291,12 @@ class TensorEvidence:
                 and fn.name == "forward"
             ):
                 for r in elements(n.value):
-                    if isinstance(r, ast.Name) and r.id not in ctx and not handle_named(r.id):
+                    if (
+                        isinstance(r, ast.Name)
+                        and r.id not in ctx
+                        and not handle_named(r.id)
+                        and r.id not in literals
+                    ):
                         why.setdefault(r.id, f"forward returns {r.id} at L{n.lineno}")
             if isinstance(n, ast.Call):
                 # a name handed first to a torch function (torch.matmul(a, b), F.linear(x, w));
