@@ -12,13 +12,16 @@ that name (:meth:`Project.helpers <leakfree.scan._model.Project.helpers>`).
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 
 from leakfree.scan._model import Project, Source
 from leakfree.scan._syntax import (
+    FunctionClass,
     FunctionNode,
     Scope,
     Scopes,
+    function_classes,
     imports,
     own_nodes,
     parameters,
@@ -28,7 +31,7 @@ from leakfree.scan._syntax import (
 )
 from leakfree.scan._tensors import TensorEvidence
 
-__all__ = ["Callables", "ReturnReader", "Target"]
+__all__ = ["Callables", "ReturnReader", "Target", "autograd_classes", "imported_names"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,29 @@ class Target:
         if skip_self and Scopes.is_method(fn, chain):
             params = params[1:]
         return cls(source, fn, chain, tuple(params[bound:]), tuple(params[:bound]))
+
+
+#: a file's class statements deriving from a name ending in ``Function`` (a text filter
+#: before any walk: a file without one defines no autograd Function)
+_DERIVES = re.compile(r"^[ \t]*class\s+\w+\s*\([^)]*Function\b", re.MULTILINE)
+
+
+def imported_names(project: Project, source: Source) -> dict[str, str]:
+    """:func:`~leakfree.scan._syntax.imports` of ``source``, once per run."""
+    return project.memo(
+        "imports", source, source.tree, lambda: imports(source.tree, source.package)
+    )
+
+
+def autograd_classes(project: Project, source: Source) -> list[FunctionClass]:
+    """The autograd Function classes ``source`` defines, decided once per run for every
+    rule (:func:`~leakfree.scan._syntax.function_classes`)."""
+    if not _DERIVES.search(source.text):
+        return []
+    return project.memo(
+        "autograd", source, source.tree,
+        lambda: function_classes(source.tree, imported_names(project, source)),
+    )  # fmt: skip
 
 
 class Callables:
@@ -155,7 +181,7 @@ class ReturnReader:
             for i, a in enumerate(call.args)
             if i < len(params) and not isinstance(a, ast.Starred) and caller.holds(a)
         }
-        names = self.project.memo("imports", src, src.tree, lambda: imports(src.tree, src.package))
+        names = imported_names(self.project, src)
         evidence = TensorEvidence(fn, names, set(), seed=seed, inputs=False, returned=False)
         returns = [n.value for n in own_nodes(fn) if isinstance(n, ast.Return) and n.value]
         return bool(returns) and not any(evidence.holds(r) for r in returns)

@@ -41,6 +41,7 @@ __all__ = [
     "plain_annotation",
     "resolve",
     "root",
+    "statements",
     "tail",
     "words",
 ]
@@ -206,6 +207,20 @@ def declared(scope: ast.AST, kind: type[ast.Global] | type[ast.Nonlocal]) -> set
 _BLOCKS = ("body", "orelse", "finalbody", "handlers", "cases")
 
 
+def statements(tree: ast.Module) -> Iterator[ast.stmt]:
+    """Every statement of a file, nested ones included, without walking expressions (a
+    tenth of the nodes): imports, classes and functions are statements."""
+    stack: list[ast.AST] = list(reversed(tree.body))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.stmt):
+            yield node
+        for name in _BLOCKS:
+            inner = getattr(node, name, None)
+            if inner:
+                stack.extend(reversed(inner))
+
+
 def functions(tree: ast.Module) -> Iterator[tuple[FunctionNode, ast.ClassDef | None]]:
     """Every function with the class it is a method of (None for plain and nested
     functions). Only statement blocks are visited: functions are defined by statements."""
@@ -287,7 +302,7 @@ def imports(tree: ast.Module, package: str = "") -> dict[str, str]:
     relative imports resolved against ``package``, the package the file lies in:
     :attr:`Source.package <leakfree.scan._model.Source.package>`)."""
     out: dict[str, str] = {}
-    for node in ast.walk(tree):
+    for node in statements(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.asname:
@@ -405,17 +420,20 @@ def function_classes(tree: ast.Module, names: dict[str, str]) -> list[FunctionCl
     """
     classes: dict[str, ast.ClassDef] = {}
     released: set[str] = set()  # classes handed to release_after_backward
-    for node in ast.walk(tree):
+    for node in statements(tree):
         if isinstance(node, ast.ClassDef):
             classes.setdefault(node.name, node)
             for d in node.decorator_list:
                 f = resolve(d.func if isinstance(d, ast.Call) else d, names) or ""
                 if f.rsplit(".", 1)[-1] == "release_after_backward":
                     released.add(node.name)
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Name):
-            f = resolve(node.func, names) or ""
-            if f.rsplit(".", 1)[-1] == "release_after_backward":
-                released.add(node.args[0].id)
+        elif isinstance(node, (ast.Expr, ast.Assign)):
+            # ``release_after_backward(Theirs)``, as a statement or assigned
+            call = node.value
+            if isinstance(call, ast.Call) and call.args and isinstance(call.args[0], ast.Name):
+                f = resolve(call.func, names) or ""
+                if f.rsplit(".", 1)[-1] == "release_after_backward":
+                    released.add(call.args[0].id)
     memo: dict[str, tuple[bool, bool] | None] = {}
 
     def kind(cls: ast.ClassDef, seen: frozenset[str]) -> tuple[bool, bool] | None:

@@ -72,11 +72,10 @@ reports is not reported again by LF001.
 from __future__ import annotations
 
 import ast
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from leakfree.scan._callables import ReturnReader
+from leakfree.scan._callables import ReturnReader, autograd_classes, imported_names
 from leakfree.scan._flow import Flow
 from leakfree.scan._model import NOTE, Finding, Project, Rule, Source
 from leakfree.scan._syntax import (
@@ -84,8 +83,6 @@ from leakfree.scan._syntax import (
     FunctionNode,
     attr_of,
     elements,
-    function_classes,
-    imports,
     name_words,
     own_nodes,
     parameters,
@@ -189,12 +186,10 @@ def _findings(source: Source, project: Project) -> tuple[list[Finding], list[Fin
     """LF001's and LF002's findings in one file (both come from the same analysis)."""
     lf001: list[Finding] = []
     lf002: list[Finding] = []
-    if not _DERIVES.search(source.text):
-        return lf001, lf002  # no class names a ...Function base: skip the tree walks
-    names = imports(source.tree, source.package)
+    names = imported_names(project, source)
     releases = Releases(project, names)
     helpers = ReturnReader(source, project)
-    for fc in function_classes(source.tree, names):
+    for fc in autograd_classes(project, source):
         entry = _entry(fc)
         if entry is None:
             continue
@@ -294,8 +289,6 @@ def _check_lf002(source: Source, project: Project) -> Iterable[Finding]:
 
 #: only a file whose base lists name a Function can define one (the runner's text filter)
 _NEEDS = ("Function)", "Function,")
-#: a class statement with a base ending in Function (same-file subclasses need one too)
-_DERIVES = re.compile(r"^[ \t]*class\s+\w+\s*\([^)]*Function\b", re.MULTILINE)
 
 RULES: tuple[Rule, ...] = (
     Rule(

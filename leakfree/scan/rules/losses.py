@@ -73,12 +73,11 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from leakfree.scan._callables import autograd_classes
 from leakfree.scan._model import Finding, Project, Rule, Source
 from leakfree.scan._syntax import (
     FunctionNode,
-    function_classes,
     functions,
-    imports,
     name_words,
     root,
     tail,
@@ -378,11 +377,7 @@ def check(source: Source, project: Project) -> Iterator[Finding]:
     if any(t in text for t in _LOSS_TEXT):
         yield from _FunctionScan(source, project, facts, _module_function(source.tree), None).run()
     # inside an autograd Function, ctx is LF001's business
-    autograd = (
-        {id(fc.node) for fc in function_classes(source.tree, imports(source.tree, source.package))}
-        if "Function" in source.text
-        else set()
-    )
+    autograd = {id(fc.node) for fc in autograd_classes(project, source)}
     for func, cls in functions(source.tree):
         if (cls is None or id(cls) not in autograd) and _may_flag(source, func):
             yield from _FunctionScan(source, project, facts, func, cls).run()
