@@ -10,6 +10,7 @@ The public names are loaded on first use (PEP 562), so ``import leakfree`` alone
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -65,6 +66,12 @@ __all__ = [
     "unpatch_all",
     "watch",
 ]
+
+
+if "torch" in sys.modules:
+    # a checkpoint holding a LossLog then loads with torch.load's defaults, even before
+    # the script touches LossLog (leakfree.losses registers its rebuild functions)
+    importlib.import_module("leakfree.losses")
 
 
 def __getattr__(name: str) -> Any:

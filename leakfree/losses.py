@@ -554,6 +554,113 @@ class LossLog(dict[str, Any]):
             (self._reductions, self._running, owner.device, owner.fixed_device, state),
         )
 
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to resume mid-accumulation: plain dicts, lists, strings,
+        numbers and tensors only, so ``torch.load``'s default ``weights_only=True`` reads it.
+
+        ``{"reductions", "running", "device", "fixed_device", "values"}``; ``values[key]``
+        is the list of stored values (list mode) or ``{"count", "folded", "pending",
+        "acc"}`` (running mode: the unfolded values and the ``[sum, min, max]``
+        accumulator, so a resumed log folds exactly as an uninterrupted one would). Stored
+        tensors are shared (they are immutable by contract); the accumulator is copied.
+        """
+        values: dict[str, Any] = {}
+        for key, entry in self.items():
+            if isinstance(entry, RunningLoss):
+                count, folded, pending, acc = entry._snapshot()
+                values[key] = {"count": count, "folded": folded, "pending": pending, "acc": acc}
+            else:
+                values[key] = list(entry)
+        device = self._owner.device
+        return {
+            "reductions": dict(self._reductions),
+            "running": self._running,
+            "device": None if device is None else str(device),
+            "fixed_device": self._owner.fixed_device,
+            "values": values,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace every key's values with those of ``state`` (:meth:`state_dict`'s).
+
+        Raises ``ValueError`` naming what differs (a key, its reduction, the mode), and
+        ``TypeError`` for a value that is not one, before anything changes. With a device
+        set at construction, loaded tensors are moved there (a checkpoint loaded with
+        ``map_location="cpu"`` resumes on the device); otherwise the log takes theirs.
+        """
+        if not isinstance(state, Mapping) or not {"reductions", "running", "values"} <= set(state):
+            raise TypeError(
+                "LossLog.load_state_dict(state): expected the dict LossLog.state_dict() "
+                "returns, with 'reductions', 'running' and 'values'"
+            )
+        theirs = dict(state["reductions"])
+        if theirs != self._reductions:
+            differ = sorted(set(theirs) ^ set(self._reductions)) or [
+                k for k in self._reductions if theirs[k] != self._reductions[k]
+            ]
+            raise ValueError(
+                f"LossLog.load_state_dict: key {differ[0]!r} differs (this log: "
+                f"{self._reductions}; the state: {theirs}); declare the same keys and "
+                "reductions to resume"
+            )
+        if bool(state["running"]) != self._running:
+            raise ValueError(
+                f"LossLog.load_state_dict: the state is {'running' if state['running'] else 'list'}"
+                f" mode, this log is {'running' if self._running else 'list'} mode; create the "
+                "log with the same running= to resume"
+            )
+        owner = _Owner(self._owner.device if self._owner.fixed_device else None)
+        owner.fixed_device = self._owner.fixed_device
+        entries: dict[str, Entry] = {}
+        for key in self._reductions:  # all validated and built before any is stored
+            value = state["values"].get(key, [] if not self._running else None)
+            if self._running:
+                entries[key] = self._load_running(key, owner, value)
+            else:
+                entries[key] = LossList(key, owner, self._placed(value, owner))
+        if owner.device is None and state.get("device") and any(len(e) for e in entries.values()):
+            owner.device = torch.device(state["device"])
+        self._owner.device, self._owner.fixed_device = owner.device, owner.fixed_device
+        for key, entry in entries.items():
+            entry._owner = self._owner
+            dict.__setitem__(self, key, entry)
+
+    @staticmethod
+    def _placed(values: Any, owner: _Owner) -> Any:
+        if owner.fixed_device and owner.device is not None and isinstance(values, list):
+            return [v.to(owner.device) if isinstance(v, torch.Tensor) else v for v in values]
+        return values
+
+    def _load_running(self, key: str, owner: _Owner, value: Any) -> RunningLoss:
+        if value is None:
+            return RunningLoss(key, owner)
+        if not isinstance(value, Mapping) or not {"count", "pending", "acc"} <= set(value):
+            raise TypeError(
+                f"LossLog.load_state_dict: values[{key!r}] is not a running-mode state "
+                "(expected count, folded, pending and acc)"
+            )
+        pending = _admit_many(key, self._placed(list(value["pending"]), owner), owner)
+        acc = value["acc"]
+        if acc is not None:
+            if not isinstance(acc, torch.Tensor) or acc.shape != (3,):
+                raise TypeError(
+                    f"LossLog.load_state_dict: values[{key!r}]['acc'] must be a tensor "
+                    "[sum, min, max]"
+                )
+            device = owner.device or acc.device
+            acc = acc.to(device).clone()
+            if owner.device is None:
+                owner.device = device
+        count, folded = int(value["count"]), int(value.get("folded", value["count"]))
+        if count != folded + len(pending):
+            raise ValueError(
+                f"LossLog.load_state_dict: values[{key!r}] counts {count} values but holds "
+                f"{folded} folded and {len(pending)} pending"
+            )
+        return RunningLoss._restore(key, owner, (count, folded, pending, acc))
+
     @property
     def reductions(self) -> dict[str, str]:
         """``{key: reduction}`` in declaration order."""
@@ -817,3 +924,16 @@ def _detach(obj: Any, memo: dict[int, Any]) -> Any:
         return obj
     memo[key] = result
     return result
+
+
+def _allow_in_weights_only_loads() -> None:
+    """Let ``torch.load``'s default (``weights_only=True``) read a pickled ``LossLog``: its
+    two rebuild functions only construct a log from plain data (keys, reductions, tensors)
+    and call nothing else, so they are safe to allow. Run when this module is imported,
+    and by ``import leakfree`` when torch is already imported."""
+    add = getattr(torch.serialization, "add_safe_globals", None)
+    if add is not None:
+        add([_rebuild, _rebuild_running])
+
+
+_allow_in_weights_only_loads()

@@ -10,6 +10,7 @@ import pickle
 import threading
 import types
 import weakref
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -682,3 +683,91 @@ def test_reduce_syncs_once_on_cuda_by_cudas_own_account() -> None:
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     assert out == {"a": 49.5, "b": 0.0, "c": 99.0, "d": 2.5}
+
+
+# --- resumable: state_dict, load_state_dict, torch.load's defaults -------------------------
+
+
+def _values(seed: int, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand((), generator=g, requires_grad=True) * 3 for _ in range(n)]
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_a_run_resumed_mid_accumulation_reduces_to_the_same_floats(running: bool) -> None:
+    import io
+
+    keys = {"lm": "mean", "aux": "sum", "best": "min"}
+    first, second = _values(0, 70), _values(1, 9)  # 70 > RunningLoss.FOLD: folded and pending
+    whole = leakfree.LossLog(keys, running=running)
+    for v in first + second:
+        for k in keys:
+            whole[k].append(v)
+    before = leakfree.LossLog(keys, running=running)
+    for v in first:
+        for k in keys:
+            before[k].append(v)
+    buf = io.BytesIO()
+    torch.save({"step": 70, "losses": before.state_dict()}, buf)
+    buf.seek(0)
+    checkpoint = torch.load(buf)  # the default: weights_only=True
+    resumed = leakfree.LossLog(keys, running=running)
+    resumed.load_state_dict(checkpoint["losses"])
+    for v in second:
+        for k in keys:
+            resumed[k].append(v)
+    assert resumed.reduce() == whole.reduce()
+
+
+def test_a_pickled_log_loads_with_torch_load_defaults_in_a_fresh_interpreter(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    log = leakfree.LossLog(["lm"], running=True)
+    log["lm"].extend([torch.tensor(1.0), torch.tensor(3.0)])
+    listed = leakfree.LossLog(["lm"])
+    listed["lm"].append(torch.tensor(2.0))
+    torch.save({"running": log, "list": listed}, tmp_path / "ckpt.pt")
+    code = (
+        "import torch, leakfree\n"
+        f"ck = torch.load({str(tmp_path / 'ckpt.pt')!r})\n"
+        "assert isinstance(ck['running'], leakfree.LossLog) and ck['running'].running\n"
+        "print(ck['running'].reduce(), ck['list'].reduce())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "{'lm': 2.0} {'lm': 2.0}"
+
+
+def test_load_state_dict_refuses_a_different_log_before_changing_anything() -> None:
+    log = leakfree.LossLog({"lm": "mean", "aux": "sum"})
+    log["lm"].append(torch.tensor(1.0))
+    other = leakfree.LossLog({"lm": "mean", "aux": "max"}).state_dict()
+    with pytest.raises(ValueError, match="key 'aux' differs"):
+        log.load_state_dict(other)
+    with pytest.raises(ValueError, match="key 'extra' differs"):
+        log.load_state_dict(leakfree.LossLog({"lm": "mean", "aux": "sum", "extra": "sum"}).state_dict())
+    running = leakfree.LossLog({"lm": "mean", "aux": "sum"}, running=True).state_dict()
+    with pytest.raises(ValueError, match="the state is running mode, this log is list mode"):
+        log.load_state_dict(running)
+    with pytest.raises(TypeError, match="expected the dict LossLog.state_dict"):
+        log.load_state_dict({"lm": [1.0]})
+    bad = leakfree.LossLog({"lm": "mean", "aux": "sum"}, running=True)
+    state = bad.state_dict()
+    state["values"]["lm"] = {"count": 3, "folded": 0, "pending": [], "acc": None}
+    with pytest.raises(ValueError, match="counts 3 values but holds 0 folded and 0 pending"):
+        bad.load_state_dict(state)
+    assert [float(v) for v in log["lm"]] == [1.0] and list(log["aux"]) == []
+
+
+def test_state_dict_is_plain_data_and_shares_no_accumulator() -> None:
+    log = leakfree.LossLog(["lm"], running=True)
+    log["lm"].extend(_values(2, 65))
+    state = log.state_dict()
+    assert set(state) == {"reductions", "running", "device", "fixed_device", "values"}
+    acc = state["values"]["lm"]["acc"]
+    log["lm"].extend(_values(3, 64))  # folds into the live accumulator
+    assert not torch.equal(acc, log["lm"]._fold())  # the state kept its own copy
+    assert all(t.grad_fn is None for t in state["values"]["lm"]["pending"])
