@@ -83,7 +83,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--jobs", "-j", type=int, default=None, help="processes (default: one per CPU)"
     )
     scan.add_argument("--list-rules", action="store_true", help="print the rules and exit")
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["snapshot"]:
+        # argparse would report the missing FILE before an unknown option: name the option
+        unknown = [a for a in given[1:] if a.startswith("-") and a not in ("-h", "--help")]
+        if unknown:
+            snap.error(f"unknown option {unknown[0]} (snapshot takes FILE, or two to diff)")
+    args = parser.parse_args(given)
     if args.command == "scan":
         return _scan(args, scan)
     if args.command == "doctor":

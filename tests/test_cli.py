@@ -288,3 +288,8 @@ def test_snapshot_analysis_does_not_import_torch(tmp_path: Path) -> None:
     out, err = _cli("snapshot", str(path))
     assert "TORCH_IMPORTED False EXIT 0" in out, (out, err)
     assert "Dead-stream suspects" in out
+
+
+def test_snapshot_names_an_unknown_option() -> None:
+    _, err = _cli("snapshot", "--bogus")
+    assert "unknown option --bogus" in err and "required" not in err

@@ -4,6 +4,7 @@ smoke size, the pipeline example, the demo's redirected output, the sdist and wh
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -118,6 +119,9 @@ def test_sdist_and_wheel_ship_the_licence_and_no_partial_test_tree(tmp_path: Pat
         names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
     assert "LICENSE" in names
     assert not [n for n in names if n.startswith("tests/")], "ship the whole test tree or none"
+    # every doc README links to ships with it
+    linked = set(re.findall(r"\]\((docs/[^)#]+)", (ROOT / "README.md").read_text()))
+    assert linked and linked <= set(names), sorted(linked - set(names))
     with zipfile.ZipFile(tmp_path / wheel_name) as whl:
         files = whl.namelist()
         metadata = whl.read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
@@ -126,6 +130,8 @@ def test_sdist_and_wheel_ship_the_licence_and_no_partial_test_tree(tmp_path: Pat
     assert "Apache License" in (ROOT / "LICENSE").read_text()
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     assert any(r.split()[1].startswith("numpy") for r in requires), requires
+    # PEP 639: an SPDX expression, not the TOML table that stops working in 2027
+    assert "License-Expression: Apache-2.0" in metadata, metadata[:800]
 
 
 def test_demo_out_no_progress_bar_when_redirected_and_says_what_stays(tmp_path: Path) -> None:
