@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import threading
 import types
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -56,6 +57,7 @@ from leakfree._walk import (
     is_scalar,
     search,
 )
+from leakfree._warnings import LeakfreeWarning
 
 __all__ = [
     "Function",
@@ -408,6 +410,7 @@ class ReleaseHandle:
         self._own_raw = own_raw  # the class's own __dict__ entry, or None if it inherited
         self.names = names
         self.keep = keep
+        self._installed: Any = None  # the wrapper put in the class's __dict__
 
     @property
     def attrs(self) -> tuple[str, ...] | None:
@@ -418,17 +421,34 @@ class ReleaseHandle:
     def active(self) -> bool:
         return self.cls.__dict__.get(_HANDLE) is self
 
-    def restore(self) -> None:
-        """Put back the exact original ``backward`` / ``vjp``. Idempotent."""
+    def restore(self) -> bool:
+        """Put back the exact original ``backward`` / ``vjp``; True once it is back.
+        Idempotent.
+
+        Only while leakfree's wrapper is still the class's method: if something wrapped it
+        since (another patcher, a profiler), taking ours out would silently drop theirs, so
+        it is left as it is, a :class:`~leakfree.LeakfreeWarning` says so, and False is
+        returned (the release stays on: undo the outer wrapper first, then restore)."""
         with _lock:
             if not self.active:
-                return
+                return True
+            if self.cls.__dict__.get(self.method) is not self._installed:
+                warnings.warn(
+                    f"release_after_backward({self.cls.__qualname__}).restore(): "
+                    f"{self.cls.__qualname__}.{self.method} was wrapped again after leakfree "
+                    "wrapped it; left in place (restoring would drop that wrapper). Undo "
+                    "the outer wrapper first, then call restore() again.",
+                    LeakfreeWarning,
+                    stacklevel=2,
+                )
+                return False
             if self._own_raw is None:
                 delattr(self.cls, self.method)
             else:
                 setattr(self.cls, self.method, self._own_raw)
             delattr(self.cls, _HANDLE)
             _dispatch_cache.clear()
+            return True
 
     def __enter__(self) -> ReleaseHandle:
         return self
@@ -459,7 +479,8 @@ def _install(
         original = _unwrap(raw)
         own_raw = cls.__dict__.get(method)
         handle = ReleaseHandle(cls, method, own_raw, names, keep)
-        setattr(cls, method, _make_backward(original, method, names, keep))
+        handle._installed = _make_backward(original, method, names, keep)
+        setattr(cls, method, handle._installed)
         setattr(cls, _HANDLE, handle)
         _dispatch_cache.clear()
         return handle

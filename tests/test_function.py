@@ -1416,3 +1416,39 @@ def test_apply_is_found_on_every_torch() -> None:
     assert _class_method(PySub, "make")(PySub, 3) == (PySub, 3)
     made = _class_method(CSub, "fromkeys")(CSub, ["a"])  # dict.fromkeys: written in C
     assert type(made) is CSub and made == {"a": None}
+
+
+def test_restore_leaves_a_wrapper_installed_on_top_of_ours() -> None:
+    """A profiler (or another patcher) wraps backward after leakfree did: restore() must
+    not drop it. It warns, keeps both, and restores once the outer wrapper is gone."""
+
+    class Outer(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.kept = x * 2
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g
+
+    original = Outer.__dict__["backward"]
+    handle = leakfree.release_after_backward(Outer)
+    ours = Outer.__dict__["backward"]
+    calls: list[int] = []
+    inner = ours.__func__
+
+    def profiled(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return inner(ctx, g)
+
+    Outer.backward = staticmethod(profiled)  # type: ignore[method-assign]
+    with pytest.warns(leakfree.LeakfreeWarning, match="wrapped again after leakfree"):
+        assert handle.restore() is False
+    assert Outer.__dict__["backward"].__func__ is profiled and handle.active
+    x = torch.randn(3, requires_grad=True)
+    y = Outer.apply(x)
+    y.sum().backward()
+    assert calls == [1] and torch.equal(x.grad, torch.ones(3))  # the outer one still runs
+    Outer.backward = ours  # type: ignore[method-assign]  # the profiler undoes itself
+    assert handle.restore() is True and Outer.__dict__["backward"] is original

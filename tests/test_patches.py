@@ -1086,3 +1086,44 @@ def test_one_status_enum_for_report_plan_and_doctor() -> None:
     assert all(isinstance(r.status, Status) for r in plan)
     # printed as words, whatever state earlier tests left the registry in
     assert "Status." not in str(leakfree.patch_report()) and "Status." not in str(plan)
+
+
+def test_revert_leaves_an_attribute_someone_replaced_after_the_patch() -> None:
+    """Review: the table of originals put ours back only when ours was still there, but
+    said nothing; a later replacement (another patcher) must be left, with a warning."""
+    import sys
+    import types
+
+    from leakfree import PatchWarning
+    from leakfree.patches._registry import Applies, Patch, Registry
+
+    module = types.ModuleType("leakfree_demo_outer")
+    module.thing = original = object()  # type: ignore[attr-defined]
+    registry = Registry()
+    registry.add(
+        (
+            Patch(
+                name="demo.outer",
+                integration="demo",
+                distributions=("packaging",),
+                modules=(("", module.__name__),),
+                target="thing",
+                affected=">=0",
+                fixed_in="-",
+                check=lambda target, mod, option: Applies("demo"),
+                apply=lambda target, mod, option, changes: changes.setattr(mod, "thing", 1),
+                description="replaced",
+            ),
+        )
+    )
+    sys.modules[module.__name__] = module
+    try:
+        registry.request(registry.select({}), strict=False)
+        assert module.thing == 1  # type: ignore[attr-defined]
+        theirs = object()
+        module.thing = theirs  # type: ignore[attr-defined]  # someone else's, on top
+        with pytest.warns(PatchWarning, match="leakfree_demo_outer.thing was replaced after"):
+            registry.revert_all()
+        assert module.thing is theirs and module.thing is not original  # type: ignore[attr-defined]
+    finally:
+        del sys.modules[module.__name__]

@@ -9,9 +9,12 @@ putting the exact original objects back, and :func:`~leakfree.patches.get_origin
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from leakfree._warnings import PatchWarning
 
 if TYPE_CHECKING:
     from leakfree.function import ReleaseHandle
@@ -111,8 +114,16 @@ class Originals:
             try:
                 if row.via is not None:
                     row.via.restore()  # the original is the handle's too (see Changes)
-                elif _own(row.owner, row.name) is row.current:  # else rebound since: theirs
+                elif _own(row.owner, row.name) is row.current:
                     _write(row.owner, row.name, row.original)
+                else:  # rebound since, by someone else: putting ours back would drop theirs
+                    warnings.warn(
+                        f"{getattr(row.owner, '__name__', row.owner)}.{row.name} was replaced "
+                        "after leakfree patched it; left as it is (restoring leakfree's "
+                        "original would drop that replacement)",
+                        PatchWarning,
+                        stacklevel=3,
+                    )
             except Exception as e:  # put back the others anyway
                 first = first or e
         if first is not None:
