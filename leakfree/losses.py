@@ -546,7 +546,8 @@ class LossLog(dict[str, Any]):
         # lists and cloned accumulators, so even a shallow copy shares no mutable state
         # (the stored tensors are shared, and immutable by contract: see reduce's check).
         state = {
-            k: v._snapshot() if isinstance(v, RunningLoss) else list(v) for k, v in self.items()
+            k: v._snapshot() if isinstance(v, RunningLoss) else _listed(k, v)
+            for k, v in self.items()
         }
         owner = self._owner
         return (
@@ -572,7 +573,7 @@ class LossLog(dict[str, Any]):
                 count, folded, pending, acc = entry._snapshot()
                 values[key] = {"count": count, "folded": folded, "pending": pending, "acc": acc}
             else:
-                values[key] = list(entry)
+                values[key] = _listed(key, entry)
         device = self._owner.device
         return {
             "reductions": dict(self._reductions),

@@ -771,3 +771,15 @@ def test_state_dict_is_plain_data_and_shares_no_accumulator() -> None:
     log["lm"].extend(_values(3, 64))  # folds into the live accumulator
     assert not torch.equal(acc, log["lm"]._fold())  # the state kept its own copy
     assert all(t.grad_fn is None for t in state["values"]["lm"]["pending"])
+
+
+def test_a_list_mode_copy_or_checkpoint_refuses_a_value_rewritten_in_place() -> None:
+    """Review: the check meant for copies of list-mode logs was dead code, so a copy (or a
+    checkpoint) laundered a value modified after it was appended; running mode checked."""
+    log = leakfree.LossLog(["lm"])
+    total = torch.zeros(())
+    log["lm"].append(total)
+    total.add_(1.0)  # a running total appended without .clone()
+    for copy_of in (copy.copy, copy.deepcopy, pickle.dumps, leakfree.LossLog.state_dict):
+        with pytest.raises(ValueError, match="modified in place after it was appended"):
+            copy_of(log)
