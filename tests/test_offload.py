@@ -741,3 +741,14 @@ def test_default_budget_is_one_per_process_shared_by_every_manager() -> None:
     held = [p.acquire(4096), q.acquire(4096), p.acquire(4096)]
     assert not q.acquire(4096).pooled  # the fourth block overflows: the budget is shared
     assert shared.used == 3 * 4096 and len(held) == 3
+
+
+def test_min_offload_size_is_checked_when_set_later_too() -> None:
+    """Review: the setter skipped the check __init__ does."""
+    ctx = leakfree.OffloadActivations(force_host_copy=True)
+    for bad in (-1, 1.5, "1k", True):
+        with pytest.raises(ValueError, match=r"min_offload_size = \(.*\): must be an int >= 0"):
+            ctx.min_offload_size = bad  # type: ignore[assignment]
+    assert ctx.min_offload_size == 1024
+    ctx.min_offload_size = 0
+    assert ctx.min_offload_size == 0

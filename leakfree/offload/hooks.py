@@ -70,6 +70,12 @@ class _Kept:
         return t
 
 
+def _check_min_offload_size(where: str, value: object) -> None:
+    """The one check of ``min_offload_size``, at construction and on assignment."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{where}{value!r}): must be an int >= 0 (bytes)")
+
+
 class _HostCopy:
     """Host bytes of (a span of) one device storage, shared by the handles that use them.
 
@@ -275,11 +281,7 @@ class OffloadActivations(saved_tensors_hooks):
                 f"OffloadActivations(max_fwd_stash_size={max_fwd_stash_size!r}): must be an "
                 "int >= 1 (the number of copies in flight at once)"
             )
-        if not isinstance(min_offload_size, int) or min_offload_size < 0:
-            raise ValueError(
-                f"OffloadActivations(min_offload_size={min_offload_size!r}): must be an int "
-                ">= 0 (bytes)"
-            )
+        _check_min_offload_size("OffloadActivations(min_offload_size=", min_offload_size)
         target = torch.device(device) if device is not None else accelerator()
         if target is None and force_host_copy:
             target = torch.device("cpu")
@@ -315,6 +317,7 @@ class OffloadActivations(saved_tensors_hooks):
 
     @min_offload_size.setter
     def min_offload_size(self, value: int) -> None:
+        _check_min_offload_size("OffloadActivations.min_offload_size = (", value)
         self._min_offload_size = value
         self._min_bytes = max(value, 1)  # what the pack hook compares, precomputed
 
