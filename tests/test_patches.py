@@ -1127,3 +1127,32 @@ def test_revert_leaves_an_attribute_someone_replaced_after_the_patch() -> None:
         assert module.thing is theirs and module.thing is not original  # type: ignore[attr-defined]
     finally:
         del sys.modules[module.__name__]
+
+
+def test_patch_functions_sweeps_a_module_again_after_reload(tmp_path: Path) -> None:
+    """Review: ``importlib.reload`` runs a module again and defines new Function classes; a
+    post-import hook fires once, so they were never swept."""
+    for rel, text in SWEEP_LIB.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(textwrap.dedent(text))
+    result = run_py(
+        """
+        import importlib, json, weakref, torch, leakfree
+        import sweeplib.ops as ops
+
+        def leaks(cls):
+            y = cls.apply(torch.randn(3, requires_grad=True))
+            r = weakref.ref(y.grad_fn.big)
+            y.sum().backward()
+            return r() is not None
+
+        sweep = leakfree.patch_functions("sweeplib")
+        old = ops.Leaky
+        importlib.reload(ops)
+        new = ops.Leaky
+        print(json.dumps(dict(distinct=old is not new, old=leaks(old), new=leaks(new),
+                              swept=sorted(c.__qualname__ for c in sweep.classes).count("Leaky"))))
+        """,
+        tmp_path,
+    )
+    assert result == {"distinct": True, "old": False, "new": False, "swept": 2}

@@ -300,18 +300,41 @@ def _resolve(module: types.ModuleType, qualname: str) -> Any:
 # cope with reloads either.
 
 
+class _SweptAfter(wrapt.ObjectProxy):  # type: ignore[misc, type-arg]
+    """A loader that runs the module, then hands it to ``after`` (a re-sweep)."""
+
+    def __init__(self, loader: Any, after: Callable[[types.ModuleType], None]) -> None:
+        super().__init__(loader)
+        self._self_after = after
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.__wrapped__.exec_module(module)
+        self._self_after(module)
+
+
 class _PrefixWatch:
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
         self.prefixes: tuple[str, ...] = ()  # replaced whole, read without the lock
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
-        if (
-            target is None
-            and fullname not in sys.modules
-            and any(fullname == p or fullname.startswith(p + ".") for p in self.prefixes)
-        ):
-            self._registry._hook(fullname)
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if not any(fullname == p or fullname.startswith(p + ".") for p in self.prefixes):
+            return None
+        if target is None:
+            if fullname not in sys.modules:
+                self._registry._hook(fullname)
+            return None
+        # importlib.reload(module): the module runs again and defines new classes, but a
+        # post-import hook fires once only. Find the real spec and sweep after it runs.
+        for finder in sys.meta_path:
+            if finder is self or isinstance(finder, wrapt.importer.ImportHookFinder):
+                continue
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _SweptAfter(spec.loader, self._registry._on_reload)
+                return spec
         return None
 
     def install(self) -> None:
@@ -485,6 +508,13 @@ class Registry:
                     if version is not None and patch.module_for(version) == module.__name__:
                         self._apply(patch, module)
             for sweep in self.sweeps:  # after the patches: a patched class is not swept
+                if sweep.covers(module.__name__):
+                    self._sweep(sweep, {module.__name__})
+
+    def _on_reload(self, module: types.ModuleType) -> None:
+        """A covered module ran again (``importlib.reload``): sweep its new classes."""
+        with self._lock:
+            for sweep in self.sweeps:
                 if sweep.covers(module.__name__):
                     self._sweep(sweep, {module.__name__})
 
