@@ -36,6 +36,7 @@ _EXPORTS = {
     "unpatch_all": "leakfree.patches",
     "LeakfreeWarning": "leakfree._warnings",
     "PatchWarning": "leakfree._warnings",
+    "PatchError": "leakfree._warnings",
     "MemoryGrowthWarning": "leakfree._warnings",
     "watch": "leakfree.diagnostics.watch",
 }
@@ -49,6 +50,7 @@ __all__ = [
     "MemoryGrowthWarning",
     "NoOffload",
     "OffloadActivations",
+    "PatchError",
     "PatchWarning",
     "ReferenceCycleError",
     "ReleaseHandle",

@@ -13,6 +13,24 @@ class PatchWarning(LeakfreeWarning):
     """A patch could not find the code it expects and did nothing (``patch_all``)."""
 
 
+class PatchError(RuntimeError):
+    """A patch requested with ``patch_all(strict=True)`` could not be applied.
+
+    ``patch`` names it, ``reason`` says what was found, and the message says what to do.
+    Raised only for the patches of the strict request: a later, non-strict
+    ``patch_all()`` does not change that, nor make earlier strict requests lenient."""
+
+    def __init__(self, patch: str, reason: str) -> None:
+        self.patch = patch
+        self.reason = reason
+        super().__init__(
+            f"leakfree patch {patch} could not be applied: {reason}. Check the installed "
+            f"version against patch_report()['{patch}'] (docs/patches.md lists what each "
+            f"patch expects), skip it with patch_all({patch.split('.')[0]}=False), or call "
+            "patch_all() without strict=True to warn and go on"
+        )
+
+
 class MemoryGrowthWarning(LeakfreeWarning):
     """Live memory grew per optimizer step after the warm-up (an integration callback's
     verdict, :mod:`leakfree.integrations`). Turn it into an error with

@@ -1156,3 +1156,52 @@ def test_patch_functions_sweeps_a_module_again_after_reload(tmp_path: Path) -> N
         tmp_path,
     )
     assert result == {"distinct": True, "old": False, "new": False, "swept": 2}
+
+
+def test_strict_belongs_to_its_request_and_raises_a_patch_error_naming_the_fix() -> None:
+    """Review: ``strict`` was stored registry-wide, so a later ``patch_all()`` silently made
+    patches still waiting for their import lenient; a strict failure raised a bare
+    RuntimeError naming neither the patch nor what to do."""
+    import sys
+    import types
+
+    from leakfree import PatchError, PatchWarning
+    from leakfree.patches._registry import Patch, Registry, Skip
+
+    def patch(name: str, module: str) -> Patch:
+        return Patch(
+            name=name,
+            integration="demo",
+            distributions=("packaging",),
+            modules=(("", module),),
+            target="thing",
+            affected=">=0",
+            fixed_in="-",
+            check=lambda target, mod, option: Skip(Status.TARGET_NOT_FOUND, "moved"),
+            apply=lambda target, mod, option, changes: None,
+            description="replaced",
+        )
+
+    from leakfree.patches import Status
+
+    registry = Registry()
+    registry.add(
+        (patch("demo.strict", "leakfree_demo_s"), patch("demo.lenient", "leakfree_demo_l"))
+    )
+    registry.request({"demo.strict": True}, strict=True)  # waits for its import
+    registry.request({"demo.lenient": True}, strict=False)  # a later, lenient request
+    for name in ("leakfree_demo_s", "leakfree_demo_l"):
+        module = types.ModuleType(name)
+        module.thing = object()  # type: ignore[attr-defined]
+        sys.modules[name] = module
+    try:
+        with pytest.raises(PatchError) as info:
+            registry._on_import(sys.modules["leakfree_demo_s"])
+        assert info.value.patch == "demo.strict" and isinstance(info.value, RuntimeError)
+        assert "demo.strict could not be applied" in str(info.value)
+        assert "patch_all(demo=False)" in str(info.value) and "patch_report()" in str(info.value)
+        with pytest.warns(PatchWarning, match="demo.lenient skipped"):
+            registry._on_import(sys.modules["leakfree_demo_l"])
+    finally:
+        for name in ("leakfree_demo_s", "leakfree_demo_l"):
+            del sys.modules[name]

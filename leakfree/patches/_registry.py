@@ -31,7 +31,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from leakfree._text import format_table
-from leakfree._warnings import PatchWarning
+from leakfree._warnings import PatchError, PatchWarning
 from leakfree.patches._originals import Changes, Originals, _check_owner
 
 if TYPE_CHECKING:
@@ -208,6 +208,8 @@ class PatchRecord:
     #: what to undo beyond the table of originals (see :data:`Apply`)
     undo: Callable[[], None] | None = field(default=None, repr=False, compare=False)
     option: Any = field(default=None, repr=False, compare=False)  #: what it was applied with
+    #: requested with strict=True: a failure raises PatchError (for this record only)
+    strict: bool = field(default=False, repr=False, compare=False)
 
     @property
     def applied(self) -> bool:
@@ -382,7 +384,6 @@ class Registry:
         self._hooked: set[str] = set()  # modules with a post-import hook registered
         self.originals = Originals()  # what was changed, and what was there before
         self._watch = _PrefixWatch(self)
-        self.strict = False
         self.add(patches)
 
     def add(self, patches: Iterable[Patch]) -> None:
@@ -439,11 +440,19 @@ class Registry:
 
     # -- applying ---------------------------------------------------------------------------
 
+    def is_strict(self, integration: str) -> bool:
+        """Was any patch of ``integration`` requested with ``strict=True``? (The run-time
+        guards of a patch, which have no record at hand, raise then.)"""
+        return any(r.strict for r in self.records.values() if r.integration == integration)
+
     def request(self, chosen: dict[str, Any], strict: bool) -> None:
+        """Apply (or wait to apply) the ``chosen`` patches. ``strict`` belongs to this
+        request: the records it names raise :class:`~leakfree.PatchError` when they cannot
+        be applied, now or when their module is imported later; other records keep theirs."""
         with self._lock:
-            self.strict = strict
             for name, option in chosen.items():
                 record = self.records[name]
+                record.strict = strict
                 if record.status == Status.APPLIED:
                     if option == record.option:
                         continue  # idempotent
@@ -525,8 +534,10 @@ class Registry:
             target = _resolve(module, patch.target)
             skip = patch.check(target, module, option)
         except Exception as e:  # an odd module (lazy __getattr__, a check that trips): skip
-            if self.strict and not isinstance(e, AttributeError):
-                raise
+            if record.strict and not isinstance(e, AttributeError):
+                raise PatchError(
+                    record.name, f"checking {module.__name__}.{patch.target} raised {e!r}"
+                ) from e
             self._skip(
                 record,
                 Status.SKIPPED,
@@ -544,8 +555,8 @@ class Registry:
             undo = patch.apply(target, module, option, Changes(self, record))
         except Exception as e:  # a guest never breaks the host
             self._restore(record)  # what it changed before it failed
-            if self.strict:
-                raise
+            if record.strict:
+                raise PatchError(record.name, f"applying it raised {e!r}") from e
             self._skip(record, Status.SKIPPED, f"apply failed: {type(e).__name__}: {e}", warn=True)
             return
         reason = patch.description if why is None else f"{patch.description}: {why}"
@@ -558,9 +569,9 @@ class Registry:
         record.status, record.reason, record.undo = status, reason, None
         self._wanted.pop(record.name, None)
         if warn:
+            if record.strict:
+                raise PatchError(record.name, reason)
             message = f"leakfree patch {record.name} skipped: {reason}"
-            if self.strict:
-                raise RuntimeError(message)
             warnings.warn(message, PatchWarning, stacklevel=4)
 
     # -- sweeps ------------------------------------------------------------------------------

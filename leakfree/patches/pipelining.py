@@ -107,6 +107,10 @@ def _say_once(what: str) -> None:
         warnings.warn(f"leakfree torch_pipelining: {what}", PatchWarning, stacklevel=4)
 
 
+#: the integration these patches belong to (``patch_all(torch_pipelining=False)``)
+INTEGRATION = "torch_pipelining"
+
+
 def _untouched(what: str) -> None:
     """Say once per kind that something was left as torch made it."""
     _say_once(f"left untouched: {what}")
@@ -121,7 +125,7 @@ def _guest(fn: Callable[..., None]) -> Callable[..., None]:
         try:
             fn(*args, **kwargs)
         except Exception as e:
-            if REGISTRY.strict:
+            if REGISTRY.is_strict(INTEGRATION):
                 raise
             _say_once(
                 f"{fn.__name__} failed ({type(e).__name__}: {e}); "
@@ -630,7 +634,7 @@ def _patch(
 ) -> Patch:
     return Patch(
         name=f"torch_pipelining.{name}",
-        integration="torch_pipelining",
+        integration=INTEGRATION,
         distributions=DISTRIBUTIONS,
         # Where the stage lives since pipelining became public; the code gates decide
         # there. By default only the releases it was measured on (RELEASES) are touched.
