@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,15 @@ from tests import simdev
 
 # Before any backward runs: the autograd engine sizes its device queues at its first one.
 simdev.register()
+
+# One intra-op thread, here and in every process a test starts (benchmark smoke runs,
+# scripts, ranks). The suite's tensors are tiny, so threads buy nothing, and on a shared
+# machine they cost everything: each parallel op waits for its slowest thread, and a busy
+# core deschedules one. Measured on 2 cores beside 4 busy processes: `benchmarks/offload.py
+# --quick --steps 3` took 200 s with torch's default 2 threads and 9.6 s with one (7.4 s
+# quiet). Tests that need more set their own (tests/_dist.py sizes its ranks).
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 @pytest.fixture
