@@ -752,3 +752,15 @@ def test_min_offload_size_is_checked_when_set_later_too() -> None:
     assert ctx.min_offload_size == 1024
     ctx.min_offload_size = 0
     assert ctx.min_offload_size == 0
+
+
+def test_trl_s_no_op_manager_name_is_an_alias() -> None:
+    """Review: TRL's ``NoOpManager`` had no alias, so swapping the import broke there."""
+    from leakfree.offload import NoOffload, NoOpManager
+
+    assert NoOpManager is NoOffload
+    x = torch.randn(4, requires_grad=True)
+    with NoOpManager():
+        y = x.sigmoid()  # saves its output: kept detached, no cycle through the node
+    y.sum().backward()
+    assert torch.equal(x.grad, (x.sigmoid() * (1 - x.sigmoid())).detach())

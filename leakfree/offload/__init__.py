@@ -39,6 +39,11 @@ budget), ``streams`` (pack order, dedup, in-flight window, prefetch), ``models``
 """
 
 from leakfree.offload.hooks import NoOffload, OffloadActivations
+
+#: TRL's / torchtune's name for :class:`NoOffload`, so swapping the import is enough
+#: (``from leakfree.offload import NoOpManager``). Unlike theirs it keeps what it saves
+#: detached: their identity hooks make a cycle of every saved output (docs/offload.md).
+NoOpManager = NoOffload
 from leakfree.offload.models import offload_model, remove_offload_hooks
 from leakfree.offload.pool import (
     PROCESS_BUDGET,
@@ -55,6 +60,7 @@ __all__ = [
     "HostBlockPool",
     "HostBudget",
     "NoOffload",
+    "NoOpManager",
     "OffloadActivations",
     "OffloadWarning",
     "PoolStats",
