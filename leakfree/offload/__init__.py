@@ -40,10 +40,6 @@ budget), ``streams`` (pack order, dedup, in-flight window, prefetch), ``models``
 
 from leakfree.offload.hooks import NoOffload, OffloadActivations
 
-#: TRL's / torchtune's name for :class:`NoOffload`, so swapping the import is enough
-#: (``from leakfree.offload import NoOpManager``). Unlike theirs it keeps what it saves
-#: detached: their identity hooks make a cycle of every saved output (docs/offload.md).
-NoOpManager = NoOffload
 from leakfree.offload.models import offload_model, remove_offload_hooks
 from leakfree.offload.pool import (
     PROCESS_BUDGET,
@@ -53,6 +49,11 @@ from leakfree.offload.pool import (
     OffloadWarning,
     PoolStats,
 )
+
+#: TRL's / torchtune's name for :class:`NoOffload`, so swapping the import is enough
+#: (``from leakfree.offload import NoOpManager``). Unlike theirs it keeps what it saves
+#: detached: their identity hooks make a cycle of every saved output (docs/offload.md).
+NoOpManager = NoOffload
 
 __all__ = [
     "PROCESS_BUDGET",
