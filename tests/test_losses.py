@@ -748,7 +748,8 @@ def test_load_state_dict_refuses_a_different_log_before_changing_anything() -> N
     with pytest.raises(ValueError, match="key 'aux' differs"):
         log.load_state_dict(other)
     with pytest.raises(ValueError, match="key 'extra' differs"):
-        log.load_state_dict(leakfree.LossLog({"lm": "mean", "aux": "sum", "extra": "sum"}).state_dict())
+        wider = leakfree.LossLog({"lm": "mean", "aux": "sum", "extra": "sum"})
+        log.load_state_dict(wider.state_dict())
     running = leakfree.LossLog({"lm": "mean", "aux": "sum"}, running=True).state_dict()
     with pytest.raises(ValueError, match="the state is running mode, this log is list mode"):
         log.load_state_dict(running)

@@ -496,7 +496,9 @@ def test_communication_handles_are_not_outputs_megatron_fused_dispatch() -> None
                 return (recv_x, recv_token_indices, recv_token_probs, tokens_per_expert, handle)
 
             @staticmethod
-            def backward(ctx, grad_output, grad_token_indices, grad_token_probs, grad_tpe, grad_handle):
+            def backward(
+                ctx, grad_output, grad_token_indices, grad_token_probs, grad_tpe, grad_handle
+            ):
                 grad_x = combine(grad_output, ctx.handle)
                 ctx.handle = None
                 return grad_x, None, None, None, None
@@ -604,7 +606,11 @@ def test_a_dict_built_from_forward_args_deepspeed_tiled_compute() -> None:
 
         class SequenceTiledCompute(torch.autograd.Function):
             @staticmethod
-            def forward(ctx, fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key, compute_params, output_unshard_dimension, output_reduction, *args):
+            def forward(
+                ctx, fn, seqlen, shards, keys_to_shard, keys_to_pass,
+                grad_requiring_tensor_key, compute_params, output_unshard_dimension,
+                output_reduction, *args
+            ):
                 args = list(args)
                 ctx.fn = fn
                 ctx.shards = shards
@@ -642,12 +648,19 @@ def test_a_list_of_chunk_objects_deepspeed_fpdt() -> None:
 
         class _FPDTGPUOffloadingAttentionImpl_(torch.autograd.Function):
             @staticmethod
-            def forward(ctx, layernorm_output, attention_mask, inference_params, rotary_pos_emb, spg, scatter_idx, gather_idx, hidden_size, projection_size, hidden_size_per_attention_head, kv_projection_size, qkv_linear_weight, qkv_linear_bias, dropout, num_chunks=8, cpu_offloading=True):
+            def forward(
+                ctx, layernorm_output, attention_mask, inference_params, rotary_pos_emb,
+                spg, scatter_idx, gather_idx, hidden_size, projection_size,
+                hidden_size_per_attention_head, kv_projection_size, qkv_linear_weight,
+                qkv_linear_bias, dropout, num_chunks=8, cpu_offloading=True
+            ):
                 global_o = []
                 final_output = []
                 for i in range(num_chunks):
                     cur_attn_output, cur_attn_lse = update_out_and_lse(None, None, i)
-                    all2all_output = single_all_to_all(cur_attn_output.to(ctx.dtype).contiguous(), gather_idx, scatter_idx, 0, spg)
+                    all2all_output = single_all_to_all(
+                        cur_attn_output.to(ctx.dtype).contiguous(), gather_idx, scatter_idx, 0, spg
+                    )
                     final_output.append(all2all_output)
                     global_o.append(SequenceChunk(cur_attn_output.to(ctx.dtype)))
                 final_output = torch.cat(final_output, dim=1)

@@ -413,7 +413,8 @@ def test_a_nested_helper_that_detaches_is_read_deepspeed_pipe_engine() -> None:
 
                 self.total_loss = add_to_total_loss(self.total_loss, self.loss)
                 for name, loss in self.module.get_additional_losses().items():
-                    total = self.total_additional_losses[name] if name in self.total_additional_losses else None
+                    kept = self.total_additional_losses
+                    total = kept[name] if name in kept else None
                     self.total_additional_losses[name] = add_to_total_loss(total, loss)
         """
     )

@@ -39,7 +39,6 @@ budget), ``streams`` (pack order, dedup, in-flight window, prefetch), ``models``
 """
 
 from leakfree.offload.hooks import NoOffload, OffloadActivations
-
 from leakfree.offload.models import offload_model, remove_offload_hooks
 from leakfree.offload.pool import (
     PROCESS_BUDGET,
