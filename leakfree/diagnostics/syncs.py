@@ -58,20 +58,24 @@ def _ops(*names: str) -> set[Any]:
     return found
 
 
-#: Always a wait: a scalar read back, or an output whose shape depends on the data.
-_ALWAYS = _ops(
-    "_local_scalar_dense",
-    "nonzero",
-    "masked_select",
-    "unique",
-    "_unique",
-    "_unique2",
-    "unique_dim",
-    "unique_consecutive",
-    "unique_dim_consecutive",
-    "equal",
-    "is_nonzero",
+#: Operations whose output shape (or result) the host must read back from the device: the
+#: one list, which the test suite's simulated accelerator reads too.
+DATA_DEPENDENT_OPS = frozenset(
+    {
+        "nonzero",
+        "masked_select",
+        "unique",
+        "_unique",
+        "_unique2",
+        "unique_dim",
+        "unique_consecutive",
+        "unique_dim_consecutive",
+        "equal",
+        "is_nonzero",
+    }
 )
+#: Always a wait: a scalar read back, or an output whose shape depends on the data.
+_ALWAYS = _ops("_local_scalar_dense", *sorted(DATA_DEPENDENT_OPS))
 _REPEAT_INTERLEAVE = _ops("repeat_interleave")
 _MASK_INDEXING = _ops("index", "index_put", "index_put_", "_index_put_impl_")
 _TO_COPY = _ops("_to_copy")

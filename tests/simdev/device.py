@@ -59,6 +59,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from leakfree.diagnostics.syncs import DATA_DEPENDENT_OPS
+
 aten = torch.ops.aten
 NAME = "sim"
 #: One device: the autograd engine of this torch runs backward for a second Python-backend
@@ -488,19 +490,9 @@ def _local_scalar_dense(self: torch.Tensor) -> Any:
     return host_alias(self).item()
 
 
-#: Operations whose output shape (or result) the host must read back from the device.
-_DATA_DEPENDENT = {
-    "nonzero",
-    "masked_select",
-    "unique",
-    "_unique",
-    "_unique2",
-    "unique_dim",
-    "unique_consecutive",
-    "unique_dim_consecutive",
-    "equal",
-    "is_nonzero",
-}
+#: Operations whose output shape (or result) the host must read back from the device: the
+#: list the host-sync counter uses (one list, so the two cannot disagree).
+_DATA_DEPENDENT = DATA_DEPENDENT_OPS
 
 
 def _data_dependent(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
