@@ -5,6 +5,8 @@ same floats as an uninterrupted run: Lightning's ``on_save_checkpoint`` /
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,26 @@ import pytest
 import torch
 
 import leakfree
+
+
+def test_a_pickled_log_loads_with_torch_load_defaults_in_a_fresh_interpreter(
+    tmp_path: Path,
+) -> None:
+    log = leakfree.LossLog(["lm"], running=True)
+    log["lm"].extend([torch.tensor(1.0), torch.tensor(3.0)])
+    listed = leakfree.LossLog(["lm"])
+    listed["lm"].append(torch.tensor(2.0))
+    torch.save({"running": log, "list": listed}, tmp_path / "ckpt.pt")
+    code = (
+        "import torch, leakfree\n"
+        f"ck = torch.load({str(tmp_path / 'ckpt.pt')!r})\n"
+        "assert isinstance(ck['running'], leakfree.LossLog) and ck['running'].running\n"
+        "print(ck['running'].reduce(), ck['list'].reduce())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "{'lm': 2.0} {'lm': 2.0}"
+
 
 L = pytest.importorskip("lightning.pytorch")
 
