@@ -379,10 +379,15 @@ SWEEP_LIB = {
 }
 
 
-def test_patch_functions_sweeps_defined_and_later_modules(tmp_path: Path) -> None:
+def write_sweeplib(root: Path) -> None:
+    """The sweep tests' little library, under ``root``."""
     for rel, text in SWEEP_LIB.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(textwrap.dedent(text))
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(text))
+
+
+def test_patch_functions_sweeps_defined_and_later_modules(tmp_path: Path) -> None:
+    write_sweeplib(tmp_path)
     result = run_py(
         """
         import json, weakref, torch, leakfree
@@ -1132,9 +1137,7 @@ def test_revert_leaves_an_attribute_someone_replaced_after_the_patch() -> None:
 def test_patch_functions_sweeps_a_module_again_after_reload(tmp_path: Path) -> None:
     """Review: ``importlib.reload`` runs a module again and defines new Function classes; a
     post-import hook fires once, so they were never swept."""
-    for rel, text in SWEEP_LIB.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(textwrap.dedent(text))
+    write_sweeplib(tmp_path)
     result = run_py(
         """
         import importlib, json, weakref, torch, leakfree

@@ -431,6 +431,15 @@ def settled(pool: Any, timeout: float = 30.0) -> bool:
     return True
 
 
+def fail_a_backward(ctx: Any, model: nn.Module, x: torch.Tensor) -> None:
+    """One step under ``ctx`` whose backward raises; its graph is dropped after."""
+    FailOnce.armed = True
+    with ctx:
+        loss = FailOnce.apply(model(x)).square().mean()
+    with pytest.raises(RuntimeError, match="backward failed"):
+        loss.backward()
+
+
 def test_a_failed_backward_s_blocks_wait_on_the_engine_not_the_pool(sim: Any) -> None:
     """Proof of where the bytes of a failed backward wait: nothing on this thread touches
     the pool after the exception, yet in-use bytes reach 0 (autograd's device worker drops
@@ -438,12 +447,7 @@ def test_a_failed_backward_s_blocks_wait_on_the_engine_not_the_pool(sim: Any) ->
     model, x = on_sim()
     ctx = offload()
     for _ in range(5):
-        FailOnce.armed = True
-        with ctx:
-            loss = FailOnce.apply(model(x)).square().mean()
-        with pytest.raises(RuntimeError, match="backward failed"):
-            loss.backward()
-        del loss
+        fail_a_backward(ctx, model, x)
         assert settled(ctx.pool), ctx.pool.stats
         assert ctx.pool.stats.cached_bytes == ctx.pool.stats.pooled_bytes  # all reusable
 
@@ -456,12 +460,7 @@ def test_exceptions_in_the_body_and_in_backward(sim: Any) -> None:
         raise RuntimeError("boom")
     del loss
     assert ctx.pool.stats.in_use_bytes == 0
-    FailOnce.armed = True
-    with ctx:
-        loss = FailOnce.apply(model(x)).square().mean()
-    with pytest.raises(RuntimeError, match="backward failed"):
-        loss.backward()
-    del loss
+    fail_a_backward(ctx, model, x)
     # The failed backward's graph leaves nothing, but not at once: autograd's device worker
     # thread drops the graph's queued nodes a moment after the exception reaches this
     # thread (measured: about 1 ms later, longer on a loaded machine). The pool counts the
