@@ -79,18 +79,18 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     cases = []
     x1 = torch.randn(1, requires_grad=True)
     w1 = torch.randn(1, requires_grad=True)
-    number = 200 if args.quick else 500
+    number = 50 if args.quick else 500
     cases.append(("1-element mul", plain_scale, lf_scale, x1, w1, number, True))
     cases.append(("1-element mul, tensor on ctx", plain_state, lf_state, x1, w1, number, True))
     # Where the fixed cost sits: apply's output-on-ctx check alone (forward, no backward).
     cases.append(("1-element mul, forward only", plain_scale, lf_scale, x1, w1, number, False))
     xm = torch.randn(1024, 1024, requires_grad=True)
     wm = torch.randn(1024, 1024, requires_grad=True)
-    cases.append(("1024x1024 matmul", plain_mm, lf_mm, xm, wm, 3 if args.quick else 10, True))
+    cases.append(("1024x1024 matmul", plain_mm, lf_mm, xm, wm, 2 if args.quick else 10, True))
 
     rows, results = [], []
     for name, plain, lf, x, w, number, backward in cases:
-        repeat = 7 if args.quick else (121 if number > 100 else 31)
+        repeat = 5 if args.quick else (121 if number > 100 else 31)
         steps = {"plain": _step(plain, x, w, backward), "leakfree": _step(lf, x, w, backward)}
         t = compare(steps, repeat=repeat, number=number)
         ratio = t.ratio("leakfree", "plain")

@@ -98,7 +98,7 @@ def hook_cost(device: torch.device, quick: bool, width: int) -> tuple[list[Any],
             loss.backward()
 
         fns[name] = step
-    t = compare(fns, repeat=7 if quick else 21, number=5 if quick else 20)
+    t = compare(fns, repeat=3 if quick else 21, number=2 if quick else 20, warmup=1 if quick else 5)
     base, soc = "no offloading", "torch save_on_cpu"
     rows = [
         (
