@@ -25,7 +25,7 @@ _EXPORTS = {
     "LossList": "leakfree.losses",
     "LossLog": "leakfree.losses",
     "RunningLoss": "leakfree.losses",
-    "detach_tree": "leakfree.losses",
+    "detach_tree": "leakfree.detach",
     "NoOffload": "leakfree.offload",
     "OffloadActivations": "leakfree.offload",
     "offload_model": "leakfree.offload",
@@ -94,6 +94,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from leakfree import pipeline
     from leakfree._warnings import LeakfreeWarning, MemoryGrowthWarning, PatchWarning
+    from leakfree.detach import detach_tree
     from leakfree.diagnostics.watch import watch
     from leakfree.function import (
         Function,
@@ -102,7 +103,7 @@ if TYPE_CHECKING:
         release_after_backward,
         released_attributes,
     )
-    from leakfree.losses import LossList, LossLog, RunningLoss, detach_tree
+    from leakfree.losses import LossList, LossLog, RunningLoss
     from leakfree.offload import (
         NoOffload,
         OffloadActivations,
