@@ -299,6 +299,9 @@ class OffloadActivations(saved_tensors_hooks):
         self._device_type = target.type if target is not None else None  # for the pack hook
         self.pool = HostBlockPool(pin_memory_budget, pin=self.use_pin_memory)
         self._device_module: Any = device_module(target) if accelerated and target else None
+        #: force_host_copy on the CPU: the "device" is the host itself, so copies out are
+        #: plain host copies and restored tensors view the host bytes (no copy back)
+        self._on_host = target is not None and target.type == "cpu"
         self._side_streams: dict[torch.device, Any] = {}  # device (with index) -> side stream
         self._param_storages: frozenset[int] = frozenset()
         self._session = _Session()
@@ -388,7 +391,7 @@ class OffloadActivations(saved_tensors_hooks):
     def _copy_out(self, t: torch.Tensor, storage: torch.UntypedStorage, copy: _HostCopy) -> None:
         src = _bytes_of(storage, t.device, copy.byte_start, copy.nbytes)
         dst = copy.host_bytes()
-        if self._device_module is None:  # force_host_copy on a CPU-only machine
+        if self._on_host:
             dst.copy_(src)
             return
         side = self._side(t.device) if self.use_streams else None
@@ -425,10 +428,9 @@ class OffloadActivations(saved_tensors_hooks):
 
     def _copy_in(self, copy: _HostCopy, *, prefetch: bool = False) -> tuple[torch.Tensor, Any]:
         src = copy.host_bytes()
-        if self._device_module is None:
-            # force_host_copy on a CPU-only machine: the host bytes are already where the
-            # tensor lives, so restored tensors view them (no copy back); the block then
-            # stays theirs and is never handed out again.
+        if self._on_host:
+            # the host bytes are already where the tensor lives, so restored tensors view
+            # them (no copy back); the block then stays theirs and is never handed out again
             copy.lent = True
             return src, None
         # No wait for compute: the host bytes were written on this same (side) stream.
