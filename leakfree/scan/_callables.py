@@ -163,6 +163,9 @@ class ReturnReader:
     def __init__(self, source: Source, project: Project) -> None:
         self.source = source
         self.project = project
+        #: (id of the callee, the parameters handed tensors) -> the verdict: a call is
+        #: judged many times while the caller's evidence reaches its fixpoint
+        self._verdicts: dict[tuple[int, frozenset[str]], bool] = {}
 
     def plain(self, call: ast.Call, caller: TensorEvidence) -> bool:
         if not isinstance(call.func, ast.Name):
@@ -181,7 +184,10 @@ class ReturnReader:
             for i, a in enumerate(call.args)
             if i < len(params) and not isinstance(a, ast.Starred) and caller.holds(a)
         }
-        names = imported_names(self.project, src)
-        evidence = TensorEvidence(fn, names, set(), seed=seed, inputs=False, returned=False)
-        returns = [n.value for n in own_nodes(fn) if isinstance(n, ast.Return) and n.value]
-        return bool(returns) and not any(evidence.holds(r) for r in returns)
+        key = (id(fn), frozenset(seed))
+        if key not in self._verdicts:
+            names = imported_names(self.project, src)
+            evidence = TensorEvidence(fn, names, set(), seed=seed, inputs=False, returned=False)
+            returns = [n.value for n in own_nodes(fn) if isinstance(n, ast.Return) and n.value]
+            self._verdicts[key] = bool(returns) and not any(evidence.holds(r) for r in returns)
+        return self._verdicts[key]

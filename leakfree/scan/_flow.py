@@ -33,6 +33,16 @@ __all__ = ["Flow", "Reason", "Step", "said", "short", "tensor_test"]
 
 #: container methods that put their (last) argument into the receiver
 ADDERS = words("append extend add insert appendleft update setdefault")
+#: how :meth:`Step.said` words each of them
+_DONE = {
+    "append": "appended",
+    "appendleft": "appended",
+    "extend": "added (extend)",
+    "add": "added",
+    "insert": "inserted",
+    "update": "stored (update)",
+    "setdefault": "stored (setdefault)",
+}
 _GUARDED = (ast.If, ast.While)
 
 
@@ -68,7 +78,7 @@ class Step:
             return f"{ast.unparse(self.target)} iterates {what} at L{line}"
         if self.how in ("with", "+="):
             return f"{ast.unparse(self.target)} {self.how} {what} at L{line}"
-        return f"{self.name} gets {what} {self.how}-ed at L{line}".replace("append-ed", "appended")
+        return f"{self.name} gets {what} {_DONE.get(self.how, self.how)} at L{line}"
 
 
 def short(e: ast.AST, limit: int = 48) -> str:

@@ -114,7 +114,8 @@ class Project:
     context: set[str] = field(default_factory=set)  #: paths read for helpers only
     _helpers: dict[str, list[tuple[Source, FunctionNode]]] = field(default_factory=dict)
     _defs: dict[str, dict[str, list[FunctionNode]]] = field(default_factory=dict)
-    _memo: dict[tuple[str, int], tuple[object, object]] = field(default_factory=dict)
+    #: path -> (what, id(node)) -> value: dropped with the file in one step
+    _memo: dict[str, dict[tuple[str, int], object]] = field(default_factory=dict)
 
     def add(self, source: Source) -> None:
         """Add an already parsed file."""
@@ -143,17 +144,16 @@ class Project:
         look-up uses it."""
         if path in self._defs:
             return
-        source = self.parsed.pop(path, None)
-        if source is not None:
-            self._memo = {k: v for k, v in self._memo.items() if v[0] is not source}
+        self.parsed.pop(path, None)
+        self._memo.pop(path, None)
 
     def memo(self, what: str, source: Source, node: ast.AST, compute: Callable[[], T]) -> T:
         """``compute()``, once per run for ``node`` of ``source`` (dropped with the file)."""
+        known = self._memo.setdefault(source.path, {})
         key = (what, id(node))
-        hit = self._memo.get(key)
-        if hit is None:
-            hit = self._memo[key] = (source, compute())
-        return hit[1]  # type: ignore[return-value]
+        if key not in known:
+            known[key] = compute()
+        return known[key]  # type: ignore[return-value]
 
     def defs(self, source: Source) -> dict[str, list[FunctionNode]]:
         """The functions (and methods, nested ones too) ``source`` defines, by name."""

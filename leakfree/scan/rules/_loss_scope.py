@@ -45,6 +45,8 @@ class Scope(Kinds):
         self.loops: list[ast.For | ast.AsyncFor | ast.While] = []
         #: kinds of what the function returns (collected when read as a helper)
         self.returns: list[Kind | None] = []
+        #: id(node) -> the names it backpropagates (see _backwarded)
+        self._backward_names: dict[int, frozenset[str]] = {}
         self.source = source
         self.project = project
         self.module = module
@@ -146,6 +148,22 @@ class Scope(Kinds):
             "OrderedDict",
         }
 
+    def _backwarded(self, node: ast.AST) -> frozenset[str]:
+        """The names ``node`` calls ``.backward()`` on (``loss.backward()``: loss), once per
+        node for this function."""
+        found = self._backward_names.get(id(node))
+        if found is None:
+            found = self._backward_names[id(node)] = frozenset(
+                b.id
+                for n in ast.walk(node)
+                if isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr == "backward"
+                for b in [root(n.func.value)[0]]
+                if b is not None
+            )
+        return found
+
     def sums_backpropagated(self, total: str, s: ast.AugAssign) -> bool:
         """Is ``total += term`` inside a loop that calls ``term.backward()`` each iteration,
         with ``total`` started before the loop and never backpropagated itself? Then every
@@ -154,29 +172,13 @@ class Scope(Kinds):
             return False
         loop = self.loops[0]
         term, _ = root(s.value)
-        backwarded = {
-            b.id
-            for n in ast.walk(self.func)
-            if isinstance(n, ast.Call)
-            and tail(n.func) == "backward"
-            and isinstance(n.func, ast.Attribute)
-            for b in [root(n.func.value)[0]]
-            if b is not None
-        }
         rebound = any(
             isinstance(n, ast.Assign)
             and any(isinstance(t, ast.Name) and t.id == total for t in n.targets)
             for n in ast.walk(loop)
         )
-        in_loop = {
-            b.id
-            for n in ast.walk(loop)
-            if isinstance(n, ast.Call)
-            and tail(n.func) == "backward"
-            and isinstance(n.func, ast.Attribute)
-            for b in [root(n.func.value)[0]]
-            if b is not None
-        }
+        backwarded = self._backwarded(self.func)
+        in_loop = self._backwarded(loop)
         return term is not None and term.id in in_loop and total not in backwarded and not rebound
 
     def report(

@@ -146,7 +146,7 @@ def _stores(fn: FunctionNode, flow: Flow, ctx: set[str]) -> Iterator[_Store]:
 _WEIGHT_WORDS = words("weight weights bias biases param params parameter parameters buffer")
 
 
-def _lives_anyway(value: ast.AST, names: dict[str, str]) -> str | None:
+def _lives_anyway(value: ast.AST) -> str | None:
     """Why the stored value costs nothing beyond what lives anyway (a note, not a leak):
     a parameter, weight or buffer, or an RNG state (a few KB); None for anything else."""
     for n in ast.walk(value):
@@ -164,7 +164,6 @@ def _lives_anyway(value: ast.AST, names: dict[str, str]) -> str | None:
         return "a parameter or weight, which lives as long as its module anyway"
     if all(isinstance(v, ast.Name) and "rng" in name_words(v.id) for v in leaves):
         return "an RNG state (a few KB per call, not activations)"
-    del names
     return None
 
 
@@ -239,7 +238,7 @@ def _findings(source: Source, project: Project) -> tuple[list[Finding], list[Fin
                 continue
             seen.add(s.attr)
             because = evidence.explain(s.value)
-            anyway = _lives_anyway(s.value, names)
+            anyway = _lives_anyway(s.value)
             if anyway is not None:
                 lf001.append(
                     source.finding(
