@@ -334,12 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         if (not wanted or label in wanted or label.split()[0] in wanted) and path.exists():
             targets.append((label, path))
     newer = _newer_python(args.newer_python)
+    here = f"Python {sys.version_info.major}.{sys.version_info.minor}"  # as _version words it
     codes = [r.code for r in RULES]
     rows, out, unread = [], [], []
     totals = {TRUE: 0, BENIGN: 0, FALSE: 0, "unread": 0}
     for name, path in targets:
         result = scan([str(path)])
-        how = f"Python {sys.version_info.major}.{sys.version_info.minor}"
+        how = here
         if result.unparsed and newer is not None:
             result, how = _rescan(newer, path), _version(newer)
         listed = []
@@ -359,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         notes = sum(f.level == "note" for f in result.findings)
         rows.append(
             (
-                name if how == _version(sys.executable) else f"{name} (read with {how})",
+                name if how == here else f"{name} (read with {how})",
                 str(result.files),
                 *(str(per_rule[c]) for c in codes),
                 str(notes),

@@ -376,6 +376,19 @@ SWEEP_LIB = {
             def backward(ctx, g):
                 return g * 3
     """,
+    # outside the swept prefix: the tests' probe, not a swept module
+    "sweepprobe.py": """
+        import weakref
+
+        import torch
+
+        def leaks(cls):
+            \"\"\"Does ``cls`` keep its ctx tensor after a backward?\"\"\"
+            y = cls.apply(torch.randn(3, requires_grad=True))
+            r = weakref.ref(y.grad_fn.big)
+            y.sum().backward()
+            return r() is not None
+    """,
 }
 
 
@@ -390,14 +403,9 @@ def test_patch_functions_sweeps_defined_and_later_modules(tmp_path: Path) -> Non
     write_sweeplib(tmp_path)
     result = run_py(
         """
-        import json, weakref, torch, leakfree
+        import json, leakfree
         from sweeplib.ops import Leaky
-
-        def leaks(cls):
-            y = cls.apply(torch.randn(3, requires_grad=True))
-            r = weakref.ref(y.grad_fn.big)
-            y.sum().backward()
-            return r() is not None
+        from sweepprobe import leaks
 
         before = leaks(Leaky)
         sweep = leakfree.patch_functions("sweeplib")
@@ -1140,14 +1148,9 @@ def test_patch_functions_sweeps_a_module_again_after_reload(tmp_path: Path) -> N
     write_sweeplib(tmp_path)
     result = run_py(
         """
-        import importlib, json, weakref, torch, leakfree
+        import importlib, json, leakfree
         import sweeplib.ops as ops
-
-        def leaks(cls):
-            y = cls.apply(torch.randn(3, requires_grad=True))
-            r = weakref.ref(y.grad_fn.big)
-            y.sum().backward()
-            return r() is not None
+        from sweepprobe import leaks
 
         sweep = leakfree.patch_functions("sweeplib")
         old = ops.Leaky

@@ -17,7 +17,8 @@ DOCS = "docs/scan.md"
 _SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 
 
-def _summary(result: ScanResult) -> str:
+def summary(result: ScanResult) -> str:
+    """The report's last line: findings, notes, files, speed and unparsed files."""
     leaks, notes = len(result.leaks), len(result.findings) - len(result.leaks)
     files = f"{result.files} file{'s' if result.files != 1 else ''}"
     speed = f"{result.seconds:.2f} s, {result.files_per_second:.0f} files/s"
@@ -33,11 +34,6 @@ def _summary(result: ScanResult) -> str:
     return head
 
 
-def summary(result: ScanResult) -> str:
-    """The report's last line: findings, notes, files, speed and unparsed files."""
-    return _summary(result)
-
-
 def _text(result: ScanResult) -> str:
     lines = [str(f) for f in result.findings]
     lines += [f"not parsed: {u}" for u in result.unparsed]
@@ -50,7 +46,7 @@ def _text(result: ScanResult) -> str:
             "suppress one finding with `# leakfree: ignore[CODE]` on its line; "
             f"rules and fixes: {DOCS}"
         )
-    lines.append(_summary(result))
+    lines.append(summary(result))
     return "\n".join(lines)
 
 

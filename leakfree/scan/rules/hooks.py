@@ -94,7 +94,6 @@ _FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
 _REGISTER = frozenset({"saved_tensors_hooks", "_push_saved_tensors_default_hooks"})
 #: what a tensor's metadata is read through, not its payload (``untyped_storage()`` only
 #: ever leads to ``data_ptr()`` / ``nbytes()`` in key code; ``weakref.ref(t)`` keeps nothing)
-_META_ATTRS = META_ATTRS
 _META_METHODS = META_METHODS | {"untyped_storage", "_typed_storage"}
 _META_CALLS = META_BUILTINS | {"ref", "WeakMethod", "StorageWeakRef"}
 
@@ -161,7 +160,7 @@ def _carries(expr: ast.AST, tainted: Iterable[str]) -> bool:
     if isinstance(expr, ast.Name):
         return expr.id in tainted
     if isinstance(expr, ast.Attribute):
-        return expr.attr not in _META_ATTRS and _carries(expr.value, tainted)
+        return expr.attr not in META_ATTRS and _carries(expr.value, tainted)
     if isinstance(expr, ast.Call):
         f = expr.func
         fname = tail(f)
