@@ -44,7 +44,7 @@ import threading
 import types
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -137,9 +137,11 @@ _DECIDING: tuple[str, ...] = ()
 def release(ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozenset[str]) -> None:
     """Release ``ctx``'s state now, or leave it due to the last call still running through it.
 
-    ``names=None`` deletes every attribute but ``keep`` and metadata, and leaves the
-    ``RELEASED`` marker; named attributes (third-party classes) are set to None, exactly as
-    upstream fixes do, so library code that tests ``ctx.attr is None`` keeps working.
+    ``names=None`` releases every attribute but ``keep`` and metadata; a set of names
+    releases those. Either way each released attribute is set to ``None`` (library code
+    that tests ``ctx.attr is None`` keeps working, as with upstream fixes) and the
+    ``RELEASED`` marker names them, so a later backward through the node is refused with
+    a message that says what was released.
     """
     state = ctx.__dict__
     if names is None:
@@ -167,14 +169,10 @@ def release(ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozense
             del state[RELEASED]  # withdraw: the call still running releases when it returns
             return
         _due.discard(key)
-        if names is None:
-            taken = [state.pop(n, None) for n in gone]
-            state[RELEASED] = tuple(gone)
-        else:
-            taken = [state.get(n) for n in gone]
-            for n in gone:
-                state[n] = None
-            del state[RELEASED]
+        taken = [state.get(n) for n in gone]
+        for n in gone:
+            state[n] = None
+        state[RELEASED] = tuple(gone)
     del taken  # outside the lock: a destructor may run arbitrary code
 
 
@@ -413,9 +411,10 @@ class ReleaseHandle:
         self._installed: Any = None  # the wrapper put in the class's __dict__
 
     @property
-    def attrs(self) -> tuple[str, ...] | None:
-        """The released attribute names, or None for "all ctx state" (minus ``keep``)."""
-        return None if self.names is None else tuple(sorted(self.names))
+    def attrs(self) -> tuple[str, ...] | Literal["all"]:
+        """What is released: ``"all"`` (all ctx state, minus ``keep`` and metadata), or the
+        names, sorted."""
+        return "all" if self.names is None else tuple(sorted(self.names))
 
     @property
     def active(self) -> bool:
@@ -487,7 +486,7 @@ def _install(
 
 
 def release_after_backward(
-    cls: type[torch.autograd.Function], attrs: Iterable[str] | None = None
+    cls: type[torch.autograd.Function], attrs: Iterable[str] | Literal["all"] = "all"
 ) -> ReleaseHandle:
     """Release ``ctx`` state of an existing Function class after its last backward.
 
@@ -497,9 +496,11 @@ def release_after_backward(
     Args:
         cls: a :class:`torch.autograd.Function` subclass, typically one you do not own.
             (A :class:`leakfree.Function` subclass already releases; use its ``keep``.)
-        attrs: ``None`` releases every attribute forward / ``setup_context`` / backward set
-            on ``ctx`` (they are deleted). A collection of names releases only those (each is
-            set to ``None``, as upstream fixes such as Transformer Engine 2.15's do).
+        attrs: ``"all"`` releases every attribute forward / ``setup_context`` / backward
+            set on ``ctx``, except metadata that holds no memory (numbers, strings, dtypes,
+            shapes); a collection of names releases only those. Either way a released
+            attribute is set to ``None``, as upstream fixes such as Transformer Engine
+            2.15's do, and another backward through the node is refused, naming them.
 
     Returns:
         A :class:`ReleaseHandle`; ``handle.restore()`` puts the original method back. Calling
@@ -508,8 +509,7 @@ def release_after_backward(
 
     The release happens when the engine runs the node in a backward pass that does not keep
     the graph, right after the node's backward returns (before node post-hooks; after the
-    last of several concurrent backward calls through the node). With ``attrs=None``,
-    metadata that holds no memory (numbers, strings, dtypes, shapes) stays. Subclasses
+    last of several concurrent backward calls through the node). Subclasses
     that inherit the patched method inherit the release; a subclass that defines its own
     backward is not patched.
     """
@@ -525,12 +525,17 @@ def release_after_backward(
             f"{cls.__qualname__}.keep instead."
         )
     names: frozenset[str] | None
-    if attrs is None:
+    if attrs == "all":
         names = None
+    elif attrs is None:
+        raise TypeError(
+            "release_after_backward(attrs=None): write attrs=\"all\" to release all ctx "
+            "state, or a tuple of the attribute names to release"
+        )
     elif isinstance(attrs, str):
         raise TypeError(
-            f"release_after_backward(attrs={attrs!r}): attrs must be a collection of names, "
-            f"not one string; write attrs=({attrs!r},)"
+            f"release_after_backward(attrs={attrs!r}): attrs must be \"all\" or a collection "
+            f"of names, not one name; write attrs=({attrs!r},)"
         )
     else:
         names = frozenset(attrs)
@@ -546,9 +551,11 @@ def release_after_backward(
     return handle
 
 
-def released_attributes(cls: type) -> tuple[str, ...] | None:
-    """What a class releases after backward: ``None`` for all ctx state (minus ``keep``),
-    a tuple of names, or ``()`` when nothing is installed for the backward it runs."""
+def released_attributes(cls: type) -> tuple[str, ...] | Literal["all"]:
+    """What a class releases after its last backward: ``"all"`` (all ctx state, minus
+    ``keep`` and metadata: a :class:`Function`, or ``release_after_backward(cls)``), the
+    names it releases, or ``()``: nothing (no release is installed for the backward that
+    autograd runs for it)."""
     if not isinstance(cls, type) or not issubclass(cls, torch.autograd.Function):
         return ()
     method = _backward_name(cls)
@@ -560,7 +567,7 @@ def released_attributes(cls: type) -> tuple[str, ...] | None:
     for klass in cls.__mro__:
         handle = klass.__dict__.get(_HANDLE)
         if handle is not None:
-            attrs: tuple[str, ...] | None = handle.attrs
+            attrs: tuple[str, ...] | Literal["all"] = handle.attrs
             return attrs
     return ()  # pragma: no cover
 

@@ -92,7 +92,10 @@ def test_ctx_state_after_backward_while_output_alive(base: type, no_gc: None) ->
         assert alive(r) == {"meta": True, "cache": True, "objects": True}  # the leak
     else:
         assert alive(r) == {"meta": False, "cache": False, "objects": False}  # fixed
-        assert y.grad_fn.__dict__ == {lf_function.RELEASED: ("meta", "cache", "objects")}
+        assert y.grad_fn.__dict__ == {
+                lf_function.RELEASED: ("meta", "cache", "objects"),
+                **dict.fromkeys(("meta", "cache", "objects")),  # set to None
+            }
     del y
     assert alive(r) == {"meta": False, "cache": False, "objects": False}
 
@@ -133,9 +136,8 @@ def test_autograd_managed_state_still_works_after_release() -> None:
     assert y.grad_fn.needs_input_grad == (True, False)
     assert y.grad_fn.metadata == {}
     # Metadata that holds no memory stays; the tensor went.
-    assert y.grad_fn.__dict__ == {"name": "scale", lf_function.RELEASED: ("scale",)}
-    with pytest.raises(AttributeError, match="scale"):
-        y.grad_fn.scale
+    assert y.grad_fn.__dict__ == {"name": "scale", "scale": None, lf_function.RELEASED: ("scale",)}
+    assert y.grad_fn.scale is None
     with pytest.raises(RuntimeError, match=r"Op a second time.*\(scale\)"):
         y.sum().backward()  # as PyTorch refuses a second pass over freed saved tensors
 
@@ -268,9 +270,9 @@ def test_node_hooks_see_what_the_docs_say() -> None:
     x, w = inputs()
     y = op.apply(x, w)
     seen = []
-    y.grad_fn.register_prehook(lambda go: seen.append(("pre", hasattr(y.grad_fn, "meta"))))
+    y.grad_fn.register_prehook(lambda go: seen.append(("pre", y.grad_fn.meta is not None)))
     y.grad_fn.register_hook(
-        lambda gi, go: seen.append(("post", hasattr(y.grad_fn, "meta"), y.grad_fn.cache.numel()))
+        lambda gi, go: seen.append(("post", y.grad_fn.meta is not None, y.grad_fn.cache.numel()))
     )
     y.sum().backward()
     assert seen == [("pre", True), ("post", False, 8)]
@@ -548,7 +550,7 @@ def test_keep_opts_out_per_attribute(no_gc: None) -> None:
     y.sum().backward()
     assert alive(r) == {"meta": False, "cache": True, "objects": False}
     assert torch.equal(y.grad_fn.cache, torch.ones(8))
-    assert leakfree.released_attributes(op) is None
+    assert leakfree.released_attributes(op) == "all"
 
 
 def test_keep_inherited_and_overridden(no_gc: None) -> None:
@@ -982,7 +984,7 @@ def test_concurrent_backward_through_a_shared_node_sees_the_whole_ctx(
     assert not errors, errors
     if base is leakfree.Function:
         assert scale() is None  # released once, after the last of the four returned
-        assert y.grad_fn.__dict__ == {lf_function.RELEASED: ("scale",)}
+        assert y.grad_fn.__dict__ == {"scale": None, lf_function.RELEASED: ("scale",)}
         assert not lf_function._running and not lf_function._due
     else:
         assert scale() is not None
@@ -1007,7 +1009,7 @@ def test_concurrent_backward_release_is_atomic(no_gc: None) -> None:
         )
         assert len(results) + len(errors) == 8 and results
         assert all(torch.equal(r, torch.full((3,), 3.0)) for r in results)
-        assert y.grad_fn.__dict__ == {lf_function.RELEASED: ("scale",)}
+        assert y.grad_fn.__dict__ == {"scale": None, lf_function.RELEASED: ("scale",)}
     assert not lf_function._running and not lf_function._due
 
 
@@ -1067,6 +1069,24 @@ def test_release_after_backward_named_attrs(no_gc: None) -> None:
     handle.restore()
 
 
+@pytest.mark.parametrize("attrs", ["all", ("meta", "cache", "objects")])
+def test_all_and_named_attrs_release_the_same_way(attrs: Any) -> None:
+    """``attrs`` says *which* attributes go, never *how*: in both cases they are set to
+    None and a second backward is refused, naming them (before, "all" deleted them and
+    named ones were set to None with no marker, so a second backward ran on Nones)."""
+    op = _third_party()
+    with leakfree.release_after_backward(op, attrs=attrs) as handle:
+        assert handle.attrs == ("all" if attrs == "all" else tuple(sorted(attrs)))
+        assert leakfree.released_attributes(op) == handle.attrs
+        x, w = inputs()
+        y = op.apply(x, w)
+        y.sum().backward()
+        state = {n: y.grad_fn.__dict__[n] for n in ("meta", "cache", "objects")}
+        assert state == dict.fromkeys(state)
+        with pytest.raises(RuntimeError, match=r"a second time.*\((meta|cache|objects), "):
+            y.sum().backward()
+
+
 def test_release_after_backward_idempotent_and_exact_restore() -> None:
     op = _third_party()
     original = op.__dict__["backward"]
@@ -1104,6 +1124,8 @@ def test_release_after_backward_bad_input() -> None:
         leakfree.release_after_backward(object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"attrs=\('meta',\)"):
         leakfree.release_after_backward(_third_party(), attrs="meta")
+    with pytest.raises(TypeError, match=r"attrs=None.*attrs=\"all\""):
+        leakfree.release_after_backward(_third_party(), attrs=None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="not attribute names"):
         leakfree.release_after_backward(_third_party(), attrs=("a b",))
 
@@ -1118,7 +1140,7 @@ def test_release_after_backward_bad_input() -> None:
     lf_op = make_matmul(leakfree.Function)
     with pytest.raises(TypeError, match=r"already releases.*keep"):
         leakfree.release_after_backward(lf_op)
-    assert leakfree.released_attributes(lf_op) is None  # untouched
+    assert leakfree.released_attributes(lf_op) == "all"  # untouched
 
 
 def test_release_after_backward_thread_safe_install() -> None:
@@ -1334,9 +1356,9 @@ def test_backward_called_by_hand_inside_another_pass_does_not_release() -> None:
     z = torch.randn(3, requires_grad=True)
     z.register_hook(lambda g: (y.grad_fn.apply(torch.ones(8, 4)), g)[1])  # a probe
     (z * 1).sum().backward()
-    assert "meta" in y.grad_fn.__dict__  # the engine never ran y's node
+    assert y.grad_fn.meta is not None  # the engine never ran y's node
     y.sum().backward()
-    assert "meta" not in y.grad_fn.__dict__
+    assert y.grad_fn.meta is None
 
 
 def test_create_graph_with_retain_false_keeps_state_for_the_new_graph() -> None:
@@ -1380,7 +1402,7 @@ def test_third_party_keep_attribute_is_not_ours() -> None:
         x, w = inputs()
         y = op.apply(x, w)
         y.sum().backward()
-        assert "meta" not in y.grad_fn.__dict__
+        assert y.grad_fn.meta is None
 
 
 def test_released_attributes_follows_the_backward_autograd_runs() -> None:

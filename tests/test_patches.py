@@ -308,7 +308,7 @@ def test_idempotent_and_thread_safe(te: dict[str, Path]) -> None:
             fn = cls.__dict__["backward"].__func__
             inner = getattr(fn, _ORIGINAL).__func__
             print(json.dumps(dict(wrapped_once=not hasattr(inner, _ORIGINAL),
-                                  attrs=list(leakfree.released_attributes(cls)))))
+                                  attrs=leakfree.released_attributes(cls))))
             """,
         ),
         te["2.13.0"],

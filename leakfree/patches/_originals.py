@@ -12,7 +12,7 @@ import types
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from leakfree._warnings import PatchWarning
 
@@ -161,7 +161,9 @@ class Changes:
         self._registry._hold(owner, name, _own(owner, name), value, self._holder, None)
         _write(owner, name, value)
 
-    def release_after_backward(self, cls: type, attrs: Iterable[str] | None) -> ReleaseHandle:
+    def release_after_backward(
+        self, cls: type, attrs: Iterable[str] | Literal["all"]
+    ) -> ReleaseHandle:
         """:func:`leakfree.release_after_backward` on ``cls``, its original ``backward`` /
         ``vjp`` kept in the table (a class that inherited it: absent, so the put-back
         deletes the wrapper and the inherited one shows again)."""

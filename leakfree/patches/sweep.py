@@ -13,6 +13,7 @@ call ``patch_functions`` again after creating them.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Literal
 
 import torch
 
@@ -45,7 +46,7 @@ class Sweep(SweepRecord):
 
     unit = "Function classes"
 
-    def __init__(self, prefix: str, attrs: tuple[str, ...] | None) -> None:
+    def __init__(self, prefix: str, attrs: tuple[str, ...] | Literal["all"]) -> None:
         super().__init__(prefix, "ctx state released after the last backward")
         self.attrs = attrs
 
@@ -83,12 +84,12 @@ class Sweep(SweepRecord):
         return f"<Sweep {self.prefix!r}: {len(self.classes)} classes>"
 
 
-def patch_functions(prefix: str, attrs: Iterable[str] | None = None) -> Sweep:
+def patch_functions(prefix: str, attrs: Iterable[str] | Literal["all"] = "all") -> Sweep:
     """Release ctx state after backward for every autograd Function under ``prefix``.
 
     Args:
         prefix: a top-level package or module name (``"mylib"``, ``"mylib.ops"``).
-        attrs: as for :func:`leakfree.release_after_backward`: ``None`` releases all ctx
+        attrs: as for :func:`leakfree.release_after_backward`: ``"all"`` releases all ctx
             state, names release only those.
 
     Returns a :class:`Sweep`; ``sweep.classes`` lists what was patched so far and
@@ -102,9 +103,12 @@ def patch_functions(prefix: str, attrs: Iterable[str] | None = None) -> Sweep:
         or not all(part.isidentifier() for part in prefix.split("."))
     ):
         raise ValueError(f"patch_functions(prefix={prefix!r}): expected a module name like 'mylib'")
-    if isinstance(attrs, str):
-        raise TypeError(f"patch_functions(attrs={attrs!r}): write attrs=({attrs!r},)")
-    sweep = Sweep(prefix, tuple(attrs) if attrs is not None else None)
+    if attrs is None or (isinstance(attrs, str) and attrs != "all"):
+        raise TypeError(
+            f"patch_functions(attrs={attrs!r}): write attrs=\"all\" to release all ctx "
+            "state, or a tuple of the attribute names to release"
+        )
+    sweep = Sweep(prefix, "all" if attrs == "all" else tuple(attrs))
     REGISTRY.add_sweep(sweep)
     return sweep
 
