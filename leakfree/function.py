@@ -529,12 +529,12 @@ def release_after_backward(
         names = None
     elif attrs is None:
         raise TypeError(
-            "release_after_backward(attrs=None): write attrs=\"all\" to release all ctx "
+            'release_after_backward(attrs=None): write attrs="all" to release all ctx '
             "state, or a tuple of the attribute names to release"
         )
     elif isinstance(attrs, str):
         raise TypeError(
-            f"release_after_backward(attrs={attrs!r}): attrs must be \"all\" or a collection "
+            f'release_after_backward(attrs={attrs!r}): attrs must be "all" or a collection '
             f"of names, not one name; write attrs=({attrs!r},)"
         )
     else:

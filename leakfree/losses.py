@@ -684,16 +684,26 @@ class LossLog(dict[str, Any]):
 
     # --- reduce ----------------------------------------------------------------------------
 
-    def reduce(self, groups: Iterable[Any] | None = (), *, clear: bool = True) -> dict[str, float]:
+    def reduce(
+        self, groups: Iterable[Any] | None = None, *, clear: bool = True
+    ) -> dict[str, float]:
         """Reduce every key to a float: over microbatches, then over each process group.
 
+        ``groups`` says which processes take part, and nothing else:
+
+        * ``None`` (the default): the default process group, as ``group=None`` means in
+          ``torch.distributed``; in a process that never initialised it, the process alone;
+        * a sequence, all-reduced in order, e.g. ``(dp_group, pp_group)`` (``None`` inside
+          it is the default group);
+        * ``()``: this process alone, with no collective (e.g. the last pipeline stage,
+          when only it reduces).
+
         For each key, values are reduced locally (sum / mean / min / max), then all-reduced
-        over each group in ``groups`` in order (e.g. ``(dp_group, pp_group)``; ``None``
-        means the default group, alone or inside the sequence). Keys that share an op are
-        packed into one tensor: at most one collective per op (``SUM``, ``MIN``, ``MAX``)
-        per group, and exactly one device-to-host transfer for the whole call, however many
-        keys and microbatches. Nothing is uploaded from host memory: identities and counts
-        are made on the device, so that transfer is the call's only host sync.
+        over each group. Keys that share an op are packed into one tensor: at most one
+        collective per op (``SUM``, ``MIN``, ``MAX``) per group, and exactly one
+        device-to-host transfer for the whole call, however many keys and microbatches.
+        Nothing is uploaded from host memory: identities and counts are made on the
+        device, so that transfer is the call's only host sync.
 
         A rank with no values for a key contributes the op's identity: mean is carried as
         (sum, count), min / max as +inf / -inf, so results are unbiased. A key with no
@@ -706,18 +716,26 @@ class LossLog(dict[str, Any]):
         Clears the log afterwards unless ``clear=False``.
         """
         group_list = _group_list(groups)
+        keys = list(self)
+        packs = self._local_packs(keys)
         if group_list:
             import torch.distributed as dist
 
-            if not dist.is_available() or not dist.is_initialized():
-                raise RuntimeError(
-                    "LossLog.reduce(groups=...): torch.distributed is not initialized; "
-                    "call dist.init_process_group first, or reduce() without groups"
-                )
+            red = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+            for group in group_list:
+                for op, pack in packs.items():
+                    dist.all_reduce(pack, op=red[op], group=group)
+        out = self._results(keys, packs)
+        if clear:
+            self.clear()
+        return out
+
+    def _local_packs(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """Phase 1, on the device: each key reduced over its microbatches, packed by the op
+        its collective needs: ``"sum"`` holds every key's sum then every key's count, and
+        ``"min"`` / ``"max"`` (present only when some key uses them) one column each."""
         device = self._owner.device or torch.device("cpu")
         dtype = _acc_dtype(device)
-        keys = list(self)
-        n = len(keys)
         # Row i: key i's [sum, min, max, count], with the op's identity in the columns that
         # are not its op (0 for sum, +inf for min, -inf for max), all made on the device.
         identity = _identity(device, dtype, 4)
@@ -749,57 +767,59 @@ class LossLog(dict[str, Any]):
                     )
                 )
             )
-        ops = [self._reductions[k] for k in keys]
+        ops = set(self._reductions.values())
         sums, mins, maxs, counts = torch.stack(rows).t()
         packs = {"sum": torch.cat([sums, counts])}  # cat: contiguous, as collectives need
         if "min" in ops:
             packs["min"] = mins.contiguous()
         if "max" in ops:
             packs["max"] = maxs.contiguous()
-        if group_list:
-            import torch.distributed as dist
+        return packs
 
-            red = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-            for group in group_list:
-                for op, pack in packs.items():
-                    dist.all_reduce(pack, op=red[op], group=group)
-        flat = torch.cat(list(packs.values()))
-        host = flat.to("cpu", copy=True).tolist()  # the one device-to-host transfer
-        total_list, count_list = host[:n], host[n : 2 * n]
+    def _results(self, keys: list[str], packs: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Phase 3: the call's one device-to-host transfer, and each key's float."""
+        n = len(keys)
+        host = torch.cat(list(packs.values())).to("cpu", copy=True).tolist()
+        columns = {"sum": host[:n], "count": host[n : 2 * n]}
         offset = 2 * n
-        # each list is there exactly when some key reduces with its op
-        min_list = host[offset : offset + n] if "min" in packs else []
-        offset += n if "min" in packs else 0
-        max_list = host[offset : offset + n] if "max" in packs else []
+        for op in ("min", "max"):  # each column is there exactly when some key uses its op
+            if op in packs:
+                columns[op] = host[offset : offset + n]
+                offset += n
         out: dict[str, float] = {}
         for i, key in enumerate(keys):
             op = self._reductions[key]
-            c = count_list[i]
-            if c == 0:
+            count = columns["count"][i]
+            if count == 0:
                 out[key] = math.nan
-            elif op == "sum":
-                out[key] = total_list[i]
             elif op == "mean":
-                out[key] = total_list[i] / c
-            elif op == "min":
-                out[key] = min_list[i]
+                out[key] = columns["sum"][i] / count
             else:
-                out[key] = max_list[i]
-        if clear:
-            self.clear()
+                out[key] = columns[op][i]
         return out
 
 
 def _group_list(groups: Any) -> list[Any]:
+    """``groups`` as the list of groups to all-reduce over (empty: no collective); raises
+    before any state changes."""
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
     if groups is None:
-        return [None]  # the default group
+        return [None] if initialized else []  # the default group; uninitialised: this process
     if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
         raise TypeError(
             f"LossLog.reduce(groups={groups!r}): expected a sequence of process groups, "
-            "e.g. groups=(dp_group,) or groups=(dp_group, pp_group); None (alone or in the "
-            "sequence) is the default group, and () reduces on this rank only"
+            "e.g. groups=(dp_group,) or groups=(dp_group, pp_group); None (the default) is "
+            "the default group, and () reduces on this process alone"
         )
-    return list(groups)
+    group_list = list(groups)
+    if group_list and not initialized:
+        raise RuntimeError(
+            f"LossLog.reduce(groups={groups!r}): torch.distributed is not initialized; call "
+            "dist.init_process_group first, or reduce() / reduce(groups=()) for this process"
+        )
+    return group_list
 
 
 def _rebuild(

@@ -634,15 +634,47 @@ def test_count_host_syncs_counts_every_blocking_operation() -> None:
     assert "wait" not in repr(torch.cpu.synchronize)
 
 
-def test_reduce_groups_none_is_the_default_group_and_bad_groups_name_the_argument() -> None:
+def test_reduce_groups_bad_groups_name_the_argument_before_any_change() -> None:
     log = leakfree.LossLog(["lm"])
     log["lm"].append(torch.tensor(2.0))
     with pytest.raises(RuntimeError, match=r"torch.distributed is not initialized"):
-        log.reduce(groups=None, clear=False)  # the default group: needs a process group
+        log.reduce(groups=(None,), clear=False)  # a group named: needs a process group
     for bad in (5, "dp", object()):
         with pytest.raises(TypeError, match=r"LossLog.reduce\(groups=.*expected a sequence"):
             log.reduce(groups=bad, clear=False)
     assert log.reduce() == {"lm": 2.0}  # nothing was cleared by the failed calls
+
+
+def _collectives(call: Any) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    return sum(1 for e in prof.events() if e.name == "gloo:all_reduce")
+
+
+def test_plain_reduce_is_the_default_group_and_empty_groups_this_process() -> None:
+    """``groups`` has one meaning, which processes take part: a plain ``reduce()`` is the
+    default group once torch.distributed is initialised (before, it never communicated,
+    however many ranks there were), ``()`` is this process alone."""
+    import torch.distributed as dist
+
+    from tests._dist import free_port
+
+    log = leakfree.LossLog({"lm": "mean", "best": "min", "worst": "max"})
+    for k in log:
+        log[k].append(torch.tensor(2.0))
+    assert log.reduce(clear=False) == dict.fromkeys(log, 2.0)  # uninitialised: this process
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        assert _collectives(lambda: log.reduce(clear=False)) == 3  # sum, min, max
+        assert _collectives(lambda: log.reduce(groups=(None, None), clear=False)) == 6
+        assert _collectives(lambda: log.reduce(groups=(), clear=False)) == 0
+        assert log.reduce() == dict.fromkeys(log, 2.0)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(

@@ -202,8 +202,8 @@ class LossLogMixin(_TrainerBase):  # type: ignore[misc, valid-type]
         loss_log: the loss names (each reduced with ``"mean"``), a mapping
             ``{name: "sum"|"mean"|"min"|"max"}``, or a ready :class:`~leakfree.LossLog`.
             Names may not shadow the Trainer's keys (``loss``, ``grad_norm``...).
-        loss_log_groups: process groups to reduce over (see ``LossLog.reduce``); default:
-            the default group when ``torch.distributed`` is initialised, else none.
+        loss_log_groups: the ``groups`` of ``LossLog.reduce``; default ``None``: the
+            default group when ``torch.distributed`` is initialised, else this process.
 
     Put it first among the bases: ``class MyTrainer(LossLogMixin, Trainer)``.
     """
@@ -241,17 +241,9 @@ class LossLogMixin(_TrainerBase):  # type: ignore[misc, valid-type]
         if model is not None and model.training:
             self.loss_log[name].append(value)
 
-    def _loss_log_groups(self) -> Sequence[Any]:
-        if self.loss_log_groups is not None:
-            return self.loss_log_groups
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return (None,)
-        return ()
-
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's ``log``, with the recorded losses' reductions added to training
         logs (every rank calls it at the same steps, as the Trainer's own gather needs)."""
         if _is_training_log(logs):
-            logs.update(self.loss_log.reduce(self._loss_log_groups()))
+            logs.update(self.loss_log.reduce(self.loss_log_groups))
         super().log(logs, *args, **kwargs)  # `start_time` in recent releases, none before

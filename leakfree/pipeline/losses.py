@@ -64,7 +64,7 @@ class PipelineLosses(AdmittingList):
             schedule.step(x, target=y, losses=sink)  # x on the first stage only
             ...
             if stage.is_last and step % 10 == 9:
-                print(log.reduce())  # mean over 10 steps x n_microbatches losses
+                print(log.reduce(groups=()))  # this stage alone: 10 steps x n_microbatches
     """
 
     __slots__ = ("_key", "_log")

@@ -47,9 +47,17 @@ def _dist_worker(rank: int, world: int) -> dict[str, Any]:
         for v in vs:
             running[k].append(torch.tensor(v))
     out_running = running.reduce(groups=(dp,))
+    plain, alone = leakfree.LossLog(DIST_SPEC), leakfree.LossLog(DIST_SPEC)
+    for k, vs in RANK_VALUES[rank].items():
+        plain[k].extend(torch.tensor(v) for v in vs)
+        alone[k].extend(torch.tensor(v) for v in vs)
+    out_plain = plain.reduce()  # the default group: every rank
+    out_alone = alone.reduce(groups=())  # this rank only
     return {
         "out": {k: (None if math.isnan(v) else v) for k, v in out.items()},
         "out_running": {k: (None if math.isnan(v) else v) for k, v in out_running.items()},
+        "out_plain": {k: (None if math.isnan(v) else v) for k, v in out_plain.items()},
+        "out_alone": {k: (None if math.isnan(v) else v) for k, v in out_alone.items()},
         "collectives": collectives,
         "syncs": syncs.count,
         "cleared": all(len(log[k]) == 0 for k in log),
@@ -73,6 +81,20 @@ def test_two_process_reduce_unbiased_one_collective_per_op(tmp_path: Path) -> No
     for r in results:
         assert r["out"] == expected
         assert r["out_running"] == expected
+        assert r["out_plain"] == expected
+    local = [
+        {
+            k: (
+                sum(vs) / len(vs)
+                if DIST_SPEC[k] == "mean"
+                else {"sum": sum, "min": min, "max": max}[DIST_SPEC[k]](vs)
+            )
+            for k, vs in RANK_VALUES[rank].items()
+        }
+        for rank in sorted(RANK_VALUES)
+    ]
+    for rank, r in enumerate(results):
+        assert {k: v for k, v in r["out_alone"].items() if v is not None} == local[rank]
         # ops present: sum (sum+mean+counts), min, max -> 3 collectives per group, 2 groups
         assert r["collectives"] == 6
         assert r["syncs"] == 1
