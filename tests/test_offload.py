@@ -17,7 +17,7 @@ from torch import nn
 
 import leakfree
 from leakfree.offload import HostBlockPool, OffloadWarning, offload_model, remove_offload_hooks
-from leakfree.offload.hooks import _Offloaded
+from leakfree.offload.handles import _Offloaded
 from leakfree.offload.pool import _size_class
 from leakfree.offload.streams import _prefetch_plan, _prune_prefetching, _retire
 
@@ -303,6 +303,9 @@ def test_no_accelerator_no_option_is_a_noop() -> None:
     [
         ({"max_fwd_stash_size": 0}, "max_fwd_stash_size=0"),
         ({"max_fwd_stash_size": 1.5}, "max_fwd_stash_size=1.5"),
+        ({"max_fwd_stash_size": True}, "max_fwd_stash_size=True"),
+        ({"prefetch_depth": -1}, "prefetch_depth=-1"),
+        ({"prefetch_depth": 2.0}, "prefetch_depth=2.0"),
         ({"min_offload_size": -1}, "min_offload_size=-1"),
         ({"device": "cpu"}, "force_host_copy=True"),
         ({"pin_memory_budget": -5, "force_host_copy": True}, "budget=-5"),

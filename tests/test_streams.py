@@ -270,30 +270,59 @@ def deep(width: int = 64, depth: int = 8) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+@pytest.mark.parametrize(("stash", "depth"), [(5, 2), (1, 3)])
 def test_prefetch_window_brings_copies_back_ahead_and_stays_bounded(
+    sim: Any, monkeypatch: pytest.MonkeyPatch, stash: int, depth: int
+) -> None:
+    """``prefetch_depth`` alone bounds the prefetches outstanding; ``max_fwd_stash_size``
+    is the forward's in-flight window only (it used to mean both)."""
+    model, x = deep().to("sim"), torch.randn(32, 64, device="sim")
+    ctx = offload(max_fwd_stash_size=stash, prefetch_depth=depth)
+    issued: list[bool] = []
+    outstanding: list[int] = []
+    copy_in, look_ahead = ctx._copy_in, ctx._unpack_prefetch
+
+    def watched(copy: Any, *, prefetch: bool = False) -> Any:
+        issued.append(prefetch)
+        return copy_in(copy, prefetch=prefetch)
+
+    def ahead(handle: Any) -> None:
+        look_ahead(handle)
+        outstanding.append(len(handle.session.prefetching))
+
+    monkeypatch.setattr(ctx, "_copy_in", watched)
+    monkeypatch.setattr(ctx, "_unpack_prefetch", ahead)
+    with ctx:
+        loss = model(x).square().mean()
+    loss.backward()
+    assert sum(issued) >= 8  # most copies came back ahead of their use
+    assert max(outstanding) == depth  # the window fills, and never more outstanding
+    got = sim_grads(model)
+    ref = deep()
+    ref(x.cpu()).square().mean().backward()
+    assert_equal_grads(got, [p.grad for p in ref.parameters()])
+
+
+def test_prefetch_depth_zero_copies_back_only_on_demand(
     sim: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, x = deep().to("sim"), torch.randn(32, 64, device="sim")
-    ctx = offload(max_fwd_stash_size=2)
-    issued: list[tuple[bool, int]] = []
+    ctx = offload(prefetch_depth=0)
+    issued: list[bool] = []
     original = ctx._copy_in
 
     def watched(copy: Any, *, prefetch: bool = False) -> Any:
-        out = original(copy, prefetch=prefetch)
-        issued.append((prefetch, len(ctx._session.prefetching)))
-        return out
+        issued.append(prefetch)
+        return original(copy, prefetch=prefetch)
 
     monkeypatch.setattr(ctx, "_copy_in", watched)
     with ctx:
         loss = model(x).square().mean()
     loss.backward()
-    prefetched = [n for p, n in issued if p]
-    assert len(prefetched) >= 8  # most copies came back ahead of their use
-    assert max(prefetched) <= 2  # never more than the window outstanding
-    got = sim_grads(model)
+    assert issued and not any(issued)
     ref = deep()
     ref(x.cpu()).square().mean().backward()
-    assert_equal_grads(got, [p.grad for p in ref.parameters()])
+    assert_equal_grads(sim_grads(model), [p.grad for p in ref.parameters()])
 
 
 def test_in_flight_window_frees_activations_while_their_copies_run(sim: Any) -> None:

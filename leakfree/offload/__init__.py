@@ -33,9 +33,10 @@ than returned to a pool that is gone.
 
 Layout
 ------
-``hooks`` (the handles, the copies, the context managers), ``pool`` (host blocks and their
-budget), ``streams`` (pack order, dedup, in-flight window, prefetch), ``models``
-(``offload_model`` and head discovery).
+``hooks`` (the context managers and the copies they make), ``handles`` (what the graph
+owns: handles, host copies, pack order and dedup map), ``pool`` (host blocks and their
+budget), ``streams`` (in-flight window, prefetch), ``models`` (``offload_model`` and head
+discovery). Imports go one way: hooks -> streams -> handles -> pool.
 """
 
 from leakfree.offload.hooks import NoOffload, OffloadActivations

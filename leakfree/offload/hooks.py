@@ -1,9 +1,9 @@
-"""What the graph owns, and the hooks that make it: handles, host copies, the managers.
+"""The context managers and the copies they make.
 
-The pack hook returns a handle (:class:`_Offloaded`, or :class:`_Kept` for what stays on
-the device); the graph owns it, and it owns everything else (see the package docstring
-for the lifetime contract). :class:`OffloadActivations` makes the copies: out in forward,
-back in backward, on a side stream where there is an accelerator.
+:class:`OffloadActivations`'s pack hook returns a handle (:mod:`leakfree.offload.handles`)
+that the graph owns; it makes the copies: out in forward, back in backward, on a side
+stream where there is an accelerator. :class:`NoOffload` keeps saved tensors where they
+are.
 """
 
 from __future__ import annotations
@@ -12,205 +12,34 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from leakfree._device import accelerator, device_index, device_module
+from leakfree.offload.handles import (
+    _HostCopy,
+    _Kept,
+    _Offloaded,
+    _Session,
+    _span,
+)
 from leakfree.offload.pool import HostBlockPool
-from leakfree.offload.streams import _prefetch_plan, _prune_prefetching, _retire, _Session
+from leakfree.offload.streams import _prefetch_plan, _prune_prefetching, _retire
 
 __all__ = ["NoOffload", "OffloadActivations"]
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """First and one-past-last element index of ``t`` in its storage (in elements)."""
-    offset = int(t.storage_offset())
-    if t.is_contiguous():  # the common case, without a walk over the strides
-        return offset, offset + t.numel()
-    if t.numel() == 0:
-        return offset, offset
-    last = offset + sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride()))
-    return offset, last + 1
-
-
-def _version_error(t_version: int, saved_version: int, shape: Any) -> RuntimeError:
-    # The check PyTorch makes for saved tensors, which it skips whenever saved-tensor
-    # hooks are installed: made here so hooks do not hide in-place bugs.
-    return RuntimeError(
-        "one of the variables needed for gradient computation has been modified by an "
-        f"inplace operation: a saved tensor of shape {list(shape)} is at version "
-        f"{t_version}; expected version {saved_version} instead (checked by leakfree, "
-        "because PyTorch does not check tensors that pass through saved-tensor hooks)"
-    )
-
-
-class _Kept:
-    """A saved tensor that stays where it is: detached, with its version at save time.
-
-    Detached because a saved *output* reaches the pack hook with ``grad_fn`` set to the very
-    node that saves it: storing it as is closes a cycle through C++ (node -> saved tensor
-    -> grad_fn -> node) that no garbage collector can free, so a graph dropped without
-    backward would leak with everything upstream of it. Autograd restores the autograd
-    metadata on unpack itself.
-    """
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t.detach()  # shares storage and version counter, holds no grad_fn
-        self.version = t._version
-
-    def unpack(self) -> torch.Tensor:
-        t = self.tensor
-        if t._version != self.version:
-            raise _version_error(t._version, self.version, t.shape)
-        return t
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_min_offload_size(where: str, value: object) -> None:
     """The one check of ``min_offload_size``, at construction and on assignment."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not _is_count(value) or value < 0:
         raise ValueError(f"{where}{value!r}): must be an int >= 0 (bytes)")
-
-
-class _HostCopy:
-    """Host bytes of (a span of) one device storage, shared by the handles that use them.
-
-    Returns its pool block when the last handle using it dies.
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "block",
-        "byte_start",
-        "device",
-        "host",
-        "index",
-        "lent",
-        "nbytes",
-        "pool",
-        "prefetched",
-        "restored",
-        "source",
-    )
-
-    def __init__(
-        self, pool: HostBlockPool, nbytes: int, byte_start: int, device: torch.device
-    ) -> None:
-        # Weak: a graph keeps its own host bytes, not the pool and its free blocks.
-        self.pool = weakref.ref(pool)
-        self.block = pool.acquire(nbytes)
-        data = self.block.data
-        self.host = data if nbytes == self.block.size else data[:nbytes]  # the bytes used
-        self.nbytes = nbytes
-        self.byte_start = byte_start  # where the copied bytes start in the source storage
-        self.device = device
-        self.index = 0  # tape position of the newest handle using it
-        self.lent = False  # restored tensors view the block itself (CPU): never reuse it
-        self.source: Any = None  # weak reference to the source storage (dedup validity)
-        #: (weak reference to a live restored storage, the event its copy-in recorded)
-        self.restored: tuple[Any, Any] | None = None
-        self.prefetched: tuple[torch.Tensor, Any] | None = None  # (device bytes, event)
-
-    def host_bytes(self) -> torch.Tensor:
-        return self.host
-
-    def to_device(self, non_blocking: bool = False) -> torch.Tensor:
-        """A new device buffer holding these bytes, copied on the current stream."""
-        dev = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        return dev.copy_(self.host, non_blocking=non_blocking)
-
-    def live_restored(self) -> tuple[torch.UntypedStorage, Any] | None:
-        """The device storage a sibling handle restored, if it is still alive, and the
-        event its copy-in recorded."""
-        if self.restored is None:
-            return None
-        alive = self.restored[0]()
-        return None if alive is None else (alive, self.restored[1])
-
-    def __del__(self) -> None:
-        block = getattr(self, "block", None)
-        pool = self.pool() if block is not None else None
-        if block is not None and pool is not None:
-            # never blocks: safe inside a garbage collection
-            pool.release(block, reuse=not self.lent)
-        # (pool gone: the block's memory is freed with it)
-
-
-class _Offloaded:
-    """The packed form of one saved tensor: the graph owns it, and it owns everything."""
-
-    __slots__ = (
-        "__weakref__",
-        "copy",
-        "dtype",
-        "element_offset",
-        "in_flight",
-        "index",
-        "manager",
-        "session",
-        "shape",
-        "stride",
-        "version",
-    )
-
-    def __init__(
-        self,
-        manager: OffloadActivations,
-        session: _Session,
-        copy: _HostCopy,
-        t: torch.Tensor,
-        element_offset: int,
-    ) -> None:
-        # Weak, like the hooks: a graph keeps its payloads, never the context manager.
-        self.manager = weakref.ref(manager)
-        self.session = session
-        self.index = session.next_index()  # position in pack order
-        self.copy = copy
-        copy.index = self.index
-        self.dtype = t.dtype
-        self.shape = t.shape
-        self.stride = t.stride()
-        self.version = t._version
-        self.element_offset = element_offset  # storage offset within the copied bytes
-        #: the device tensor (detached) while its device-to-host copy is in flight
-        self.in_flight: torch.Tensor | None = None
-
-    def unpack(self) -> torch.Tensor:
-        t = self.in_flight
-        if t is not None:  # never left the device: its copy has not even retired
-            if t._version != self.version:
-                raise _version_error(t._version, self.version, t.shape)
-            return t
-        manager = self.manager()
-        if manager is not None:
-            storage = manager._restore(self.copy, self.session)
-        else:
-            storage = _restore_without_manager(self.copy)
-        out = torch.empty(0, dtype=self.dtype, device=self.copy.device)
-        out.set_(storage, self.element_offset, self.shape, self.stride)
-        if manager is not None and manager.use_streams:
-            manager._unpack_prefetch(self)
-        return out
-
-
-_orphan_lock = threading.Lock()
-
-
-def _restore_without_manager(copy: _HostCopy) -> torch.UntypedStorage:
-    """The context manager was dropped while its graph lived on: bring the bytes back with
-    a plain synchronous copy on the current stream (its copies out all completed by its
-    ``__exit__``; no prefetch is left to use)."""
-    with _orphan_lock:
-        sibling = copy.live_restored()
-        if sibling is not None:
-            return sibling[0]
-        storage = copy.to_device().untyped_storage()
-        copy.restored = (weakref.ref(storage), None)
-        return storage
 
 
 def _pack_hook(manager_ref: weakref.ref[OffloadActivations]) -> Callable[[torch.Tensor], Any]:
@@ -238,8 +67,9 @@ class OffloadActivations(saved_tensors_hooks):
             device-to-host in forward, host-to-device prefetch in backward.
         min_offload_size: tensors smaller than this many bytes stay where they are.
         max_fwd_stash_size: how many device-to-host copies may be in flight at once (their
-            device tensors are kept alive until then), and how many host-to-device copies
-            backward prefetches ahead. At least 1.
+            device tensors are kept alive until then), as TRL's. At least 1.
+        prefetch_depth: how many host-to-device copies backward may have issued ahead of
+            their use (with ``use_streams``). 0 turns prefetch off.
         device: the device to offload from; by default the current accelerator. Tensors on
             other device types stay put.
         force_host_copy: on a machine without an accelerator, offload CPU tensors to
@@ -275,11 +105,17 @@ class OffloadActivations(saved_tensors_hooks):
         device: torch.device | str | None = None,
         force_host_copy: bool = False,
         pin_memory_budget: int | None = None,
+        prefetch_depth: int = 5,
     ) -> None:
-        if not isinstance(max_fwd_stash_size, int) or max_fwd_stash_size < 1:
+        if not _is_count(max_fwd_stash_size) or max_fwd_stash_size < 1:
             raise ValueError(
                 f"OffloadActivations(max_fwd_stash_size={max_fwd_stash_size!r}): must be an "
                 "int >= 1 (the number of copies in flight at once)"
+            )
+        if not _is_count(prefetch_depth) or prefetch_depth < 0:
+            raise ValueError(
+                f"OffloadActivations(prefetch_depth={prefetch_depth!r}): must be an int >= 0 "
+                "(the number of copies backward brings back ahead of use; 0: none)"
             )
         _check_min_offload_size("OffloadActivations(min_offload_size=", min_offload_size)
         target = torch.device(device) if device is not None else accelerator()
@@ -296,6 +132,7 @@ class OffloadActivations(saved_tensors_hooks):
         self.use_pin_memory = bool(use_pin_memory) and accelerated
         self.min_offload_size = min_offload_size
         self.max_fwd_stash_size = max_fwd_stash_size
+        self.prefetch_depth = prefetch_depth
         self._device_type = target.type if target is not None else None  # for the pack hook
         self.pool = HostBlockPool(pin_memory_budget, pin=self.use_pin_memory)
         self._device_module: Any = device_module(target) if accelerated and target else None
@@ -466,7 +303,7 @@ class OffloadActivations(saved_tensors_hooks):
         with self._lock:
             session = handle.session
             live = _prune_prefetching(session.prefetching, handle.index)
-            for copy in _prefetch_plan(session, handle, self.max_fwd_stash_size - live):
+            for copy in _prefetch_plan(session, handle, self.prefetch_depth - live):
                 self._copy_in(copy, prefetch=True)
                 session.prefetching.append(weakref.ref(copy))
 

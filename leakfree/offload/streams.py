@@ -1,8 +1,8 @@
-"""The stream policy of one ``with`` block: its tape (pack order), dedup map, in-flight
-window and backward prefetch.
+"""The stream policy: which device tensors stay while their copy is in flight, and which
+host copies backward brings back ahead of time.
 
-Everything here is plain Python over weak references, tested on CPU: a :class:`_Session`
-owns no payload, so dropping a graph is never delayed by it.
+Everything here is plain Python over weak references, tested on CPU: it owns no payload,
+so dropping a graph is never delayed by it.
 """
 
 from __future__ import annotations
@@ -10,65 +10,8 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-import torch
-
-if TYPE_CHECKING:
-    from leakfree.offload.hooks import _HostCopy, _Offloaded
-
-
-class _Session:
-    """One ``with`` block's pack order (for prefetch) and storage dedup map.
-
-    Holds handles and host copies weakly: it owns no payload. The tape drops its dead
-    prefix as it grows, so one ``with`` around a whole training loop stays cheap.
-    """
-
-    __slots__ = ("__weakref__", "base", "prefetching", "shared", "tape")
-
-    def __init__(self) -> None:
-        self.tape: deque[weakref.ref[_Offloaded]] = deque()
-        self.base = 0  # pack index of tape[0]
-        #: (storage address, version) -> the host copy made of it (weakly); one forward's
-        #: worth of entries, dropped with the session
-        self.shared: dict[tuple[int, int], weakref.ref[_HostCopy]] = {}
-        #: copies with a prefetched device copy not yet consumed, weakly, in plan order
-        self.prefetching: deque[weakref.ref[_HostCopy]] = deque()
-
-    def next_index(self) -> int:
-        return self.base + len(self.tape)
-
-    def append(self, handle: _Offloaded) -> None:
-        self.tape.append(weakref.ref(handle))
-        if len(self.tape) >= 2048 and self.tape[0]() is None:
-            while self.tape and self.tape[0]() is None:  # a dead prefix: earlier steps
-                self.tape.popleft()
-                self.base += 1
-
-    def handle_at(self, index: int) -> _Offloaded | None:
-        i = index - self.base
-        return self.tape[i]() if 0 <= i < len(self.tape) else None
-
-    def shared_copy(self, storage: torch.UntypedStorage, version: int) -> _HostCopy | None:
-        """A host copy of this very storage, at this version, made during this forward.
-
-        Keyed by address and version counter (an in-place write makes a new copy), and
-        valid only while the storage it was copied from is alive (an address is reused
-        only after its storage died): no stale keys, nothing to clean up. Writes that
-        bypass the version counter (through ``.data``, ``set_`` or numpy aliases) between
-        two saves are not seen: PyTorch does not track them either.
-        """
-        ref = self.shared.get((storage.data_ptr(), version))
-        copy = ref() if ref is not None else None
-        if copy is not None and copy.source is not None and copy.source() is not None:
-            return copy
-        return None
-
-    def remember(self, copy: _HostCopy, storage: torch.UntypedStorage, version: int) -> None:
-        """Let later saves of ``storage`` at ``version`` in this forward share ``copy``."""
-        copy.source = weakref.ref(storage)
-        self.shared[(storage.data_ptr(), version)] = weakref.ref(copy)
+from leakfree.offload.handles import _HostCopy, _Offloaded, _Session
 
 
 def _retire(

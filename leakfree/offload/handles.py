@@ -1,0 +1,266 @@
+"""What the graph owns: the handles the pack hook returns, the host copies they share, and
+their ``with`` block's pack order.
+
+The pack hook returns a handle (:class:`_Offloaded`, or :class:`_Kept` for what stays on
+the device); the graph owns it, and it owns everything else: its :class:`_HostCopy` (a pool
+block holding the bytes, returned when the last handle using it dies) and its
+:class:`_Session` (the pack order and dedup map, held weakly). Nothing here refers to the
+context manager strongly; see :mod:`leakfree.offload` for the lifetime contract.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from typing import Any, Protocol
+
+import torch
+
+from leakfree.offload.pool import HostBlockPool
+
+
+class _Restorer(Protocol):
+    """What a handle asks of the manager that packed it (``OffloadActivations``), which it
+    holds weakly: bring its bytes back, then look ahead."""
+
+    use_streams: bool
+
+    def _restore(self, copy: _HostCopy, session: _Session) -> torch.UntypedStorage: ...
+
+    def _unpack_prefetch(self, handle: _Offloaded) -> None: ...
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """First and one-past-last element index of ``t`` in its storage (in elements)."""
+    offset = int(t.storage_offset())
+    if t.is_contiguous():  # the common case, without a walk over the strides
+        return offset, offset + t.numel()
+    if t.numel() == 0:
+        return offset, offset
+    last = offset + sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride()))
+    return offset, last + 1
+
+
+def _version_error(t_version: int, saved_version: int, shape: Any) -> RuntimeError:
+    # The check PyTorch makes for saved tensors, which it skips whenever saved-tensor
+    # hooks are installed: made here so hooks do not hide in-place bugs.
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: a saved tensor of shape {list(shape)} is at version "
+        f"{t_version}; expected version {saved_version} instead (checked by leakfree, "
+        "because PyTorch does not check tensors that pass through saved-tensor hooks)"
+    )
+
+
+class _Kept:
+    """A saved tensor that stays where it is: detached, with its version at save time.
+
+    Detached because a saved *output* reaches the pack hook with ``grad_fn`` set to the very
+    node that saves it: storing it as is closes a cycle through C++ (node -> saved tensor
+    -> grad_fn -> node) that no garbage collector can free, so a graph dropped without
+    backward would leak with everything upstream of it. Autograd restores the autograd
+    metadata on unpack itself.
+    """
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t.detach()  # shares storage and version counter, holds no grad_fn
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise _version_error(t._version, self.version, t.shape)
+        return t
+
+
+class _Session:
+    """One ``with`` block's pack order (for prefetch) and storage dedup map.
+
+    Holds handles and host copies weakly: it owns no payload. The tape drops its dead
+    prefix as it grows, so one ``with`` around a whole training loop stays cheap.
+    """
+
+    __slots__ = ("__weakref__", "base", "prefetching", "shared", "tape")
+
+    def __init__(self) -> None:
+        self.tape: deque[weakref.ref[_Offloaded]] = deque()
+        self.base = 0  # pack index of tape[0]
+        #: (storage address, version) -> the host copy made of it (weakly); one forward's
+        #: worth of entries, dropped with the session
+        self.shared: dict[tuple[int, int], weakref.ref[_HostCopy]] = {}
+        #: copies with a prefetched device copy not yet consumed, weakly, in plan order
+        self.prefetching: deque[weakref.ref[_HostCopy]] = deque()
+
+    def next_index(self) -> int:
+        return self.base + len(self.tape)
+
+    def append(self, handle: _Offloaded) -> None:
+        self.tape.append(weakref.ref(handle))
+        if len(self.tape) >= 2048 and self.tape[0]() is None:
+            while self.tape and self.tape[0]() is None:  # a dead prefix: earlier steps
+                self.tape.popleft()
+                self.base += 1
+
+    def handle_at(self, index: int) -> _Offloaded | None:
+        i = index - self.base
+        return self.tape[i]() if 0 <= i < len(self.tape) else None
+
+    def shared_copy(self, storage: torch.UntypedStorage, version: int) -> _HostCopy | None:
+        """A host copy of this very storage, at this version, made during this forward.
+
+        Keyed by address and version counter (an in-place write makes a new copy), and
+        valid only while the storage it was copied from is alive (an address is reused
+        only after its storage died): no stale keys, nothing to clean up. Writes that
+        bypass the version counter (through ``.data``, ``set_`` or numpy aliases) between
+        two saves are not seen: PyTorch does not track them either.
+        """
+        ref = self.shared.get((storage.data_ptr(), version))
+        copy = ref() if ref is not None else None
+        if copy is not None and copy.source is not None and copy.source() is not None:
+            return copy
+        return None
+
+    def remember(self, copy: _HostCopy, storage: torch.UntypedStorage, version: int) -> None:
+        """Let later saves of ``storage`` at ``version`` in this forward share ``copy``."""
+        copy.source = weakref.ref(storage)
+        self.shared[(storage.data_ptr(), version)] = weakref.ref(copy)
+
+
+class _HostCopy:
+    """Host bytes of (a span of) one device storage, shared by the handles that use them.
+
+    Returns its pool block when the last handle using it dies.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "block",
+        "byte_start",
+        "device",
+        "host",
+        "index",
+        "lent",
+        "nbytes",
+        "pool",
+        "prefetched",
+        "restored",
+        "source",
+    )
+
+    def __init__(
+        self, pool: HostBlockPool, nbytes: int, byte_start: int, device: torch.device
+    ) -> None:
+        # Weak: a graph keeps its own host bytes, not the pool and its free blocks.
+        self.pool = weakref.ref(pool)
+        self.block = pool.acquire(nbytes)
+        data = self.block.data
+        self.host = data if nbytes == self.block.size else data[:nbytes]  # the bytes used
+        self.nbytes = nbytes
+        self.byte_start = byte_start  # where the copied bytes start in the source storage
+        self.device = device
+        self.index = 0  # tape position of the newest handle using it
+        self.lent = False  # restored tensors view the block itself (CPU): never reuse it
+        self.source: Any = None  # weak reference to the source storage (dedup validity)
+        #: (weak reference to a live restored storage, the event its copy-in recorded)
+        self.restored: tuple[Any, Any] | None = None
+        self.prefetched: tuple[torch.Tensor, Any] | None = None  # (device bytes, event)
+
+    def host_bytes(self) -> torch.Tensor:
+        return self.host
+
+    def to_device(self, non_blocking: bool = False) -> torch.Tensor:
+        """A new device buffer holding these bytes, copied on the current stream."""
+        dev = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        return dev.copy_(self.host, non_blocking=non_blocking)
+
+    def live_restored(self) -> tuple[torch.UntypedStorage, Any] | None:
+        """The device storage a sibling handle restored, if it is still alive, and the
+        event its copy-in recorded."""
+        if self.restored is None:
+            return None
+        alive = self.restored[0]()
+        return None if alive is None else (alive, self.restored[1])
+
+    def __del__(self) -> None:
+        block = getattr(self, "block", None)
+        pool = self.pool() if block is not None else None
+        if block is not None and pool is not None:
+            # never blocks: safe inside a garbage collection
+            pool.release(block, reuse=not self.lent)
+        # (pool gone: the block's memory is freed with it)
+
+
+class _Offloaded:
+    """The packed form of one saved tensor: the graph owns it, and it owns everything."""
+
+    __slots__ = (
+        "__weakref__",
+        "copy",
+        "dtype",
+        "element_offset",
+        "in_flight",
+        "index",
+        "manager",
+        "session",
+        "shape",
+        "stride",
+        "version",
+    )
+
+    def __init__(
+        self,
+        manager: _Restorer,
+        session: _Session,
+        copy: _HostCopy,
+        t: torch.Tensor,
+        element_offset: int,
+    ) -> None:
+        # Weak, like the hooks: a graph keeps its payloads, never the context manager.
+        self.manager = weakref.ref(manager)
+        self.session = session
+        self.index = session.next_index()  # position in pack order
+        self.copy = copy
+        copy.index = self.index
+        self.dtype = t.dtype
+        self.shape = t.shape
+        self.stride = t.stride()
+        self.version = t._version
+        self.element_offset = element_offset  # storage offset within the copied bytes
+        #: the device tensor (detached) while its device-to-host copy is in flight
+        self.in_flight: torch.Tensor | None = None
+
+    def unpack(self) -> torch.Tensor:
+        t = self.in_flight
+        if t is not None:  # never left the device: its copy has not even retired
+            if t._version != self.version:
+                raise _version_error(t._version, self.version, t.shape)
+            return t
+        manager = self.manager()
+        if manager is not None:
+            storage = manager._restore(self.copy, self.session)
+        else:
+            storage = _restore_without_manager(self.copy)
+        out = torch.empty(0, dtype=self.dtype, device=self.copy.device)
+        out.set_(storage, self.element_offset, self.shape, self.stride)
+        if manager is not None and manager.use_streams:
+            manager._unpack_prefetch(self)
+        return out
+
+
+_orphan_lock = threading.Lock()
+
+
+def _restore_without_manager(copy: _HostCopy) -> torch.UntypedStorage:
+    """The context manager was dropped while its graph lived on: bring the bytes back with
+    a plain synchronous copy on the current stream (its copies out all completed by its
+    ``__exit__``; no prefetch is left to use)."""
+    with _orphan_lock:
+        sibling = copy.live_restored()
+        if sibling is not None:
+            return sibling[0]
+        storage = copy.to_device().untyped_storage()
+        copy.restored = (weakref.ref(storage), None)
+        return storage
