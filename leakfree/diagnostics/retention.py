@@ -415,10 +415,24 @@ def find_retained(
         found = site_of(tensor) if site_of is not None else None
         return "" if found is None else str(found)
 
-    # 1. Every tensor the roots hold. What they hold outside a graph lives anyway.
+    found, anyway = _reach(named, depth)
+    graphs = _Graphs(anyway, made)
+    kept = [g for g in (graphs.judge(*f, everything) for f in found if f[1].grad_fn) if g]
+    every, shown = _detached(_holders(found), since, made, everything)
+    report = RetentionReport(graphs.ctx_entries() + kept, [d for d, s in zip(every, shown) if s])
+    report.all_detached = every
+    return report
+
+
+_Found = tuple[str, torch.Tensor, Located]
+
+
+def _reach(named: list[tuple[str, Any]], depth: int) -> tuple[list[_Found], set[int]]:
+    """Phase 1: every tensor the roots hold, and the storages that live anyway (parameters,
+    and what the roots hold outside a graph): charged to no graph."""
     visited: set[int] = set()
     anyway: set[int] = set()
-    found: list[tuple[str, torch.Tensor, Located]] = []
+    found: list[_Found] = []
     for name, root in named:
         for tensor, located in walk(root, depth=depth, modules=True, visited=visited, classes=True):
             found.append((name, tensor, located))
@@ -429,56 +443,49 @@ def find_retained(
                 key = _key(tensor)
                 if key is not None:
                     anyway.add(key)
-    # 2. The graphs behind tensors with a grad_fn; the holders of those without one.
-    graphs: list[Retained] = []
-    ctx_bytes: dict[str, int] = {}
-    ctx_nodes: dict[str, int] = {}
-    ctx_sites: dict[str, str] = {}
-    nodes_seen: set[int] = set()
-    counted: set[int] = set()
-    released_cache: dict[int, tuple[bool, bool]] = {}
-    budget = [_MAX_TOTAL_NODES]
-    holders: dict[int, tuple[str, Located, int, list[torch.Tensor]]] = {}
-    for name, tensor, located in found:
-        if tensor.grad_fn is None:
-            if _parameter_of(tensor) is None:
-                held = _holder(located)
-                if held is not None:
-                    entry = holders.setdefault(held[0], (name, held[1], held[2], []))
-                    entry[3].append(tensor)
-            continue
-        graph_bytes = 0
+    return found, anyway
+
+
+class _Graphs:
+    """Phase 2: the graphs behind the tensors that have a ``grad_fn``. Bytes are counted
+    once across all of them (``counted``), and ctx state once per node."""
+
+    def __init__(self, anyway: set[int], made: Callable[[torch.Tensor], str]) -> None:
+        self.anyway = anyway
+        self.made = made
+        self.counted: set[int] = set()
+        self.budget = [_MAX_TOTAL_NODES]
+        self.states: dict[int, tuple[bool, bool]] = {}  # node id -> (backward ran, kept)
+        self.nodes_seen: set[int] = set()
+        self.ctx_bytes: dict[str, int] = {}
+        self.ctx_nodes: dict[str, int] = {}
+        self.ctx_sites: dict[str, str] = {}
+
+    def judge(
+        self, name: str, tensor: torch.Tensor, located: Located, everything: bool
+    ) -> Retained | None:
+        """The ``graph`` entry for ``tensor``, or None where a clean loop holds the same."""
+        graph_bytes = nodes = 0
         backpropagated = retained = False
-        nodes = 0
         leaves = []
-        for node in _graph(tensor.grad_fn, budget):
+        for node in _graph(tensor.grad_fn, self.budget):
             nodes += 1
-            state = released_cache.get(id(node))
+            state = self.states.get(id(node))
             if state is None:
-                state = released_cache[id(node)] = (backward_ran(node), _marked(node))
+                state = self.states[id(node)] = (backward_ran(node), _marked(node))
             ran, kept = state
             backpropagated = backpropagated or ran or kept
             retained = retained or kept
             if hasattr(node, "variable"):
                 leaves.append(node)
             if not ran:  # what it saved is alive: a retained graph's, or a branch never run
-                graph_bytes += tensor_bytes(_saved(node), counted, depth=2, anyway=anyway)
+                graph_bytes += tensor_bytes(_saved(node), self.counted, depth=2, anyway=self.anyway)
             if isinstance(node, BackwardCFunction) and (ran or kept):
-                state_bytes = _ctx_state(node, counted, anyway)
-                graph_bytes += sum(n for _, n in state_bytes)
-                if ran and id(node) not in nodes_seen:
-                    nodes_seen.add(id(node))
-                    cls = node._forward_cls.__qualname__  # type: ignore[attr-defined]
-                    for attr, nbytes in state_bytes:
-                        where = f"{cls}.ctx.{attr}"
-                        ctx_bytes[where] = ctx_bytes.get(where, 0) + nbytes
-                        ctx_nodes[where] = ctx_nodes.get(where, 0) + 1
-                        ctx_sites.setdefault(where, _ctx_site(node, attr, made))
+                graph_bytes += self._ctx(node, ran)
         if not everything and not (backpropagated and (retained or _in_growable(located))):
-            continue
-        leaf_bytes = sum(_leaf_bytes(node, counted, anyway) for node in leaves)
+            return None
+        leaf_bytes = sum(_leaf_bytes(node, self.counted, self.anyway) for node in leaves)
         through = graph_bytes + leaf_bytes
-        graph_bytes = through + tensor_bytes(tensor, counted, depth=0)
         pinned = f", {format_bytes(leaf_bytes)} of leaves and their .grad" if leaf_bytes else ""
         if retained:
             how = "backpropagated with retain_graph=True, its saved tensors alive"
@@ -486,31 +493,55 @@ def find_retained(
             how = "already backpropagated"
         else:
             how = "never backpropagated, its saved tensors alive"
-        graphs.append(
+        return Retained(
+            "graph",
+            located.named(name),
+            through + tensor_bytes(tensor, self.counted, depth=0),
+            f"a tensor whose graph was {how} ({nodes} nodes{pinned}); detach it before keeping it",
+            site=self.made(tensor),
+            through_graph=through,
+        )
+
+    def _ctx(self, node: Any, ran: bool) -> int:
+        """Bytes of ``node``'s ctx state; tallied per attribute once per node that ran."""
+        state_bytes = _ctx_state(node, self.counted, self.anyway)
+        if ran and id(node) not in self.nodes_seen:
+            self.nodes_seen.add(id(node))
+            cls = node._forward_cls.__qualname__
+            for attr, nbytes in state_bytes:
+                where = f"{cls}.ctx.{attr}"
+                self.ctx_bytes[where] = self.ctx_bytes.get(where, 0) + nbytes
+                self.ctx_nodes[where] = self.ctx_nodes.get(where, 0) + 1
+                self.ctx_sites.setdefault(where, _ctx_site(node, attr, self.made))
+        return sum(n for _, n in state_bytes)
+
+    def ctx_entries(self) -> list[Retained]:
+        return [
             Retained(
-                "graph",
-                located.named(name),
-                graph_bytes,
-                f"a tensor whose graph was {how} ({nodes} nodes{pinned}); "
-                "detach it before keeping it",
-                site=made(tensor),
-                through_graph=through,
+                "ctx attribute",
+                where,
+                nbytes,
+                f"{self.ctx_nodes[where]} node(s) kept it after their backward ran",
+                site=self.ctx_sites.get(where, ""),
             )
-        )
-    ctx = [
-        Retained(
-            "ctx attribute",
-            where,
-            nbytes,
-            f"{ctx_nodes[where]} node(s) kept it after their backward ran",
-            site=ctx_sites.get(where, ""),
-        )
-        for where, nbytes in ctx_bytes.items()
-    ]
-    every, shown = _detached(holders, since, made, everything)
-    report = RetentionReport(ctx + graphs, [d for d, show in zip(every, shown) if show])
-    report.all_detached = every
-    return report
+            for where, nbytes in self.ctx_bytes.items()
+        ]
+
+
+_Holders = dict[int, tuple[str, Located, int, list[torch.Tensor]]]
+
+
+def _holders(found: list[_Found]) -> _Holders:
+    """Phase 3's input: the growable containers that hold tensors without a graph (not
+    parameters), each with its tensors, keyed by the container."""
+    holders: _Holders = {}
+    for name, tensor, located in found:
+        if tensor.grad_fn is None and _parameter_of(tensor) is None:
+            held = _holder(located)
+            if held is not None:
+                entry = holders.setdefault(held[0], (name, held[1], held[2], []))
+                entry[3].append(tensor)
+    return holders
 
 
 def _ctx_site(node: Any, attr: str, made: Callable[[torch.Tensor], str]) -> str:
@@ -522,13 +553,13 @@ def _ctx_site(node: Any, attr: str, made: Callable[[torch.Tensor], str]) -> str:
 
 
 def _detached(
-    holders: dict[int, tuple[str, Located, int, list[torch.Tensor]]],
+    holders: _Holders,
     since: RetentionReport | None,
     made: Callable[[torch.Tensor], str],
     everything: bool,
 ) -> tuple[list[Retained], list[bool]]:
-    """Every detached holder, and which to show: all with ``everything``, else those grown
-    since ``since``."""
+    """Phase 3: every detached holder, and which to show: all with ``everything``, else
+    those grown since ``since``."""
     shown: list[bool] = []
     before = {r.where: r for r in since.all_detached} if since is not None else {}
     out = []
