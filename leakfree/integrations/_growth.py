@@ -29,7 +29,7 @@ from leakfree.diagnostics.roots import judged_device, named_roots
 from leakfree.integrations import MemoryGrowthWarning
 from leakfree.testing import LeakError
 
-__all__ = ["METRIC_GROWTH", "METRIC_LIVE", "GrowthWatch"]
+__all__ = ["METRIC_GROWTH", "METRIC_LIVE", "GrowthWatch", "WatchingCallback"]
 
 #: the metric names both callbacks log (bytes; the growth is per optimizer step)
 METRIC_LIVE = "leakfree/live_bytes"
@@ -186,3 +186,40 @@ class GrowthWatch:
         if self.growth is not None:
             out[METRIC_GROWTH] = float(self.growth.bytes_per_step)
         return out
+
+
+class WatchingCallback:
+    """What both framework callbacks take and hold: their settings, validated once, and
+    the :class:`GrowthWatch` built from them (``self.watch``). Each callback documents the
+    arguments in its framework's words; the signature and the checks live only here.
+    ``log``: report the numbers through the framework's logging (default True)."""
+
+    def __init__(
+        self,
+        *,
+        warmup: int = 3,
+        window: int = 10,
+        tolerance: float = 0.0,
+        fail: bool = False,
+        floor: float = DEFAULT_FLOOR,
+        sample_every: int = 8,
+        device: str | torch.device | None = None,
+        roots: Mapping[str, Any] | Iterable[Any] | None = None,
+        log: bool = True,
+    ) -> None:
+        owner = type(self).__name__
+        if not isinstance(log, bool):
+            raise TypeError(f"{owner}(log={log!r}): expected True or False")
+        self.watch = GrowthWatch(
+            owner,
+            warmup=warmup,
+            window=window,
+            tolerance=tolerance,
+            floor=floor,
+            fail=fail,
+            sample_every=sample_every,
+            device=device,
+            roots=roots,
+        )
+        self._log = log
+        super().__init__()

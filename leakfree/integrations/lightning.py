@@ -19,7 +19,6 @@ when a window grows, and not kept.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 try:
@@ -41,15 +40,13 @@ except ModuleNotFoundError as missing:
             "(or the standalone pytorch-lightning)"
         ) from e
 
-import torch
 
-from leakfree.diagnostics.detector import DEFAULT_FLOOR
-from leakfree.integrations._growth import GrowthWatch
+from leakfree.integrations._growth import WatchingCallback
 
 __all__ = ["LeakfreeCallback"]
 
 
-class LeakfreeCallback(Callback):
+class LeakfreeCallback(WatchingCallback, Callback):  # type: ignore[misc]
     """Warn (or fail) when live memory grows per optimizer step; log the numbers.
 
     Args:
@@ -76,34 +73,7 @@ class LeakfreeCallback(Callback):
         log: log the numbers with ``pl_module.log`` (default True).
     """
 
-    def __init__(
-        self,
-        *,
-        warmup: int = 3,
-        window: int = 10,
-        tolerance: float = 0.0,
-        fail: bool = False,
-        floor: float = DEFAULT_FLOOR,
-        sample_every: int = 8,
-        device: str | torch.device | None = None,
-        roots: Mapping[str, Any] | Iterable[Any] | None = None,
-        log: bool = True,
-    ) -> None:
-        if not isinstance(log, bool):
-            raise TypeError(f"LeakfreeCallback(log={log!r}): expected True or False")
-        self.watch = GrowthWatch(
-            type(self).__name__,
-            warmup=warmup,
-            window=window,
-            tolerance=tolerance,
-            floor=floor,
-            fail=fail,
-            sample_every=sample_every,
-            device=device,
-            roots=roots,
-        )
-        self._log = log
-        self._last_step = -1
+    _last_step = -1
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.watch.stop()

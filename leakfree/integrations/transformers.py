@@ -22,7 +22,7 @@ training log, which reduces and clears them.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -37,8 +37,7 @@ except ModuleNotFoundError as e:
 
 import torch
 
-from leakfree.diagnostics.detector import DEFAULT_FLOOR
-from leakfree.integrations._growth import GrowthWatch
+from leakfree.integrations._growth import WatchingCallback
 from leakfree.losses import LossLog
 
 __all__ = ["LeakfreeCallback", "LossLogMixin"]
@@ -53,7 +52,7 @@ def _is_training_log(logs: Mapping[str, Any]) -> bool:
     return "loss" in logs
 
 
-class LeakfreeCallback(TrainerCallback):  # type: ignore[misc]
+class LeakfreeCallback(WatchingCallback, TrainerCallback):  # type: ignore[misc]
     """Warn (or fail) when live memory grows per optimizer step; log the numbers.
 
     Args:
@@ -78,6 +77,7 @@ class LeakfreeCallback(TrainerCallback):  # type: ignore[misc]
         roots: more objects to search for holders, ``{name: object}`` or a list. Always
             searched: the model, optimizer, LR scheduler and train dataloader, and the
             Trainer itself once :meth:`attach` ed.
+        log: add the numbers to the Trainer's training logs (default True).
 
     Use ``trainer.add_callback(LeakfreeCallback())`` or, so that its numbers reach the
     ``report_to`` integrations too, ``LeakfreeCallback().attach(trainer)``: the Trainer
@@ -85,30 +85,7 @@ class LeakfreeCallback(TrainerCallback):  # type: ignore[misc]
     callbacks after this one see the keys it adds to ``logs``.
     """
 
-    def __init__(
-        self,
-        *,
-        warmup: int = 3,
-        window: int = 10,
-        tolerance: float = 0.0,
-        fail: bool = False,
-        floor: float = DEFAULT_FLOOR,
-        sample_every: int = 8,
-        device: str | torch.device | None = None,
-        roots: Mapping[str, Any] | Iterable[Any] | None = None,
-    ) -> None:
-        self.watch = GrowthWatch(
-            type(self).__name__,
-            warmup=warmup,
-            window=window,
-            tolerance=tolerance,
-            floor=floor,
-            fail=fail,
-            sample_every=sample_every,
-            device=device,
-            roots=roots,
-        )
-        self._trainer: weakref.ref[Any] | None = None
+    _trainer: weakref.ref[Any] | None = None  # set by attach()
 
     def attach(self, trainer: Trainer) -> LeakfreeCallback:
         """Add this callback to ``trainer`` right after its ``DefaultFlowCallback``, before
@@ -161,7 +138,7 @@ class LeakfreeCallback(TrainerCallback):  # type: ignore[misc]
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
-        if logs is None or not _is_training_log(logs):
+        if not self._log or logs is None or not _is_training_log(logs):
             return
         metrics = self.watch.metrics()
         logs.update(metrics)

@@ -211,6 +211,23 @@ def test_attach_puts_the_callback_before_reporting_integrations(tmp_path: Path) 
     assert "leakfree/live_bytes" in Reporter.seen[0]
 
 
+def test_log_false_keeps_the_numbers_out_of_the_logs(tmp_path: Path) -> None:
+    """Both callbacks take one signature (the shared watcher's), ``log`` included: the HF
+    callback had no ``log`` and always wrote its numbers into the Trainer's logs."""
+    from leakfree.integrations._growth import WatchingCallback
+
+    assert LeakfreeCallback.__init__ is WatchingCallback.__init__
+    trainer = transformers.Trainer(
+        model=tiny_model(), args=arguments(tmp_path, 2), train_dataset=Rows(4)
+    )
+    callback = LeakfreeCallback(warmup=0, window=4, log=False).attach(trainer)
+    trainer.train()
+    assert callback.watch.steps == 2
+    assert not any(k.startswith("leakfree/") for h in trainer.state.log_history for k in h)
+    with pytest.raises(TypeError, match=r"LeakfreeCallback\(log='yes'\): expected True"):
+        LeakfreeCallback(log="yes")  # type: ignore[arg-type]
+
+
 class AuxTrainer(LossLogMixin, transformers.Trainer):  # type: ignore[misc]
     """Records an auxiliary loss (the z-loss of the logits) next to the LM loss."""
 
