@@ -12,8 +12,6 @@ fixture and the ``@pytest.mark.leak_check(steps=10, tolerance=0)`` marker.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -22,6 +20,7 @@ import torch
 from leakfree.diagnostics.detector import DEFAULT_FLOOR, Rule
 from leakfree.diagnostics.memory import Growth, MemoryTracker, _default_devices
 from leakfree.diagnostics.retention import RetentionReport
+from leakfree.diagnostics.roots import code_roots
 
 __all__ = ["LeakError", "assert_no_leak"]
 
@@ -33,76 +32,6 @@ class LeakError(AssertionError):
         super().__init__(message)
         self.growth = growth
         self.retained = retained
-
-
-#: Code in these packages is not followed: it holds no state of the user's step.
-_LIBRARY_PREFIXES = ("torch", "leakfree", "_pytest", "pytest", "pluggy", "builtins", "numpy")
-#: How many functions the search follows from the step (a guard against huge call webs).
-_MAX_FUNCTIONS = 256
-
-
-def _callable_code(value: Any) -> bool:
-    """A function, method or partial: followed into, not reported."""
-    return (
-        inspect.isfunction(value) or inspect.ismethod(value) or isinstance(value, functools.partial)
-    )
-
-
-def _is_library(fn: Any) -> bool:
-    module = str(getattr(fn, "__module__", ""))
-    return any(module == p or module.startswith(p + ".") for p in _LIBRARY_PREFIXES)
-
-
-def _roots(step_fn: Callable[..., Any], extra: Iterable[Any]) -> tuple[list[Any], list[str]]:
-    """Where the step can keep things: the globals and closure variables of ``step_fn`` and
-    of every function it reaches through names, lambdas, ``functools.partial`` and bound
-    methods (the user's code only), each named as the code names it; then ``extra``."""
-    roots: list[Any] = []
-    names: list[str] = []
-    seen: set[int] = set()
-
-    def add(value: Any, name: str) -> None:
-        if id(value) not in seen:
-            seen.add(id(value))
-            roots.append(value)
-            names.append(name)
-
-    followed: set[int] = set()
-    stack: list[Any] = [step_fn]
-    while stack and len(followed) < _MAX_FUNCTIONS:
-        fn = stack.pop()
-        if id(fn) in followed:
-            continue
-        followed.add(id(fn))
-        if isinstance(fn, functools.partial):
-            stack.append(fn.func)
-            named = [(f"partial.args[{i}]", v) for i, v in enumerate(fn.args)]
-            for name, value in [*named, *fn.keywords.items()]:
-                if _callable_code(value):
-                    stack.append(value)
-                else:
-                    add(value, name)
-            continue
-        if inspect.ismethod(fn):
-            add(fn.__self__, "self")
-            stack.append(fn.__func__)
-            continue
-        if not inspect.isfunction(fn) or _is_library(fn):
-            continue
-        try:
-            closure = inspect.getclosurevars(fn)
-        except (TypeError, ValueError):
-            continue
-        for name, value in {**closure.nonlocals, **closure.globals}.items():
-            if _callable_code(value):
-                stack.append(value)
-            elif not (
-                inspect.ismodule(value) or inspect.isroutine(value) or inspect.isclass(value)
-            ):
-                add(value, name)
-    for i, value in enumerate(extra):
-        add(value, f"root{i}")
-    return roots, names
 
 
 def assert_no_leak(
@@ -147,8 +76,10 @@ def assert_no_leak(
     extra = list(roots)
 
     def named() -> dict[str, Any]:
-        found, names = _roots(step_fn, extra)
-        return dict(zip(names, found))
+        found = code_roots(step_fn)
+        for i, value in enumerate(extra):
+            found.setdefault(f"root{i}", value)
+        return found
 
     tracker = MemoryTracker(
         devices=[torch.device(device)] if device is not None else _default_devices(),

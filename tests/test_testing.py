@@ -175,6 +175,26 @@ def test_assert_no_leak_finds_what_the_step_keeps_in_globals_and_objects(how: st
     assert holder in str(err.value).replace("ns['kept']", "kept"), str(err.value)
 
 
+def test_code_roots_names_what_user_code_reaches_and_follows_no_library() -> None:
+    """The one search of a step's code (diagnostics.roots.code_roots, beside the walker
+    it reuses for partials and methods): the user's functions are followed, the standard
+    library's and installed packages' are not (``json.dumps``'s module-level encoder is
+    no holder of the user's)."""
+    import functools
+    import json
+
+    from leakfree.diagnostics.roots import code_roots
+
+    ns = _training_module()
+    trainer = ns["Trainer"]()
+    batch = torch.randn(2, 32)
+    found = code_roots(functools.partial(ns["run"], trainer.step, batch))
+    assert found["partial.args[1]"] is batch
+    assert found["self"] is trainer
+    assert found["model"] is ns["model"]  # a global of Trainer.step, reached through run
+    assert code_roots(functools.partial(json.dumps, [1])) == {"partial.args[0]": [1]}
+
+
 def test_pytest_marker_names_the_global_the_test_appends_to(pytester: Any) -> None:
     pytester.makepyfile(
         """

@@ -10,7 +10,10 @@ helpers name them as roots, ``{name: object}``:
   ``module.name``; imported names (a class or function defined elsewhere, a module) are
   left to their own module;
 * :func:`frame_roots`: the locals of the user's and libraries' frames on the stack above a
-  frame, innermost first, each named by its variable (``output_lst``).
+  frame, innermost first, each named by its variable (``output_lst``);
+* :func:`code_roots`: what a step function can keep between calls: the closure variables
+  and globals of it and of every function of the user's it reaches, named as the code
+  names them (``kept``, ``self.history``).
 
 Nothing is kept: the mappings are built when a watcher searches, and dropped after.
 """
@@ -26,13 +29,15 @@ from typing import Any
 
 from leakfree.diagnostics.sites import SKIPPED, USER, kind_of
 
-__all__ = ["frame_roots", "judged_device", "module_roots", "named_roots"]
+__all__ = ["code_roots", "frame_roots", "judged_device", "module_roots", "named_roots"]
 
 #: what is searched after the data: functions reach holders through their closures
 _CODE = (types.FunctionType, types.MethodType, functools.partial)
 
 #: frames searched above a boundary (a Trainer's stack is some 30 deep)
 MAX_FRAMES = 40
+#: functions followed from a step function (a guard against huge call webs)
+MAX_FUNCTIONS = 256
 
 
 def named_roots(owner: str, roots: Mapping[str, Any] | Iterable[Any] | None) -> dict[str, Any]:
@@ -110,6 +115,46 @@ def frame_roots(frame: types.FrameType | None) -> dict[str, Any]:
                 target[var] = value
         frame = frame.f_back
     out.update(code)
+    return out
+
+
+def code_roots(fn: Any) -> dict[str, Any]:
+    """What ``fn`` can keep between calls, ``{name: value}``: the closure variables and
+    globals of ``fn`` and of every function of the user's it reaches through those names,
+    ``functools.partial`` and bound methods (a partial's arguments, named by the
+    walker's edges, ``partial.args[0]``, and a method's ``self``). Modules,
+    classes and routines are not holders; code of torch, leakfree, the standard library
+    and installed packages is not followed. At most :data:`MAX_FUNCTIONS` functions."""
+    from leakfree._walk import edges_of
+
+    out: dict[str, Any] = {}
+    followed: set[int] = set()
+    stack: list[tuple[str, Any]] = [("", fn)]
+    while stack and len(followed) < MAX_FUNCTIONS:
+        prefix, code = stack.pop()
+        if id(code) in followed:
+            continue
+        followed.add(id(code))
+        if isinstance(code, types.FunctionType):
+            if kind_of(code.__code__.co_filename) != USER:
+                continue
+            try:
+                closure = inspect.getclosurevars(code)
+            except (TypeError, ValueError):
+                continue
+            named: Iterable[tuple[str, Any]] = {**closure.nonlocals, **closure.globals}.items()
+        else:  # a partial or a bound method: the walker's edges (function, args, self)
+            named = (
+                ("self" if edge == ".__self__" else f"{prefix or 'partial'}{edge}", v)
+                for edge, v in edges_of(code)
+            )
+        for name, value in named:
+            if isinstance(value, _CODE):
+                stack.append((name, value))
+            elif not (
+                inspect.ismodule(value) or inspect.isroutine(value) or inspect.isclass(value)
+            ):
+                out.setdefault(name, value)
     return out
 
 
