@@ -1,135 +1,122 @@
-"""Every ```python block in README.md and docs/*.md runs, so the documentation stays true.
+"""Every ```python block in README.md and docs/*.md runs when pasted alone into a fresh
+interpreter, so the documentation stays true and its examples are complete.
 
-Each block runs in a fresh namespace holding the few names the prose assumes (a model, its
-batches, a training step, a Function someone else wrote...), defined below as small real
-objects, with a one-process gloo group standing in for the data-parallel group. A block
-that cannot run on one CPU process says so in the markdown, on the line before its fence:
-``<!-- docs-test: skip (why) -->``. Shell blocks are install and CI commands: the demo
-and benchmark commands they name are run by tests/test_cli.py.
+Each block is one test, run in a process of its own with an empty ``__main__`` namespace:
+no prelude, so a block imports ``leakfree`` and builds its model and data itself. The
+process is forked from multiprocessing's forkserver with torch preloaded (and nothing
+else: leakfree is not even in ``sys.modules``), so a block costs a fork rather than a torch
+import. It runs in a temporary directory, with one intra-op thread and a time limit; a
+block that raises (or exits non-zero, or hangs) fails its test with its file:line and what
+it printed, traceback included, with line numbers counted in the markdown file.
+
+Blocks that import transformers, Lightning or TRL take seconds to import and are marked
+``integration``. A block that cannot run on one CPU process says so in the markdown, on
+the line before its fence, ``<!-- docs-test: skip (why) -->``, where *why* names the
+script or test that runs that code instead; at most one block in five may be skipped.
+Shell blocks are install and CI commands: the demo and benchmark commands they name are
+run by tests/test_cli.py.
 """
 
 from __future__ import annotations
 
-import collections
-import queue
+import multiprocessing
 import re
-import socket
-import sys
-import types
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-import torch.distributed as dist
-from torch import nn
-
-import leakfree
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(
     r"(?:<!-- docs-test: skip \((?P<why>[^)]*)\) -->\n)?```python\n(?P<code>.*?)```", re.S
 )
+# Seconds of import each: these blocks run in the whole suite, not the fast one.
+_HEAVY = re.compile(r"^(?:from|import) (?:transformers|lightning|pytorch_lightning|trl)\b", re.M)
+_PATH = re.compile(r"[\w./-]+\.py\b")  # a script or test named in a skip's reason
+TIMEOUT = 60  # seconds per block
+
+# The same server as tests/_fresh.py: torch imported, and nothing else.
+_FORKSERVER = multiprocessing.get_context("forkserver")
+_FORKSERVER.set_forkserver_preload(["torch"])
+
+# What the forked child runs, given ``cwd``, ``path``, ``line`` and ``code``. Its target is
+# the builtin ``exec`` with this source, not a function of this module: unpickling one
+# would import this module, and pytest with it, into every child. Padding the code with
+# ``line`` newlines makes a traceback name the markdown file's own line numbers.
+_CHILD = """
+import os, sys, traceback, types
+
+import torch
+
+torch.set_num_threads(1)
+os.chdir(cwd)
+out = os.open("output", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+os.dup2(out, 1)
+os.dup2(out, 2)
+main = types.ModuleType("__main__")
+sys.modules["__main__"] = main
+try:
+    exec(compile("\\n" * line + code, path, "exec"), vars(main))
+except SystemExit:
+    raise
+except BaseException as e:
+    traceback.print_exception(e.with_traceback(e.__traceback__.tb_next))  # from the block on
+    sys.exit(1)
+"""
 
 
-def _blocks() -> list[Any]:
-    params = []
+@dataclass(frozen=True)
+class Block:
+    """One ```python block of a markdown file."""
+
+    path: Path
+    line: int  # of the fence: the code starts on the next line
+    code: str
+    skip: str | None  # why, from the marker before the fence
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def _blocks() -> list[Block]:
+    blocks = []
     for path in FILES:
         text = path.read_text()
         for m in _BLOCK.finditer(text):
             line = text[: m.start("code")].count("\n")
-            marks = [pytest.mark.skip(reason=m["why"])] if m["why"] else []
-            params.append(
-                pytest.param(m["code"], id=f"{path.relative_to(ROOT)}:{line}", marks=marks)
-            )
+            blocks.append(Block(path, line, m["code"], m["why"]))
+    return blocks
+
+
+def _params() -> list[object]:
+    params = []
+    for block in _blocks():
+        marks = [pytest.mark.skip(reason=block.skip)] if block.skip else []
+        if _HEAVY.search(block.code):
+            marks.append(pytest.mark.integration)
+        params.append(pytest.param(block, id=block.where, marks=marks))
     return params
 
 
-class _Model(nn.Module):
-    """A tiny language-model-shaped module: ``model(batch)`` is a scalar loss."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Linear(8, 8)
-        self.lm_head = nn.Linear(8, 4)
-
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(torch.relu(self.body(batch))).square().mean()
-
-
-class _TheirFunction(torch.autograd.Function):
-    """A Function someone else wrote, parking state on ctx (Transformer Engine's shape)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.tensor_objects = [torch.zeros(4)]
-        return x * 2
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        return g * 2
-
-
-def _world() -> dict[str, Any]:
-    """The names the documentation's snippets take as given."""
-    model = _Model()
-    batches = [torch.randn(2, 8) for _ in range(3)]
-    context = types.SimpleNamespace(losses=collections.defaultdict(list))
-
-    def train_step(batch: torch.Tensor) -> None:
-        model(batch).backward()
-        model.zero_grad(set_to_none=True)
-
-    out = collections.namedtuple("Output", "logits aux_loss")(
-        model.lm_head(torch.randn(2, 8)), model(batches[0])
-    )
-    mylib = types.ModuleType("mylib")
-    sys.modules.setdefault("mylib", mylib)
-    return {
-        "torch": torch,
-        "pytest": pytest,
-        "leakfree": leakfree,
-        "model": model,
-        "batch": batches[0],
-        "batches": batches,
-        "microbatches": batches,
-        "loss_names": ["lm", "z_loss"],
-        "loss": model(batches[0]),
-        "train_step": train_step,
-        "trainer": types.SimpleNamespace(model=model, context=context),
-        "make_big_object": lambda x: torch.zeros(64, 64),
-        "TheirFunction": _TheirFunction,
-        "dp_group": None,  # the default group (one process here)
-        "pp_group": None,
-        "metrics_queue": queue.Queue(),
-        "out": out,
-    }
-
-
-@pytest.fixture(scope="module")
-def one_process_group() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("code", _blocks())
-def test_documented_code_runs(code: str, one_process_group: None) -> None:
-    """The assertion is the run itself: a block that raises fails (as the old losslog
-    snippet did, rebinding the log to one without its second key)."""
-    namespace = _world()
-    try:
-        exec(compile(code, "<docs>", "exec"), namespace)
-    finally:
-        leakfree.unpatch_all()
-        leakfree.remove_offload_hooks(namespace["model"])
+@pytest.mark.parametrize("block", _params())
+def test_block_runs_alone(block: Block, tmp_path: Path) -> None:
+    """The assertion is the run itself: a block that raises fails, as one that uses
+    ``leakfree.`` without ``import leakfree`` does."""
+    names = {"cwd": str(tmp_path), "path": str(block.path), "line": block.line, "code": block.code}
+    child = _FORKSERVER.Process(target=exec, args=(_CHILD, names), name=block.where)
+    child.start()
+    child.join(TIMEOUT)
+    timed_out = child.exitcode is None
+    if timed_out:
+        child.kill()
+        child.join()
+    output_file = tmp_path / "output"
+    output = output_file.read_text() if output_file.exists() else ""
+    if child.exitcode != 0:
+        what = f"still running after {TIMEOUT} s" if timed_out else f"exit code {child.exitcode}"
+        pytest.fail(f"{block.where}: the block failed alone ({what}):\n{output}", pytrace=False)
 
 
 def test_every_python_block_is_collected() -> None:
@@ -137,3 +124,18 @@ def test_every_python_block_is_collected() -> None:
     for path in FILES:
         text = path.read_text()
         assert len(_BLOCK.findall(text)) == text.count("```python"), path
+
+
+def test_few_blocks_are_skipped_and_each_names_what_runs_it() -> None:
+    """At most one block in five is skipped, and each skip names an existing script or test
+    that runs its code instead."""
+    blocks = _blocks()
+    skipped = [b for b in blocks if b.skip]
+    assert len(skipped) <= len(blocks) // 5, (
+        f"{len(skipped)} of {len(blocks)} blocks skipped: " + ", ".join(b.where for b in skipped)
+    )
+    for b in skipped:
+        named = _PATH.findall(b.skip or "")
+        assert named, f"{b.where}: the skip names no script or test that runs it: {b.skip!r}"
+        for p in named:
+            assert (ROOT / p).is_file(), f"{b.where}: the skip names {p}, which does not exist"
