@@ -465,7 +465,7 @@ def _repair_worker(rank: int, world: int, schedules: list[str]) -> dict[str, Any
         for key, options in (("report", {}), ("forced_report", {"torch_pipelining": "always"})):
             report = leakfree.patch_all(**options)
             runs[key] = {
-                x.name: f"{x.status}: {x.reason}"
+                x.name: ": ".join(str(w) for w in (x.outcome, x.reason, x.detail) if w)
                 for x in report
                 if x.integration == "torch_pipelining"
             }
@@ -539,7 +539,8 @@ def repair_rows(results: list[dict[str, Any]]) -> list[list[str]]:
 
 
 def _statuses(report: dict[str, str]) -> str:
-    """``applied: sent_outputs, step_state; skipped: stage_inputs`` from a report."""
+    """``applied: sent_outputs, step_state; skipped: stage_inputs`` from a report (each
+    value ``outcome: reason: detail``)."""
     by: dict[str, list[str]] = {}
     for name, text in report.items():
         by.setdefault(text.split(":")[0], []).append(name.split(".", 1)[1])

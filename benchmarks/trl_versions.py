@@ -178,7 +178,7 @@ def worker(mode: str, steps: int) -> dict[str, Any]:
     if "leakfree" in sys.modules:
         report = sys.modules["leakfree"].patch_report()
         result["patches"] = {
-            r.name: [str(r.status), r.reason] for r in report if r.integration == "trl"
+            r.name: [str(r.outcome), r.detail] for r in report if r.integration == "trl"
         }
     return result
 
@@ -339,8 +339,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     out = []
     for r in rows:
         if r["patches"]:
-            status, reason = r["patches"]["trl.offload_activations"]
-            patch = f"{status}: {reason.split(': ', 1)[-1]}"  # the why, not the description
+            outcome, detail = r["patches"]["trl.offload_activations"]
+            patch = f"{outcome}: {detail.split(': ', 1)[-1]}"  # the why, not the description
         else:
             patch = "-" if r["config"] == "none" else "(leakfree not imported)"
         if not r["ok"]:

@@ -12,10 +12,9 @@ import torch
 import leakfree
 from leakfree._device import accelerator
 from leakfree._text import format_table
-from leakfree.patches import Status
 from leakfree.patches import torchtune as torchtune_patches
 from leakfree.patches import trl as trl_patches
-from leakfree.patches._registry import REGISTRY, installed_version
+from leakfree.patches._registry import REGISTRY, Outcome, Reason, installed_version
 from leakfree.patches.transformer_engine import DISTRIBUTIONS as TE_DISTRIBUTIONS
 
 #: the columns of the failure-mode table: one row per known failure mode of an installed
@@ -60,13 +59,13 @@ def run_doctor() -> int:
             "force_host_copy=True; the CPU storage tracker measures memory)"
         )
     te = installed_version(TE_DISTRIBUTIONS)
-    print(f"transformer_engine: {te if te is not None else Status.NOT_INSTALLED}")
+    print(f"transformer_engine: {te if te is not None else Reason.NOT_INSTALLED}")
     for name, module in WITH_FAILURE_MODES:
         version = installed_version(module.DISTRIBUTIONS)
-        print(f"{name}: {version if version is not None else Status.NOT_INSTALLED}")
+        print(f"{name}: {version if version is not None else Reason.NOT_INSTALLED}")
     print()
     plan = REGISTRY.plan(REGISTRY.select({}))
-    affecting = [r for r in plan if r.status in (Status.WOULD_APPLY, Status.APPLIED)]
+    affecting = [r for r in plan if r.outcome in (Outcome.WOULD_APPLY, Outcome.APPLIED)]
     print(f"known leaks ({_where_documented()}) and what patch_all() would do:")
     print(plan)
     print()

@@ -76,8 +76,9 @@ def te(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def statuses(report: list[dict[str, Any]]) -> dict[str, str]:
+    """Each Transformer Engine patch's outcome, by its short name."""
     return {
-        r["name"].split(".", 1)[1]: r["status"]
+        r["name"].split(".", 1)[1]: r["outcome"]
         for r in report
         if r["integration"] == "transformer_engine"
     }
@@ -85,8 +86,8 @@ def statuses(report: list[dict[str, Any]]) -> dict[str, str]:
 
 REPORT = """
 def report():
-    return [dict(name=r.name, integration=r.integration, status=r.status, reason=r.reason,
-                 version=r.version) for r in leakfree.patch_report()]
+    return [dict(name=r.name, integration=r.integration, outcome=r.outcome, reason=r.reason,
+                 detail=r.detail, version=r.version) for r in leakfree.patch_report()]
 """
 
 
@@ -165,8 +166,8 @@ def test_te_lazy_patch_in_a_fresh_process(te: dict[str, Path]) -> None:
     ):
         assert applied[name] == "applied", name
         assert not result["leaks"][name]["leaks"], name
-    reasons = {r["name"]: r["reason"] for r in result["applied"]}
-    assert "not affected (fixed in 2.1)" in reasons["transformer_engine.linear"]
+    why = {r["name"]: (r["reason"], r["detail"]) for r in result["applied"]}
+    assert why["transformer_engine.linear"] == ("version not affected", "fixed in 2.1")
 
 
 @pytest.mark.parametrize(
@@ -230,8 +231,8 @@ def test_te_fixed_upstream_detected_by_code_even_when_forced(te: dict[str, Path]
         te["2.15.0"],
     )
     reasons = {r["name"]: r["reason"] for r in result}
-    assert reasons["transformer_engine.fused_attention"].startswith("already fixed upstream")
-    assert reasons["transformer_engine.fuser"].startswith("already fixed upstream")
+    assert reasons["transformer_engine.fused_attention"] == "already fixed upstream"
+    assert reasons["transformer_engine.fuser"] == "already fixed upstream"
 
 
 @pytest.mark.parametrize("version", ["2.13.0", "2.15.0"])
@@ -279,13 +280,14 @@ def test_te_target_not_found_warns_and_skips_or_raises_when_strict(
             leakfree.patch_all(strict=True)
         except RuntimeError as e:
             strict = str(e)
-        print(json.dumps(dict(status=rec.status, reason=rec.reason, strict=strict,
+        print(json.dumps(dict(outcome=rec.outcome, reason=rec.reason, detail=rec.detail,
+            strict=strict,
             warned=[str(w.message) for w in caught
                     if issubclass(w.category, leakfree.PatchWarning)])))
     """
     result = run_py(code, broken)
-    assert result["status"] == "skipped"
-    assert "target not found" in result["reason"]
+    assert (result["outcome"], result["reason"]) == ("skipped", "target not found")
+    assert "grouped_linear" in result["detail"]
     assert any("grouped_linear" in w and "target not found" in w for w in result["warned"])
     assert result["strict"] is not None and "target not found" in result["strict"]
 
@@ -324,13 +326,13 @@ def test_bad_arguments_raise_before_any_change() -> None:
             leakfree.patch_all(trl=False, flash_attn=True)
         except TypeError as e:
             msg = str(e)
-        statuses = {r.status for r in leakfree.patch_report()}
-        print(json.dumps(dict(msg=msg, statuses=sorted(statuses))))
+        states = {(r.outcome, r.reason) for r in leakfree.patch_report()}
+        print(json.dumps(dict(msg=msg, states=sorted(states))))
         """
     )
     assert "unknown integration or patch 'flash_attn'" in result["msg"]
     assert "transformer_engine" in result["msg"] and "trl" in result["msg"]
-    assert result["statuses"] == ["not requested"]
+    assert result["states"] == [["off", "not requested"]]
 
 
 def test_importing_leakfree_imports_no_target_library() -> None:
@@ -479,7 +481,7 @@ def trl_check(order: str, option: str | None, *paths: Path) -> dict[str, Any]:
         + """
 import trl.models.activation_offloading as ao
 import trl.models as models
-applied = {r.name: r.status for r in leakfree.patch_report() if r.integration == "trl"}
+applied = {r.name: r.outcome for r in leakfree.patch_report() if r.integration == "trl"}
 patched = ao.OffloadActivations is leakfree.OffloadActivations
 everywhere = (models.get_act_offloading_ctx_manager is ao.get_act_offloading_ctx_manager
               is sft.get_act_offloading_ctx_manager)
@@ -543,18 +545,18 @@ def test_trl_default_decision_per_version_and_machine(
     from leakfree.patches.trl import expect
 
     decision = expect(Version(version), option, has_accelerator=has_accelerator)
-    got = "applies" if isinstance(decision, Applies) else str(decision.status)
+    got = "applies" if isinstance(decision, Applies) else str(decision.reason)
     assert (got, why in decision.detail) == (verdict, True), decision
 
 
 def test_trl_a_constructor_that_no_longer_reads_the_accelerator_is_not_patched() -> None:
     from packaging.version import Version
 
-    from leakfree.patches import Status
+    from leakfree.patches import Reason
     from leakfree.patches.trl import expect
 
     decision = expect(Version("1.16.0"), True, has_accelerator=False, reads_accelerator=False)
-    assert decision.status is Status.NOT_PRESENT  # type: ignore[union-attr]
+    assert decision.reason is Reason.NOT_PRESENT  # type: ignore[union-attr]
     assert "does not call current_accelerator()" in decision.detail
 
 
@@ -620,7 +622,7 @@ def test_registry_reports_why_a_patch_applied_and_plans_what_expect_says() -> No
     import sys
     import types
 
-    from leakfree.patches import Status
+    from leakfree.patches import Outcome, Reason
     from leakfree.patches._registry import Applies, Patch, Registry, Skip
 
     module = types.ModuleType("leakfree_demo_target")
@@ -645,8 +647,9 @@ def test_registry_reports_why_a_patch_applied_and_plans_what_expect_says() -> No
         )
     )
     plan = registry.plan(registry.select({}))
-    assert (plan["demo.thing"].status, plan["demo.thing"].reason) == (
-        Status.WOULD_APPLY,
+    assert (plan["demo.thing"].outcome, plan["demo.thing"].reason, plan["demo.thing"].detail) == (
+        Outcome.WOULD_APPLY,
+        None,
         "replaced: the reason (leakfree_demo_target.thing)",
     )
     original = module.thing  # type: ignore[attr-defined]
@@ -654,13 +657,22 @@ def test_registry_reports_why_a_patch_applied_and_plans_what_expect_says() -> No
     try:
         registry.request(registry.select({}), strict=False)
         record = registry.report()["demo.thing"]
-        assert (record.status, record.reason) == (Status.APPLIED, "replaced: the reason")
+        assert (record.outcome, record.reason, record.detail) == (
+            Outcome.APPLIED,
+            None,
+            "replaced: the reason",
+        )
         registry.revert_all()
         assert module.thing is original  # type: ignore[attr-defined]
-        decision[0] = Skip(Status.ALREADY_FIXED, "fixed here")
+        decision[0] = Skip(Reason.ALREADY_FIXED, "fixed here")
         plan = registry.plan(registry.select({}))
-        assert (plan["demo.thing"].status, plan["demo.thing"].reason) == (
-            Status.NOT_AFFECTED,
+        assert (
+            plan["demo.thing"].outcome,
+            plan["demo.thing"].reason,
+            plan["demo.thing"].detail,
+        ) == (
+            Outcome.SKIPPED,
+            Reason.ALREADY_FIXED,
             "fixed here",
         )
     finally:
@@ -682,14 +694,15 @@ def test_option_changes_reapply_and_false_reverts(te: dict[str, Path]) -> None:
             hardened = probe()["fuser"]
             leakfree.patch_all(transformer_engine=False)       # off: reverted
             off = probe()["fused_attention"]
-            status = leakfree.patch_report()["transformer_engine.fused_attention"].status
-            print(json.dumps(dict(plain=plain, hardened=hardened, off=off, status=status)))
+            record = leakfree.patch_report()["transformer_engine.fused_attention"]
+            print(json.dumps(dict(plain=plain, hardened=hardened, off=off,
+                                  state=[record.outcome, record.reason])))
             """,
         ),
         te["2.13.0"],
     )
     assert result["plain"]["op_ctx_kept"] and not result["hardened"]["op_ctx_kept"]
-    assert result["off"]["leaks"] and result["status"] == "disabled"
+    assert result["off"]["leaks"] and result["state"] == ["off", "disabled by the caller"]
 
 
 def test_reimport_after_unpatch_is_patched_again(te: dict[str, Path]) -> None:
@@ -705,13 +718,13 @@ def test_reimport_after_unpatch_is_patched_again(te: dict[str, Path]) -> None:
                 del sys.modules[name]
             leakfree.patch_all()
             leaks = probe()["fused_attention"]["leaks"]
-            status = leakfree.patch_report()["transformer_engine.fused_attention"].status
-            print(json.dumps(dict(leaks=leaks, status=status)))
+            outcome = leakfree.patch_report()["transformer_engine.fused_attention"].outcome
+            print(json.dumps(dict(leaks=leaks, outcome=outcome)))
             """,
         ),
         te["2.13.0"],
     )
-    assert result == {"leaks": False, "status": "applied"}
+    assert result == {"leaks": False, "outcome": "applied"}
 
 
 def test_sweep_and_patch_do_not_undo_each_other(te: dict[str, Path]) -> None:
@@ -756,12 +769,12 @@ def test_decorated_backward_is_still_recognised(tmp_path: Path) -> None:
             leakfree.patch_all()
             leaks = probe()["grouped_linear"]["leaks"]
             print(json.dumps(dict(leaks=leaks,
-                status=leakfree.patch_report()["transformer_engine.grouped_linear"].status)))
+                outcome=leakfree.patch_report()["transformer_engine.grouped_linear"].outcome)))
             """,
         ),
         root,
     )
-    assert result == {"leaks": False, "status": "applied"}
+    assert result == {"leaks": False, "outcome": "applied"}
 
 
 # --- [2/6]: option values and development builds ----------------------------------------------
@@ -780,10 +793,10 @@ def test_decorated_backward_is_still_recognised(tmp_path: Path) -> None:
 def test_misspelled_option_values_raise_before_any_change(kwargs: Any, match: str) -> None:
     import leakfree
 
-    before = [(r.name, r.status) for r in leakfree.patch_report()]
+    before = [(r.name, r.outcome, r.reason, r.detail) for r in leakfree.patch_report()]
     with pytest.raises(ValueError, match=match):
         leakfree.patch_all(**kwargs)
-    assert [(r.name, r.status) for r in leakfree.patch_report()] == before
+    assert [(r.name, r.outcome, r.reason, r.detail) for r in leakfree.patch_report()] == before
 
 
 DEV_BUILD = "2.14.0.dev0+f122b07"  # upstream main before the fuser fix merged
@@ -888,7 +901,7 @@ def test_te_always_reports_restores_moved_into_helpers_as_fixed_upstream(
         te_moved[version],
     )
     reasons = {r["name"].split(".", 1)[1]: r["reason"] for r in result["report"]}
-    assert reasons[moved].startswith("already fixed upstream"), reasons[moved]
+    assert reasons[moved] == "already fixed upstream", result["report"]
     assert not any(v["leaks"] for v in result["leaks"].values())
 
 
@@ -930,10 +943,10 @@ def test_te_class_without_the_pattern_is_not_present_not_a_warning(tmp_path: Pat
         plain,
     )
     reasons = {r["name"]: r["reason"] for r in result}
-    assert reasons["transformer_engine.grouped_linear"].startswith("not present in this version")
+    assert reasons["transformer_engine.grouped_linear"] == "not present in this version"
 
 
-# --- [4/6]: one patch system: sweeps are records, one table of originals, one Status ---------
+# --- [4/6]: one patch system: sweeps are records, one table of originals ---------------------
 
 
 def write_sweep_lib(root: Path) -> Path:
@@ -1086,19 +1099,186 @@ class SubPatchLike(PatchLike):
     pass
 
 
-def test_one_status_enum_for_report_plan_and_doctor() -> None:
+def test_outcome_and_reason_are_words_in_report_plan_and_doctor() -> None:
     import leakfree
-    from leakfree.patches import Status
+    from leakfree.patches import Outcome, Reason
     from leakfree.patches._registry import REGISTRY
 
-    assert Status.APPLIED == "applied" and Status.PENDING_IMPORT == "pending import"
-    assert str(Status.NOT_INSTALLED) == "not installed" and f"{Status.SKIPPED}" == "skipped"
-    assert json.dumps({"status": Status.WOULD_APPLY}) == '{"status": "would apply"}'
-    assert all(isinstance(r.status, Status) for r in leakfree.patch_report())
+    words: list[str] = ["applied", "pending import"]  # record.outcome == "applied"
+    assert words == [Outcome.APPLIED, Outcome.PENDING]
+    assert str(Reason.NOT_INSTALLED) == "not installed" and f"{Outcome.SKIPPED}" == "skipped"
+    assert json.dumps({"outcome": Outcome.WOULD_APPLY, "reason": Reason.NO_LOCATION}) == (
+        '{"outcome": "would apply", "reason": "no known location"}'
+    )
     plan = REGISTRY.plan(REGISTRY.select({}))
-    assert all(isinstance(r.status, Status) for r in plan)
+    for record in (*leakfree.patch_report(), *plan):
+        assert isinstance(record.outcome, Outcome), record
+        assert record.reason is None or isinstance(record.reason, Reason), record
+        assert isinstance(record.detail, str), record
     # printed as words, whatever state earlier tests left the registry in
-    assert "Status." not in str(leakfree.patch_report()) and "Status." not in str(plan)
+    for text in (str(leakfree.patch_report()), str(plan)):
+        assert "Outcome." not in text and "Reason." not in text
+        assert text.splitlines()[0].split() == [
+            "patch",
+            "target",
+            "version",
+            "outcome",
+            "reason",
+            "detail",
+        ]
+
+
+# --- [5/6]: the review's fixes: outcome and reason are two axes ------------------------------
+
+
+def test_outcome_and_reason_do_not_overlap_and_each_reason_explains_one_outcome() -> None:
+    """Review: one ``Status`` enum held three axes (what happened, what a plan would do,
+    why the code check skipped) and two words for "off" (``DISABLED``, ``OFF``)."""
+    from leakfree.patches import Outcome, Reason
+    from leakfree.patches._registry import PAIRS
+
+    assert not {o.value for o in Outcome} & {r.value for r in Reason}
+    assert not {o.name for o in Outcome} & {r.name for r in Reason}
+    assert {o for o, _ in PAIRS} == set(Outcome)  # no outcome that never happens
+    assert {r for _, r in PAIRS} == {*Reason, None}  # no reason that never explains
+    for reason in Reason:  # one meaning each: the same reason never explains two outcomes
+        assert len({o for o, r in PAIRS if r is reason}) == 1, reason
+    assert {r for r in Reason if r.warns} == {Reason.TARGET_NOT_FOUND, Reason.APPLY_FAILED}
+    docs = (ROOT / "docs" / "patches.md").read_text()
+    for word in (*Outcome, *Reason):
+        assert f"`{word.value}`" in docs, f"docs/patches.md does not say what {word!r} means"
+
+
+def test_patch_all_false_is_off_disabled_by_the_caller_and_the_pair_is_checked() -> None:
+    import leakfree
+    from leakfree.patches import Outcome, PatchRecord, Reason
+    from leakfree.patches._registry import Skip
+
+    try:
+        report = leakfree.patch_all(trl=False)
+        for name in ("trl.offload_activations", "trl.act_offloading_ctx_manager"):
+            assert (report[name].outcome, report[name].reason) == (
+                Outcome.OFF,
+                Reason.DISABLED_BY_CALLER,
+            )
+    finally:
+        leakfree.unpatch_all()
+    bad = r"PatchRecord\('x'\): outcome=Outcome.APPLIED with reason=Reason.NOT_INSTALLED is"
+    with pytest.raises(ValueError, match=bad):
+        PatchRecord("x", "demo", "t", None, Outcome.APPLIED, Reason.NOT_INSTALLED)
+    record = PatchRecord("x", "demo", "t", None, Outcome.OFF, Reason.NOT_REQUESTED)
+    with pytest.raises(ValueError, match="reason=None is not one of"):
+        record.mark(Outcome.SKIPPED)
+    assert (record.outcome, record.reason) == (Outcome.OFF, Reason.NOT_REQUESTED)  # unchanged
+    with pytest.raises(ValueError, match=r"Skip\(reason=Reason.NOT_INSTALLED\): a code check"):
+        Skip(Reason.NOT_INSTALLED, "the gates say this, not a check")
+
+
+def test_patches_exports_what_users_need_and_the_machinery_stays_in_its_modules() -> None:
+    """Review: ``leakfree.patches.__all__`` exported 14 names, internals among them."""
+    import leakfree.patches as patches
+
+    assert sorted(patches.__all__) == sorted(
+        [
+            *("patch_all", "unpatch_all", "patch_report", "patch_functions"),
+            *("get_original", "is_object_patched"),  # gevent.monkey's "what did you change?"
+            *("PatchReport", "PatchRecord", "Outcome", "Reason", "PatchWarning", "PatchError"),
+        ]
+    )
+    assert all(getattr(patches, name) is not None for name in patches.__all__)
+    for name in ("Patch", "Sweep", "active_sweeps", "remove_all_sweeps", "Status"):
+        assert not hasattr(patches, name), name
+    from leakfree.patches._registry import Patch, Registry  # noqa: F401
+    from leakfree.patches.sweep import Sweep, active_sweeps, remove_all_sweeps  # noqa: F401
+
+
+def test_every_pair_from_patch_all_plan_and_unpatch_all_is_in_pairs_and_every_pair_occurs() -> None:
+    """Drive one registry through every path (the gates, the code check, apply, import,
+    off, revert, a sweep) and collect the (outcome, reason) pairs of its reports and plans:
+    exactly the documented :data:`PAIRS`, no more (the axes stay apart), no less (no
+    documented pair is dead)."""
+    import sys
+    import types
+    import warnings
+
+    from leakfree.patches import Outcome, Reason
+    from leakfree.patches._registry import PAIRS, Patch, PatchReport, Registry, Skip, SweepRecord
+
+    def fail(target: Any, mod: Any, option: Any, changes: Any) -> None:
+        changes.setattr(mod, "thing", 1)
+        raise RuntimeError("half-way")
+
+    def patch(name: str, module: str, **kwargs: Any) -> Patch:
+        fields: dict[str, Any] = dict(
+            name=f"demo.{name}",
+            integration="demo",
+            distributions=("packaging",),  # installed wherever leakfree is
+            modules=(("", module),),
+            target="thing",
+            affected=">=0",
+            fixed_in="9",
+            check=lambda target, mod, option: None,
+            apply=lambda target, mod, option, changes: changes.setattr(mod, "thing", 1),
+            description="replaced",
+        )
+        return Patch(**{**fields, **kwargs})
+
+    def skip(reason: Reason) -> Any:
+        return lambda target, mod, option: Skip(reason, "found so")
+
+    here, later = "leakfree_demo_pairs_here", "leakfree_demo_pairs_later"
+    registry = Registry()
+    registry.add(
+        (
+            patch("applies", here),
+            patch("waits", later),
+            patch("off", here, default=False),
+            patch("disabled", here),
+            patch("absent", here, distributions=("leakfree-no-such-distribution",)),
+            patch("old", here, affected="<0.0.1"),
+            patch("nowhere", here, modules=((">=9999", here),)),
+            patch("fixed", here, check=skip(Reason.ALREADY_FIXED)),
+            patch("plain", here, check=skip(Reason.NOT_PRESENT)),
+            patch("moved", here, check=skip(Reason.TARGET_NOT_FOUND)),
+            patch("missing", here, target="no_such_thing"),
+            patch("broken", here, apply=fail),
+        )
+    )
+
+    class Probe(SweepRecord):
+        def apply(self, module_names: set[str] | None, changes: Any) -> None:
+            pass
+
+    seen: set[tuple[Any, Any]] = set()
+
+    def collect(report: PatchReport) -> None:
+        seen.update((r.outcome, r.reason) for r in report)
+
+    chosen = registry.select({"demo_disabled": False})
+    collect(registry.report())  # nothing requested yet
+    collect(registry.plan(chosen))
+    for name in (here, later):
+        module = types.ModuleType(name)
+        module.thing = object()  # type: ignore[attr-defined]
+        if name == here:
+            sys.modules[name] = module
+    sweep = Probe("leakfree_demo_pairs_sweep", "probed")
+    try:
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            registry.request(chosen, strict=False)  # patch_all(demo_disabled=False)
+        registry.add_sweep(sweep)
+        collect(registry.report())
+        collect(registry.plan(chosen))  # with some applied now
+        registry.revert_all()  # unpatch_all(): applied, pending and the sweep go back
+        collect(registry.report())
+        collect(PatchReport([sweep]))
+    finally:
+        registry.revert_all()
+        sys.modules.pop(here, None)
+    assert seen <= PAIRS, seen - PAIRS
+    assert seen == PAIRS, PAIRS - seen
+    assert sweep.outcome is Outcome.REVERTED and sweep.detail == "unpatch_all()"
 
 
 def test_revert_leaves_an_attribute_someone_replaced_after_the_patch() -> None:
@@ -1183,12 +1363,12 @@ def test_strict_belongs_to_its_request_and_raises_a_patch_error_naming_the_fix()
             target="thing",
             affected=">=0",
             fixed_in="-",
-            check=lambda target, mod, option: Skip(Status.TARGET_NOT_FOUND, "moved"),
+            check=lambda target, mod, option: Skip(Reason.TARGET_NOT_FOUND, "moved"),
             apply=lambda target, mod, option, changes: None,
             description="replaced",
         )
 
-    from leakfree.patches import Status
+    from leakfree.patches import Reason
 
     registry = Registry()
     registry.add(

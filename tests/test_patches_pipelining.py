@@ -20,7 +20,7 @@ import torch.distributed as dist
 from packaging.version import Version
 
 import leakfree
-from leakfree.patches import Status, get_original, is_object_patched
+from leakfree.patches import Outcome, Reason, get_original, is_object_patched
 from leakfree.patches import pipelining as pp
 from leakfree.patches._registry import REGISTRY, installed_version, version_matches
 from tests import _pipelining as P
@@ -80,7 +80,7 @@ def test_applied_reported_and_reverted_to_the_exact_originals() -> None:
     before = {(id(o), n): vars(o)[n] for o, n in CHANGED}
     report = leakfree.patch_all()
     for name in NAMES:
-        assert report[name].status == Status.APPLIED, report[name]
+        assert report[name].outcome is Outcome.APPLIED, report[name]
     for owner, name in CHANGED:
         assert is_object_patched(owner, name), name
         assert vars(owner)[name] is not before[id(owner), name], name
@@ -90,17 +90,19 @@ def test_applied_reported_and_reverted_to_the_exact_originals() -> None:
     for owner, name in CHANGED:
         assert vars(owner)[name] is before[id(owner), name], name
         assert not is_object_patched(owner, name)
-    assert {report[n].status for n in NAMES} == {Status.REVERTED}
+    assert {report[n].outcome for n in NAMES} == {Outcome.REVERTED}
 
 
 def test_opt_out_whole_or_one_repair() -> None:
     report = leakfree.patch_all(torch_pipelining=False)
-    assert {report[n].status for n in NAMES} == {Status.DISABLED}
+    assert {(report[n].outcome, report[n].reason) for n in NAMES} == {
+        (Outcome.OFF, Reason.DISABLED_BY_CALLER)
+    }
     assert vars(BASE)["get_fwd_send_ops"] is get_original(BASE, "get_fwd_send_ops")
     report = leakfree.patch_all(torch_pipelining_sent_outputs=False)
-    assert report["torch_pipelining.sent_outputs"].status == Status.DISABLED
+    assert report["torch_pipelining.sent_outputs"].reason is Reason.DISABLED_BY_CALLER
     assert not is_object_patched(schedules, "_batch_p2p")
-    assert report["torch_pipelining.stage_inputs"].status == Status.APPLIED
+    assert report["torch_pipelining.stage_inputs"].outcome is Outcome.APPLIED
     with pytest.raises(ValueError, match="torch_pipelining_recv_buffers=3"):
         leakfree.patch_all(torch_pipelining_recv_buffers=3)
 
@@ -122,7 +124,7 @@ def test_only_the_releases_each_repair_was_measured_on_unless_asked() -> None:
             assert patch.module_for(Version(v)) in (pp.STAGE, pp.SCHEDULES)  # 'always' can
         assert "torch_pipelining='always'" in patch.why_outside()
     plan = REGISTRY.plan(REGISTRY.select({}))
-    assert plan["torch_pipelining.stage_inputs"].status == Status.WOULD_APPLY
+    assert plan["torch_pipelining.stage_inputs"].outcome is Outcome.WOULD_APPLY
     chosen = REGISTRY.select({"torch_pipelining": "always"})
     assert {chosen[p.name] for p in pp.PATCHES} == {"always"}
 
@@ -143,9 +145,9 @@ def test_code_gates() -> None:
 
     module = _module_with(Cloning, stage_backward=stage_mod.stage_backward)
     skip = pp._check_stage_inputs(Cloning, module)
-    assert skip is not None and skip.status == Status.ALREADY_FIXED
+    assert skip is not None and skip.reason is Reason.ALREADY_FIXED
     skip = pp._check_stage_inputs(Gone, module)
-    assert skip is not None and skip.status == Status.TARGET_NOT_FOUND
+    assert skip is not None and skip.reason is Reason.TARGET_NOT_FOUND
     assert pp._check_stage_inputs(BASE, stage_mod) is None
 
     class JustInTime(BASE):  # type: ignore[misc, valid-type]
@@ -160,7 +162,7 @@ def test_code_gates() -> None:
     JustInTime._get_recv_ops = vars(BASE)["_get_recv_ops"]
     module = _module_with(JustInTime, _make_tensor_from_meta=stage_mod._make_tensor_from_meta)
     skip = pp._check_recv_buffers(JustInTime, module)
-    assert skip is not None and skip.status == Status.ALREADY_FIXED
+    assert skip is not None and skip.reason is Reason.ALREADY_FIXED
 
     class OldRecvInfo:  # torch 2.8: a receive without metadata
         def __init__(self, input_name: str, source: int, buffer: torch.Tensor) -> None:
@@ -170,16 +172,16 @@ def test_code_gates() -> None:
         BASE, _make_tensor_from_meta=stage_mod._make_tensor_from_meta, _RecvInfo=OldRecvInfo
     )
     skip = pp._check_recv_buffers(BASE, module)
-    assert skip is not None and skip.status == Status.NOT_PRESENT
+    assert skip is not None and skip.reason is Reason.NOT_PRESENT
     assert pp._check_recv_buffers(BASE, stage_mod) is None
 
     bare = types.ModuleType("fake_schedules")
     skip = pp._check_sent_outputs(None, bare)
-    assert skip is not None and skip.status == Status.TARGET_NOT_FOUND
+    assert skip is not None and skip.reason is Reason.TARGET_NOT_FOUND
     assert "_batch_p2p" in skip.detail
     assert pp._check_sent_outputs(None, schedules) is None
     skip = pp._check_step_state(None, bare)
-    assert skip is not None and skip.status == Status.TARGET_NOT_FOUND
+    assert skip is not None and skip.reason is Reason.TARGET_NOT_FOUND
 
 
 def test_a_receive_it_does_not_know_is_left_to_torch_and_said_once() -> None:

@@ -11,47 +11,50 @@ Each integration (``transformer_engine``, ``trl``, ``torchtune``, ``torch_pipeli
 * idempotently, thread-safely, reversibly: the registry keeps the original of everything
   it changed in one table (:func:`get_original`, :func:`is_object_patched`) until
   ``unpatch_all()`` puts those exact objects back; and it says what it did
-  (``patch_report()``, one :class:`Status` per record).
+  (``patch_report()``: per record an :class:`Outcome`, the :class:`Reason` for it, and a
+  detail in words).
 
 ``patch_functions`` sweeps are records of the same registry, applied by the same
 post-import hooks, their originals in the same table. Importing :mod:`leakfree` imports
 none of Transformer Engine, TRL or torchtune.
+
+The public names are in ``__all__``; the machinery stays in its own modules
+(``_registry``: ``Patch``, ``Registry``, ``REGISTRY``, ``PAIRS``; ``sweep``: ``Sweep``,
+``active_sweeps``, ``remove_all_sweeps``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from leakfree._warnings import PatchWarning
+from leakfree._warnings import PatchError, PatchWarning
 from leakfree.patches import pipelining as _pipelining
 from leakfree.patches import torchtune as _torchtune
 from leakfree.patches import transformer_engine as _te
 from leakfree.patches import trl as _trl
 from leakfree.patches._registry import (
     REGISTRY,
-    Patch,
+    Outcome,
     PatchRecord,
     PatchReport,
-    Status,
+    Reason,
     get_original,
     is_object_patched,
 )
-from leakfree.patches.sweep import Sweep, active_sweeps, patch_functions, remove_all_sweeps
+from leakfree.patches.sweep import patch_functions
 
 __all__ = [
-    "Patch",
+    "Outcome",
+    "PatchError",
     "PatchRecord",
     "PatchReport",
     "PatchWarning",
-    "Status",
-    "Sweep",
-    "active_sweeps",
+    "Reason",
     "get_original",
     "is_object_patched",
     "patch_all",
     "patch_functions",
     "patch_report",
-    "remove_all_sweeps",
     "unpatch_all",
 ]
 
@@ -86,5 +89,6 @@ def unpatch_all() -> PatchReport:
 
 def patch_report() -> PatchReport:
     """What was applied, what is waiting for an import, what was skipped and why: one
-    record per patch, then one per active sweep (``sweep.<prefix>``)."""
+    record per patch, then one per active sweep (``sweep.<prefix>``), each with its
+    :class:`Outcome`, :class:`Reason` (None where the outcome says it all) and detail."""
     return REGISTRY.report()

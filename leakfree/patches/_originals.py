@@ -4,6 +4,10 @@ Every change a patch or a sweep makes goes through :class:`Changes`, which write
 into the registry's one :class:`Originals` table; unpatching is one walk over that table,
 putting the exact original objects back, and :func:`~leakfree.patches.get_original` /
 :func:`~leakfree.patches.is_object_patched` answer from it (as ``gevent.monkey`` does).
+
+The dependency goes one way: the registry (``_registry.py``) uses this module, and this
+module knows nothing of the registry. A row's holder is any object the caller names (the
+registry passes the record making the change) and is compared by identity only.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from leakfree._warnings import PatchWarning
 
 if TYPE_CHECKING:
     from leakfree.function import ReleaseHandle
-    from leakfree.patches._registry import PatchRecord, Registry
 
 __all__ = ["Changes", "Originals"]
 
@@ -29,15 +32,16 @@ _ABSENT: Any = object()
 @dataclass(eq=False)
 class _Row:
     """One change: ``owner.name`` was ``original`` (its own namespace entry) before
-    ``holder`` (a record) put ``current`` there. ``via``: the object that made the change
-    and knows how to put it back (a :class:`~leakfree.function.ReleaseHandle`, which also
-    clears its marker), or None for a plain attribute."""
+    ``holder`` (for the registry, the record making the change) put ``current`` there.
+    ``via``: the object that made the change and knows how to put it back (a
+    :class:`~leakfree.function.ReleaseHandle`, which also clears its marker), or None for
+    a plain attribute."""
 
     owner: Any
     name: str
     original: Any
     current: Any
-    holder: PatchRecord
+    holder: object
     via: ReleaseHandle | None = None
 
 
@@ -91,7 +95,7 @@ class Originals:
         name: str,
         original: Any,
         current: Any,
-        holder: PatchRecord,
+        holder: object,
         via: ReleaseHandle | None,
     ) -> None:
         """Write one change into the table. The first original stays: a second record
@@ -102,11 +106,11 @@ class Originals:
         else:
             row.current, row.holder, row.via = current, holder, via
 
-    def rows_of(self, holder: PatchRecord) -> list[_Row]:
+    def rows_of(self, holder: object) -> list[_Row]:
         """The changes ``holder`` made and has not put back, in the order it made them."""
         return [row for row in self._rows.values() if row.holder is holder]
 
-    def restore(self, holder: PatchRecord) -> None:
+    def restore(self, holder: object) -> None:
         """Put back every change of ``holder``, from the table; each row goes."""
         first: Exception | None = None
         for row in reversed(self.rows_of(holder)):  # the last change first
@@ -148,17 +152,20 @@ class Originals:
 
 
 class Changes:
-    """The only way an ``apply`` changes anything: each change is written into the
-    registry's table of originals under the record making it, so unpatching is one walk
-    over the table and ``get_original`` answers for it."""
+    """The only way an ``apply`` changes anything: each change is written into ``table``
+    (the registry's table of originals) under ``holder`` (the record making it), so
+    unpatching is one walk over the table and ``get_original`` answers for it.
 
-    def __init__(self, registry: Registry, holder: PatchRecord) -> None:
-        self._registry = registry
+    Made by the registry for one ``apply`` and used while it runs, under the registry's
+    lock (which is what makes the table's updates safe: see :class:`Originals`)."""
+
+    def __init__(self, table: Originals, holder: object) -> None:
+        self._table = table
         self._holder = holder
 
     def setattr(self, owner: Any, name: str, value: Any) -> None:
         """``owner.name = value`` (a module's namespace is written directly)."""
-        self._registry._hold(owner, name, _own(owner, name), value, self._holder, None)
+        self._table.hold(owner, name, _own(owner, name), value, self._holder, None)
         _write(owner, name, value)
 
     def release_after_backward(
@@ -172,7 +179,7 @@ class Changes:
         handle = release_after_backward(cls, attrs)  # type: ignore[arg-type]
         own_raw = handle._own_raw  # what the class had before any release was installed
         original = _ABSENT if own_raw is None else own_raw
-        self._registry._hold(
+        self._table.hold(
             cls, handle.method, original, _own(cls, handle.method), self._holder, handle
         )
         return handle

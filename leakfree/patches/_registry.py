@@ -7,10 +7,11 @@ are affected, how to check that the code is the code we expect, how to apply. A
 package prefix (``patch_functions``). The one :class:`Registry` (``REGISTRY``) decides,
 applies lazily when a target module is first imported (one mechanism for both kinds:
 wrapt's post-import hooks) or at once when it already is, records what happened for
-``patch_report()`` with one :class:`Status` enum, and keeps the original of everything it
-changed in one table (:func:`get_original`, :func:`is_object_patched`, as ``gevent.monkey``
-does), from which unpatching puts the exact original objects back. Nothing here imports
-the target libraries: versions come from package metadata.
+``patch_report()`` (an :class:`Outcome`, its :class:`Reason` and a detail in words), and
+keeps the original of everything it changed in one table (``_originals.py``:
+:func:`get_original`, :func:`is_object_patched`, as ``gevent.monkey`` does), from which
+unpatching puts the exact original objects back. Nothing here imports the target
+libraries: versions come from package metadata.
 """
 
 from __future__ import annotations
@@ -35,16 +36,17 @@ from leakfree._warnings import PatchError, PatchWarning
 from leakfree.patches._originals import Changes, Originals, _check_owner
 
 if TYPE_CHECKING:
-    from leakfree.function import ReleaseHandle
     from leakfree.patches._originals import _Row
 
 __all__ = [
+    "PAIRS",
     "REGISTRY",
+    "Outcome",
     "Patch",
     "PatchRecord",
     "PatchReport",
+    "Reason",
     "Registry",
-    "Status",
     "SweepRecord",
     "get_original",
     "installed_version",
@@ -52,32 +54,105 @@ __all__ = [
 ]
 
 
-class Status(str, Enum):
-    """Every state in ``patch_report()``, ``plan()`` and ``python -m leakfree doctor``.
-
-    A ``str``: ``record.status == "applied"``, printing and JSON give the value.
-    """
-
-    # what happened (patch_report)
-    NOT_REQUESTED = "not requested"
-    PENDING_IMPORT = "pending import"
-    APPLIED = "applied"
-    SKIPPED = "skipped"
-    DISABLED = "disabled"  # turned off by the caller (patch_all(name=False))
-    REVERTED = "reverted"
-    # what patch_all() would do (plan, doctor)
-    WOULD_APPLY = "would apply"
-    OFF = "off"  # not requested: off by default, or disabled
-    NOT_INSTALLED = "not installed"
-    NOT_AFFECTED = "not affected"
-    NO_LOCATION = "no location"
-    # why the code check skipped a patch (Skip.status, the start of a skipped reason)
-    ALREADY_FIXED = "already fixed upstream"
-    NOT_PRESENT = "not present in this version"  # the class is there, the leak's pattern is not
-    TARGET_NOT_FOUND = "target not found"  # a warning
+class _Words(str, Enum):
+    """A ``str`` enum that prints, formats and serialises to JSON as its value."""
 
     def __str__(self) -> str:
-        return self.value
+        return str(self.value)
+
+
+class Outcome(_Words):
+    """What happened to a patch or a sweep (``patch_report()``), or, in a plan
+    (``python -m leakfree doctor``), what ``patch_all()`` would do. One axis: *why* is the
+    record's :class:`Reason`, beside it. A ``str``: ``record.outcome == "applied"``;
+    printing and JSON give the value.
+    """
+
+    #: the repair is in place (in a plan: already in place)
+    APPLIED = "applied"
+    #: requested; applied when its target module is imported (the detail names it)
+    PENDING = "pending import"
+    #: in a plan only: ``patch_all()`` would apply it (now, or when the target is imported)
+    WOULD_APPLY = "would apply"
+    #: requested, not applied (in a plan: would not be); the reason says why
+    SKIPPED = "skipped"
+    #: not requested: no ``patch_all()`` yet, off by default, or turned off by the caller
+    OFF = "off"
+    #: was applied or pending, and put back on request (``unpatch_all()``,
+    #: ``sweep.remove()``: the detail says which)
+    REVERTED = "reverted"
+
+
+class Reason(_Words):
+    """Why a record has its :class:`Outcome` (``record.reason``); None where the outcome
+    says it all (APPLIED, PENDING, WOULD_APPLY, REVERTED). The record's ``detail`` gives
+    the specifics in words. Which reasons go with which outcome: :data:`PAIRS`.
+    """
+
+    # -- OFF ------------------------------------------------------------------------------
+    #: no ``patch_all()`` has asked for it (yet)
+    NOT_REQUESTED = "not requested"
+    #: ``patch_all()`` leaves it off unless it is asked for by key (``Patch.default``)
+    OFF_BY_DEFAULT = "off by default"
+    #: a patch on by default, turned off by ``patch_all(<integration or patch>=False)``
+    DISABLED_BY_CALLER = "disabled by the caller"
+    # -- SKIPPED by the gates, from package metadata (nothing imported) --------------------
+    #: no distribution of the target library is installed
+    NOT_INSTALLED = "not installed"
+    #: the installed version is outside the affected ones (the detail: fixed where, or why
+    #: the repair is left out there)
+    VERSION_NOT_AFFECTED = "version not affected"
+    #: an affected version, but leakfree knows no module of the target in it
+    NO_LOCATION = "no known location"
+    # -- SKIPPED by the code check, after the import (a :class:`Skip`'s reason) -----------
+    #: the code already carries the fix
+    ALREADY_FIXED = "already fixed upstream"
+    #: the target is there, the leak's pattern is not (nothing to repair)
+    NOT_PRESENT = "not present in this version"
+    #: the target cannot be read, or is not the code the patch expects (a warning)
+    TARGET_NOT_FOUND = "target not found"
+    # -- SKIPPED by applying ----------------------------------------------------------------
+    #: the patch raised while applying; what it changed was put back (a warning)
+    APPLY_FAILED = "apply failed"
+
+    @property
+    def warns(self) -> bool:
+        """Is a skip for this reason a :class:`~leakfree.PatchWarning` (a
+        :class:`~leakfree.PatchError` under ``strict=True``)? Only the two that mean
+        "leakfree could not do what it meant to"; good news and "nothing to do" are not."""
+        return self in (Reason.TARGET_NOT_FOUND, Reason.APPLY_FAILED)
+
+
+#: Every (outcome, reason) pair a record may hold: in ``patch_report()``, in a plan and
+#: after ``unpatch_all()``. A record refuses any other (:meth:`PatchRecord.mark`), so the
+#: two axes cannot mix again.
+PAIRS: frozenset[tuple[Outcome, Reason | None]] = frozenset(
+    {
+        (Outcome.APPLIED, None),
+        (Outcome.PENDING, None),
+        (Outcome.WOULD_APPLY, None),
+        (Outcome.REVERTED, None),
+        (Outcome.OFF, Reason.NOT_REQUESTED),
+        (Outcome.OFF, Reason.OFF_BY_DEFAULT),
+        (Outcome.OFF, Reason.DISABLED_BY_CALLER),
+        (Outcome.SKIPPED, Reason.NOT_INSTALLED),
+        (Outcome.SKIPPED, Reason.VERSION_NOT_AFFECTED),
+        (Outcome.SKIPPED, Reason.NO_LOCATION),
+        (Outcome.SKIPPED, Reason.ALREADY_FIXED),
+        (Outcome.SKIPPED, Reason.NOT_PRESENT),
+        (Outcome.SKIPPED, Reason.TARGET_NOT_FOUND),
+        (Outcome.SKIPPED, Reason.APPLY_FAILED),
+    }
+)
+
+
+def _named(value: object) -> str:
+    """``Outcome.OFF`` for a member, the repr for anything else (in error messages)."""
+    return f"{type(value).__name__}.{value.name}" if isinstance(value, Enum) else repr(value)
+
+
+#: The reasons a code check gives (:class:`Skip`).
+CHECK_REASONS = (Reason.ALREADY_FIXED, Reason.NOT_PRESENT, Reason.TARGET_NOT_FOUND)
 
 
 #: ``apply(target, module, option, changes)``: make the repair through ``changes`` (which
@@ -91,12 +166,20 @@ Check = Callable[[Any, types.ModuleType, Any], "Skip | Applies | None"]
 
 @dataclass(frozen=True)
 class Skip:
-    """Why a patch did not apply to the code it found."""
+    """Why a patch did not apply to the code it found: a ``reason`` of
+    :data:`CHECK_REASONS` (ALREADY_FIXED, NOT_PRESENT: nothing to repair, neither is a
+    warning; TARGET_NOT_FOUND: a warning) and the ``detail`` in words."""
 
-    #: ALREADY_FIXED, NOT_PRESENT (nothing to repair: neither is a warning) or
-    #: TARGET_NOT_FOUND (a warning)
-    status: Status
+    reason: Reason
     detail: str
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.reason, Reason) and self.reason in CHECK_REASONS):
+            raise ValueError(
+                f"Skip(reason={_named(self.reason)}): a code check skips for one of "
+                f"{', '.join(f'Reason.{r.name}' for r in CHECK_REASONS)}; the version and "
+                "location gates and the registry give the other reasons"
+            )
 
 
 @dataclass(frozen=True)
@@ -197,23 +280,44 @@ def version_matches(version: Version, spec: str) -> bool:
 
 @dataclass
 class PatchRecord:
-    """What happened to one patch (an entry of :func:`patch_report`)."""
+    """What happened to one patch (an entry of :func:`patch_report`): its ``outcome``,
+    the ``reason`` for it (None where the outcome says it all) and the ``detail`` in words
+    (what it repairs, which module it waits for, what the code check found). The pair
+    (outcome, reason) is always one of :data:`PAIRS`."""
 
     name: str
     integration: str
     target: str
     version: str | None
-    status: Status
-    reason: str = ""
+    outcome: Outcome
+    reason: Reason | None = None
+    detail: str = ""
     #: what to undo beyond the table of originals (see :data:`Apply`)
     undo: Callable[[], None] | None = field(default=None, repr=False, compare=False)
     option: Any = field(default=None, repr=False, compare=False)  #: what it was applied with
     #: requested with strict=True: a failure raises PatchError (for this record only)
     strict: bool = field(default=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        self._check(self.outcome, self.reason)
+
+    def _check(self, outcome: Outcome, reason: Reason | None) -> None:
+        if (outcome, reason) not in PAIRS:
+            raise ValueError(
+                f"PatchRecord({self.name!r}): outcome={_named(outcome)} with "
+                f"reason={_named(reason)} is not one of leakfree.patches._registry.PAIRS; "
+                "give the outcome a reason listed for it there (or add the pair there, with "
+                "its meaning)"
+            )
+
+    def mark(self, outcome: Outcome, reason: Reason | None = None, detail: str = "") -> None:
+        """Set the outcome, its reason and the detail together (a pair of :data:`PAIRS`)."""
+        self._check(outcome, reason)
+        self.outcome, self.reason, self.detail = outcome, reason, detail
+
     @property
     def applied(self) -> bool:
-        return self.status == Status.APPLIED
+        return self.outcome is Outcome.APPLIED
 
 
 class SweepRecord(PatchRecord):
@@ -229,11 +333,12 @@ class SweepRecord(PatchRecord):
     #: what the sweep patches, for the report's target column ("3 Function classes")
     unit = "objects"
 
-    def __init__(self, prefix: str, reason: str) -> None:
+    def __init__(self, prefix: str, description: str) -> None:
         super().__init__(
-            f"sweep.{prefix}", "sweep", f"0 {self.unit}", None, Status.NOT_REQUESTED, reason
+            f"sweep.{prefix}", "sweep", f"0 {self.unit}", None, Outcome.OFF, Reason.NOT_REQUESTED
         )
         self.prefix = prefix
+        self.description = description  #: the detail while it is applied
 
     def covers(self, module_name: str) -> bool:
         return module_name == self.prefix or module_name.startswith(self.prefix + ".")
@@ -263,8 +368,11 @@ class PatchReport(list[PatchRecord]):
 
     def __str__(self) -> str:
         return format_table(
-            ("patch", "target", "version", "status", "reason"),
-            [(r.name, r.target, r.version or "-", str(r.status), r.reason) for r in self],
+            ("patch", "target", "version", "outcome", "reason", "detail"),
+            [
+                (r.name, r.target, r.version or "-", str(r.outcome), str(r.reason or "-"), r.detail)
+                for r in self
+            ],
         )
 
 
@@ -391,7 +499,7 @@ class Registry:
             for p in patches:
                 self.patches[p.name] = p
                 self.records[p.name] = PatchRecord(
-                    p.name, p.integration, p.target, None, Status.NOT_REQUESTED
+                    p.name, p.integration, p.target, None, Outcome.OFF, Reason.NOT_REQUESTED
                 )
 
     # -- selection ------------------------------------------------------------------------
@@ -453,51 +561,58 @@ class Registry:
             for name, option in chosen.items():
                 record = self.records[name]
                 record.strict = strict
-                if record.status == Status.APPLIED:
+                if record.outcome is Outcome.APPLIED:
                     if option == record.option:
                         continue  # idempotent
                     self._undo(record)  # asked for something else now: off, or harden...
                 if option is False:
                     self._wanted.pop(name, None)
-                    record.status, record.reason = Status.DISABLED, "disabled by the caller"
+                    record.mark(Outcome.OFF, self._off(self.patches[name]))
                     continue
                 self._wanted[name] = option
                 self._decide(self.patches[name], option)
 
     @staticmethod
-    def _gate(patch: Patch, option: Any) -> tuple[Version | None, str | None, Status | None]:
+    def _off(patch: Patch) -> Reason:
+        """Why ``select`` gave ``patch`` the option False: the caller turned off a patch
+        that is on by default, or it is off by default and nobody asked for it."""
+        return Reason.DISABLED_BY_CALLER if patch.default else Reason.OFF_BY_DEFAULT
+
+    @staticmethod
+    def _gate(
+        patch: Patch, option: Any
+    ) -> tuple[Version | None, str | None, tuple[Reason, str] | None]:
         """Installed version, where the target lives (None if the patch does not apply),
-        and why it does not apply: NOT_INSTALLED, NOT_AFFECTED or NO_LOCATION.
+        and why it does not apply: NOT_INSTALLED, VERSION_NOT_AFFECTED or NO_LOCATION, with
+        the detail.
 
         The one version and location decision, shared by ``request`` and ``plan``.
         """
         version = installed_version(patch.distributions)
         if version is None:
-            return None, None, Status.NOT_INSTALLED
+            return None, None, (Reason.NOT_INSTALLED, "")
         affected = dict(patch.widen).get(option, patch.affected)
         if option != "always" and not version_matches(version, affected):
-            return version, None, Status.NOT_AFFECTED
+            return version, None, (Reason.VERSION_NOT_AFFECTED, patch.why_outside())
         module = patch.module_for(version)
-        return version, module, Status.NO_LOCATION if module is None else None
+        if module is None:
+            known = "; ".join(spec or "any" for spec, _ in patch.modules)
+            where = f"leakfree knows where {patch.target} is in versions {known} only"
+            return version, None, (Reason.NO_LOCATION, where)
+        return version, module, None
 
     def _decide(self, patch: Patch, option: Any) -> None:
         record = self.records[patch.name]
         version, module_name, blocked = self._gate(patch, option)
         record.version = str(version) if version is not None else None
-        if module_name is None:
-            reason = {
-                Status.NOT_INSTALLED: "not installed",
-                Status.NOT_AFFECTED: f"version {version} not affected ({patch.why_outside()})",
-                Status.NO_LOCATION: f"no known location of {patch.target} in {version}",
-            }[blocked or Status.NO_LOCATION]
-            self._skip(record, Status.SKIPPED, reason)
+        if blocked is not None or module_name is None:
+            self._skip(record, *(blocked or (Reason.NO_LOCATION, "")))
             return
         module = sys.modules.get(module_name)
         if module is not None:
             self._apply(patch, module)
             return
-        record.status = Status.PENDING_IMPORT
-        record.reason = f"applies when {module_name} is imported"
+        record.mark(Outcome.PENDING, None, f"applies when {module_name} is imported")
         self._hook(module_name)
 
     def _hook(self, module_name: str) -> None:
@@ -512,7 +627,7 @@ class Registry:
             self._hooked.discard(module.__name__)
             for patch in self.patches.values():
                 record = self.records[patch.name]
-                if patch.name in self._wanted and record.status == Status.PENDING_IMPORT:
+                if patch.name in self._wanted and record.outcome is Outcome.PENDING:
                     version = installed_version(patch.distributions)
                     if version is not None and patch.module_for(version) == module.__name__:
                         self._apply(patch, module)
@@ -538,40 +653,37 @@ class Registry:
                 raise PatchError(
                     record.name, f"checking {module.__name__}.{patch.target} raised {e!r}"
                 ) from e
-            self._skip(
-                record,
-                Status.SKIPPED,
-                f"{Status.TARGET_NOT_FOUND}: {module.__name__}.{patch.target} ({type(e).__name__})",
-                warn=True,
-            )
+            where = f"{module.__name__}.{patch.target} ({type(e).__name__})"
+            self._skip(record, Reason.TARGET_NOT_FOUND, where)
             return
         why = skip.detail if isinstance(skip, Applies) else None
         if isinstance(skip, Skip):
             # Good news, or nothing to do: not warnings. Only a target that cannot be read is.
-            expected = skip.status in (Status.ALREADY_FIXED, Status.NOT_PRESENT)
-            self._skip(record, Status.SKIPPED, f"{skip.status}: {skip.detail}", warn=not expected)
+            self._skip(record, skip.reason, skip.detail)
             return
         try:
-            undo = patch.apply(target, module, option, Changes(self, record))
+            undo = patch.apply(target, module, option, Changes(self.originals, record))
         except Exception as e:  # a guest never breaks the host
             self._restore(record)  # what it changed before it failed
             if record.strict:
                 raise PatchError(record.name, f"applying it raised {e!r}") from e
-            self._skip(record, Status.SKIPPED, f"apply failed: {type(e).__name__}: {e}", warn=True)
+            self._skip(record, Reason.APPLY_FAILED, f"{type(e).__name__}: {e}")
             return
-        reason = patch.description if why is None else f"{patch.description}: {why}"
-        record.status, record.reason, record.undo = Status.APPLIED, reason, undo
-        record.option = option
+        detail = patch.description if why is None else f"{patch.description}: {why}"
+        record.mark(Outcome.APPLIED, None, detail)
+        record.undo, record.option = undo, option
 
-    def _skip(
-        self, record: PatchRecord, status: Status, reason: str, *, warn: bool = False
-    ) -> None:
-        record.status, record.reason, record.undo = status, reason, None
+    def _skip(self, record: PatchRecord, reason: Reason, detail: str) -> None:
+        """``record`` is SKIPPED for ``reason``; a reason that :attr:`~Reason.warns` warns
+        (raises :class:`~leakfree.PatchError` for a strict record)."""
+        record.mark(Outcome.SKIPPED, reason, detail)
+        record.undo = None
         self._wanted.pop(record.name, None)
-        if warn:
+        if reason.warns:
+            why = f"{reason}: {detail}" if detail else str(reason)
             if record.strict:
-                raise PatchError(record.name, reason)
-            message = f"leakfree patch {record.name} skipped: {reason}"
+                raise PatchError(record.name, why)
+            message = f"leakfree patch {record.name} skipped: {why}"
             warnings.warn(message, PatchWarning, stacklevel=4)
 
     # -- sweeps ------------------------------------------------------------------------------
@@ -583,7 +695,7 @@ class Registry:
             if sweep in self.sweeps:
                 return
             self.sweeps.append(sweep)
-            sweep.status = Status.APPLIED
+            sweep.mark(Outcome.APPLIED, None, sweep.description)
             self._watch.prefixes = tuple(s.prefix for s in self.sweeps)
             self._watch.install()
             self._sweep(sweep, None)
@@ -595,15 +707,16 @@ class Registry:
                 self._sweep(sweep, None if module_names is None else set(module_names))
 
     def _sweep(self, sweep: SweepRecord, module_names: set[str] | None) -> None:
-        sweep.apply(module_names, Changes(self, sweep))
+        sweep.apply(module_names, Changes(self.originals, sweep))
         self._count(sweep)
 
     def _count(self, sweep: SweepRecord) -> None:
         """The sweep's target column: what it holds now (a patch may have taken a class)."""
         sweep.target = f"{len(self.rows_of(sweep))} {sweep.unit}"
 
-    def remove_sweep(self, sweep: SweepRecord) -> None:
-        """Put back what ``sweep`` changed and stop sweeping modules imported later."""
+    def remove_sweep(self, sweep: SweepRecord, by: str = "sweep.remove()") -> None:
+        """Put back what ``sweep`` changed and stop sweeping modules imported later; ``by``
+        names the call, for the record's detail."""
         with self._lock:
             try:
                 self._restore(sweep)
@@ -611,7 +724,7 @@ class Registry:
                 self._count(sweep)
                 if sweep in self.sweeps:
                     self.sweeps.remove(sweep)
-                    sweep.status, sweep.reason = Status.REVERTED, "removed"
+                    sweep.mark(Outcome.REVERTED, None, by)
                 self._watch.prefixes = tuple(s.prefix for s in self.sweeps)
                 if not self.sweeps:
                     self._watch.uninstall()
@@ -624,19 +737,7 @@ class Registry:
         return len(sweeps)
 
     # -- the table of originals (kept by self.originals; its updates under the lock) ------
-
-    def _hold(
-        self,
-        owner: Any,
-        name: str,
-        original: Any,
-        current: Any,
-        holder: PatchRecord,
-        via: ReleaseHandle | None,
-    ) -> None:
-        """Write one change into the table (see :meth:`Originals.hold`)."""
-        with self._lock:
-            self.originals.hold(owner, name, original, current, holder, via)
+    # An apply writes into it through Changes(self.originals, record), under the lock.
 
     def rows_of(self, holder: PatchRecord) -> list[_Row]:
         """The changes ``holder`` made and has not put back, in the order it made them."""
@@ -662,7 +763,7 @@ class Registry:
 
     def _undo(self, record: PatchRecord) -> None:
         undo, record.undo, record.option = record.undo, None, None
-        record.status, record.reason = Status.REVERTED, "unpatch_all()"
+        record.mark(Outcome.REVERTED, None, "unpatch_all()")
         self._restore(record)
         if undo is not None:
             undo()
@@ -673,17 +774,16 @@ class Registry:
         with self._lock:
             self._wanted.clear()  # pending hooks become no-ops
             for record in self.records.values():
-                if record.status == Status.APPLIED:
+                if record.outcome is Outcome.APPLIED:
                     try:
                         self._undo(record)
                     except Exception as e:  # revert the others anyway
                         errors.append(f"{record.name}: {type(e).__name__}: {e}")
-                elif record.status == Status.PENDING_IMPORT:
-                    record.status = Status.REVERTED
-                    record.reason = "unpatch_all() before import"
+                elif record.outcome is Outcome.PENDING:
+                    record.mark(Outcome.REVERTED, None, "unpatch_all() before import")
             for sweep in list(self.sweeps):
                 try:
-                    self.remove_sweep(sweep)
+                    self.remove_sweep(sweep, by="unpatch_all()")
                 except Exception as e:
                     errors.append(f"{sweep.name}: {type(e).__name__}: {e}")
         if errors:
@@ -694,7 +794,9 @@ class Registry:
     # -- reporting ---------------------------------------------------------------------------
 
     def plan(self, chosen: dict[str, Any]) -> PatchReport:
-        """What ``request(chosen)`` would do, without doing it (``python -m leakfree doctor``)."""
+        """What ``request(chosen)`` would do, without doing it (``python -m leakfree doctor``):
+        WOULD_APPLY (or APPLIED where it already is), OFF or SKIPPED, with the reason
+        ``request`` would give."""
         out = PatchReport()
         for name, option in chosen.items():
             patch = self.patches[name]
@@ -704,33 +806,28 @@ class Registry:
                 patch.integration,
                 patch.target,
                 str(version) if version else None,
-                Status.WOULD_APPLY,
+                Outcome.WOULD_APPLY,
             )
-            if option is False:
-                record.status, record.reason = (
-                    Status.OFF,
-                    "not requested (off by default or disabled)",
-                )
-            elif blocked is Status.NOT_INSTALLED:
-                record.status, record.reason = Status.NOT_INSTALLED, ""
-            elif blocked is not None:
-                record.status = blocked
-                record.reason = patch.why_outside() if blocked is Status.NOT_AFFECTED else ""
-            else:
-                current = self.records[name].status
-                expected = (
-                    None
-                    if patch.expect is None or version is None
-                    else patch.expect(version, option)
-                )
-                if isinstance(expected, Skip) and current != Status.APPLIED:
-                    record.status, record.reason = Status.NOT_AFFECTED, expected.detail
-                    out.append(record)
-                    continue
-                why = f": {expected.detail}" if isinstance(expected, Applies) else ""
-                record.status = Status.APPLIED if current == Status.APPLIED else Status.WOULD_APPLY
-                record.reason = f"{patch.description}{why} ({module}.{patch.target})"
             out.append(record)
+            if option is False:
+                record.mark(Outcome.OFF, self._off(patch))
+                continue
+            if blocked is not None or module is None:
+                record.mark(Outcome.SKIPPED, *(blocked or (Reason.NO_LOCATION, "")))
+                continue
+            current = self.records[name].outcome
+            expected = (
+                None if patch.expect is None or version is None else patch.expect(version, option)
+            )
+            if isinstance(expected, Skip) and current is not Outcome.APPLIED:
+                record.mark(Outcome.SKIPPED, expected.reason, expected.detail)
+                continue
+            why = f": {expected.detail}" if isinstance(expected, Applies) else ""
+            record.mark(
+                Outcome.APPLIED if current is Outcome.APPLIED else Outcome.WOULD_APPLY,
+                None,
+                f"{patch.description}{why} ({module}.{patch.target})",
+            )
         return out
 
     def report(self) -> PatchReport:
@@ -739,7 +836,9 @@ class Registry:
             for sweep in self.sweeps:
                 self._count(sweep)
             return PatchReport(
-                PatchRecord(r.name, r.integration, r.target, r.version, r.status, r.reason)
+                PatchRecord(
+                    r.name, r.integration, r.target, r.version, r.outcome, r.reason, r.detail
+                )
                 for r in (*self.records.values(), *self.sweeps)
             )
 

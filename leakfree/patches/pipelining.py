@@ -69,7 +69,7 @@ import torch
 from leakfree._warnings import PatchWarning
 from leakfree.patches._code import code_facts
 from leakfree.patches._originals import Changes
-from leakfree.patches._registry import REGISTRY, Patch, Skip, Status
+from leakfree.patches._registry import REGISTRY, Patch, Reason, Skip
 from leakfree.pipeline.release import _swap_out
 from leakfree.pipeline.slots import GradSlot, as_nonleaf
 
@@ -242,18 +242,18 @@ def _check_stage_inputs(target: Any, module: types.ModuleType, option: Any = Tru
     backward = module.__dict__.get("stage_backward")
     if retrieve is None or not isinstance(backward, types.FunctionType):
         return Skip(
-            Status.TARGET_NOT_FOUND,
+            Reason.TARGET_NOT_FOUND,
             f"{STAGE}: no {BASE}._retrieve_recv_activations or stage_backward function",
         )
     names, _ = code_facts(retrieve)
     if "requires_grad_" not in names:
         # The fix proposed upstream (pytorch #185355) hands a clone or an alias instead.
         return Skip(
-            Status.ALREADY_FIXED if {"clone", "detach"} & names else Status.NOT_PRESENT,
+            Reason.ALREADY_FIXED if {"clone", "detach"} & names else Reason.NOT_PRESENT,
             "_retrieve_recv_activations does not make the receive buffer a leaf in place",
         )
     if "grad" not in code_facts(backward)[0]:
-        return Skip(Status.TARGET_NOT_FOUND, "stage_backward does not read the inputs' .grad")
+        return Skip(Reason.TARGET_NOT_FOUND, "stage_backward does not read the inputs' .grad")
     return None
 
 
@@ -335,7 +335,7 @@ def _check_recv_buffers(target: Any, module: types.ModuleType, option: Any = Tru
     missing = [m for m in (*_RECV_METHODS, "_get_recv_ops") if _method(target, m) is None]
     if missing or not callable(module.__dict__.get("_make_tensor_from_meta")):
         return Skip(
-            Status.TARGET_NOT_FOUND,
+            Reason.TARGET_NOT_FOUND,
             f"{STAGE}: {', '.join(missing) or '_make_tensor_from_meta'} not found",
         )
     names = (
@@ -343,12 +343,12 @@ def _check_recv_buffers(target: Any, module: types.ModuleType, option: Any = Tru
         | code_facts(_method(target, "_get_recv_ops"))[0]
     )
     if "_make_tensor_from_meta" in names:  # pytorch #196463: allocated just in time
-        return Skip(Status.ALREADY_FIXED, "receive buffers are allocated when received")
+        return Skip(Reason.ALREADY_FIXED, "receive buffers are allocated when received")
     init = _method(module.__dict__.get("_RecvInfo"), "__init__")
     if init is None or "tensor_meta" not in code_facts(init)[1]:
         # A receive that carries no metadata has nothing to allocate a buffer from
         # (measured on torch 2.8: the repair would allocate nothing, and drop nothing).
-        return Skip(Status.NOT_PRESENT, "_RecvInfo keeps no tensor_meta to allocate from")
+        return Skip(Reason.NOT_PRESENT, "_RecvInfo keeps no tensor_meta to allocate from")
     return None
 
 
@@ -539,12 +539,12 @@ def _check_sent_outputs(target: Any, module: types.ModuleType, option: Any = Tru
         if owner is None or not callable(vars(owner).get(name))
     ]
     if missing:
-        return Skip(Status.TARGET_NOT_FOUND, f"not found: {', '.join(missing)}")
+        return Skip(Reason.TARGET_NOT_FOUND, f"not found: {', '.join(missing)}")
     if "fwd_cache" not in code_facts(_method(base, "get_fwd_send_ops"))[0]:
-        return Skip(Status.TARGET_NOT_FOUND, "get_fwd_send_ops does not read fwd_cache")
+        return Skip(Reason.TARGET_NOT_FOUND, "get_fwd_send_ops does not read fwd_cache")
     if "resize_" in code_facts(_method(base, "backward_one_chunk"))[0]:
         # pytorch #193903 frees sent outputs itself (resize_ of their storage)
-        return Skip(Status.ALREADY_FIXED, "the stage frees sent outputs itself")
+        return Skip(Reason.ALREADY_FIXED, "the stage frees sent outputs itself")
     return None
 
 
@@ -603,7 +603,7 @@ def _check_step_state(target: Any, module: types.ModuleType, option: Any = True)
     base = getattr(sys.modules.get(STAGE), BASE, None)
     if missing or base is None or _method(base, "clear_runtime_states") is None:
         return Skip(
-            Status.TARGET_NOT_FOUND,
+            Reason.TARGET_NOT_FOUND,
             f"not found: {', '.join(f'{n}.step' for n in missing) or 'clear_runtime_states'}",
         )
     return None

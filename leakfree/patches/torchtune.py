@@ -49,7 +49,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from leakfree._device import accelerator
 from leakfree.offload import OffloadActivations as _LeakfreeOffloadActivations
 from leakfree.patches._rebind import replacing
-from leakfree.patches._registry import FailureMode, Patch, Skip, Status
+from leakfree.patches._registry import FailureMode, Patch, Reason, Skip
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -220,12 +220,12 @@ def _parameters(function: Any) -> tuple[str, ...] | None:
 def _check_class(target: Any, module: types.ModuleType, option: Any = True) -> Skip | None:
     if not (isinstance(target, type) and issubclass(target, saved_tensors_hooks)):
         return Skip(
-            Status.TARGET_NOT_FOUND, f"{target!r} is not torchtune's OffloadActivations class"
+            Reason.TARGET_NOT_FOUND, f"{target!r} is not torchtune's OffloadActivations class"
         )
     found = _parameters(target.__init__)
     if found != TORCHTUNE_PARAMETERS:
         return Skip(
-            Status.TARGET_NOT_FOUND,
+            Reason.TARGET_NOT_FOUND,
             f"OffloadActivations.__init__ takes {found}, the adapter maps {TORCHTUNE_PARAMETERS}",
         )
     return None
@@ -234,7 +234,7 @@ def _check_class(target: Any, module: types.ModuleType, option: Any = True) -> S
 def _check_function(target: Any, module: types.ModuleType, option: Any = True) -> Skip | None:
     if not inspect.isfunction(target) or _parameters(target) != _HELPER_PARAMETERS:
         return Skip(
-            Status.TARGET_NOT_FOUND,
+            Reason.TARGET_NOT_FOUND,
             f"get_act_offloading_ctx_manager{_HELPER_PARAMETERS} expected, found {target!r}",
         )
     return None

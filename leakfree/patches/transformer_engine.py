@@ -23,7 +23,7 @@ import torch
 
 from leakfree.patches._code import code_facts
 from leakfree.patches._originals import Changes
-from leakfree.patches._registry import Patch, Skip, Status
+from leakfree.patches._registry import Patch, Reason, Skip
 
 __all__ = ["PATCHES"]
 
@@ -85,21 +85,21 @@ def _backward_facts(target: type, module: types.ModuleType, fn: Any) -> tuple[se
 
 def _check(target: Any, module: types.ModuleType, option: Any = True) -> Skip | None:
     if not (isinstance(target, type) and issubclass(target, torch.autograd.Function)):
-        return Skip(Status.TARGET_NOT_FOUND, f"{target!r} is not an autograd Function")
+        return Skip(Reason.TARGET_NOT_FOUND, f"{target!r} is not an autograd Function")
     backward = target.__dict__.get("backward")
     fn = getattr(backward, "__func__", backward)
     if fn is None:
-        return Skip(Status.TARGET_NOT_FOUND, f"{target.__qualname__} defines no backward")
+        return Skip(Reason.TARGET_NOT_FOUND, f"{target.__qualname__} defines no backward")
     names, stored = _backward_facts(target, module, fn)
     if "restore_from_func_ctx" in names or ATTR in stored:
         if _hardens(target, option) and FUSER_EXTRA not in stored:
             # Upstream (2.14+) releases tensor_objects but never the per-op contexts that
             # an early exit of the fuser's backward skips: hardening still adds that.
             return None
-        return Skip(Status.ALREADY_FIXED, f"{target.__qualname__}.backward releases {ATTR}")
+        return Skip(Reason.ALREADY_FIXED, f"{target.__qualname__}.backward releases {ATTR}")
     if "restore_from_saved" not in names or ATTR not in names:
         return Skip(
-            Status.NOT_PRESENT,
+            Reason.NOT_PRESENT,
             f"{target.__qualname__}.backward (and the helpers it calls) does not use "
             f"restore_from_saved / ctx.{ATTR}",
         )

@@ -48,8 +48,8 @@ from leakfree.patches._registry import (
     Applies,
     FailureMode,
     Patch,
+    Reason,
     Skip,
-    Status,
     get_original,
     installed_version,
     version_matches,
@@ -171,14 +171,14 @@ def expect(
     if option == "always":
         return Applies(ALWAYS)
     if not known:
-        return Skip(Status.NOT_PRESENT, f"TRL {version} is newer than the releases leakfree read")
+        return Skip(Reason.NOT_PRESENT, f"TRL {version} is newer than the releases leakfree read")
     if not has_accelerator:
         return Skip(
-            Status.NOT_PRESENT,
+            Reason.NOT_PRESENT,
             f"TRL {version}'s OffloadActivations does not call {PROBE}() in __init__",
         )
     return Skip(
-        Status.ALREADY_FIXED,
+        Reason.ALREADY_FIXED,
         f"TRL {version} clears its stashes (1.5) and runs on this machine's accelerator",
     )
 
@@ -234,7 +234,7 @@ def _decide(module: types.ModuleType, option: Any) -> Skip | Applies:
     in its constructor."""
     version = installed_version(DISTRIBUTIONS)
     if version is None:  # metadata gone since the version gate read it
-        return Skip(Status.TARGET_NOT_FOUND, "trl's version is no longer readable")
+        return Skip(Reason.TARGET_NOT_FOUND, "trl's version is no longer readable")
     trl_class = get_original(module, "OffloadActivations")
     init = getattr(getattr(trl_class, "__init__", None), "__code__", None)
     reads = init is not None and PROBE in init.co_names
@@ -243,15 +243,15 @@ def _decide(module: types.ModuleType, option: Any) -> Skip | Applies:
 
 def _check_class(target: Any, module: types.ModuleType, option: Any = True) -> Skip | Applies:
     if not isinstance(target, type) or not hasattr(target, "update_model_params"):
-        return Skip(Status.TARGET_NOT_FOUND, f"{target!r} is not TRL's OffloadActivations class")
+        return Skip(Reason.TARGET_NOT_FOUND, f"{target!r} is not TRL's OffloadActivations class")
     return _decide(module, option)
 
 
 def _check_function(target: Any, module: types.ModuleType, option: Any = True) -> Skip | Applies:
     if not callable(target) or getattr(target, "__code__", None) is None:
-        return Skip(Status.TARGET_NOT_FOUND, f"{target!r} is not a function")
+        return Skip(Reason.TARGET_NOT_FOUND, f"{target!r} is not a function")
     if "model" not in target.__code__.co_varnames[: target.__code__.co_argcount]:
-        return Skip(Status.TARGET_NOT_FOUND, "get_act_offloading_ctx_manager(model, ...) expected")
+        return Skip(Reason.TARGET_NOT_FOUND, "get_act_offloading_ctx_manager(model, ...) expected")
     return _decide(module, option)
 
 

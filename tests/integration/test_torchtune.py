@@ -91,7 +91,7 @@ def test_torchtune_offloader_fails_on_cpu_without_leakfree_and_when_opted_out() 
                   attempt(lambda: training.get_act_offloading_ctx_manager(model, True))]
         import leakfree
         leakfree.patch_all(torchtune=False)
-        statuses = {r.name: str(r.status) for r in leakfree.patch_report()
+        statuses = {r.name: f"{r.outcome}: {r.reason}" for r in leakfree.patch_report()
                     if r.integration == "torchtune"}
         opted_out = [attempt(training.OffloadActivations),
                      training.OffloadActivations is original]
@@ -105,8 +105,8 @@ def test_torchtune_offloader_fails_on_cpu_without_leakfree_and_when_opted_out() 
     assert result["cuda"] != "built"
     assert result["before"] == [result["cuda"]] * 2
     assert result["statuses"] == {
-        "torchtune.offload_activations": "disabled",
-        "torchtune.act_offloading_ctx_manager": "disabled",
+        "torchtune.offload_activations": "off: disabled by the caller",
+        "torchtune.act_offloading_ctx_manager": "off: disabled by the caller",
     }
     assert result["opted_out"] == [result["cuda"], True]
 
@@ -137,7 +137,7 @@ def test_patch_all_trains_a_tiny_torchtune_llama(order: str, tmp_path: Path) -> 
         import leakfree.testing
         from leakfree.patches import get_original
 
-        statuses = {r.name: str(r.status) for r in leakfree.patch_report()
+        statuses = {r.name: str(r.outcome) for r in leakfree.patch_report()
                     if r.integration == "torchtune"}
         original = get_original(ao, "OffloadActivations")
         original_helper = get_original(ao, "get_act_offloading_ctx_manager")

@@ -63,18 +63,18 @@ def check_sft_trainer(*paths: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def test_sft_trainer_offloading_runs_on_the_installed_trl_with_the_default_patch() -> None:
     _, patched = check_sft_trainer()
-    status, reason = patched["patches"]["trl.offload_activations"]
-    assert status == "applied"
+    outcome, detail = patched["patches"]["trl.offload_activations"]
+    assert outcome == "applied"
     if accelerator() is None:
-        assert "raises AttributeError without an accelerator" in reason
+        assert "raises AttributeError without an accelerator" in detail
 
 
 def test_sft_trainer_offloading_runs_on_trl_1_3_with_the_default_patch() -> None:
     path = old_trl()
     _, patched = check_sft_trainer(path)
     assert patched["trl"] == "1.3.0"
-    status, reason = patched["patches"]["trl.offload_activations"]
-    assert (status, "keeps offloaded payloads past the step" in reason) == ("applied", True)
+    outcome, detail = patched["patches"]["trl.offload_activations"]
+    assert (outcome, "keeps offloaded payloads past the step" in detail) == ("applied", True)
 
 
 def test_trl_current_version_default_patch_follows_the_machine() -> None:
