@@ -314,7 +314,7 @@ def run_worker(
 
 def summarise(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per configuration, against the ``none`` run of the same version."""
-    from leakfree.diagnostics.memory import fit_growth
+    from leakfree.diagnostics.growth import fit_growth
 
     ref = runs["none"]
     rows = []

@@ -35,11 +35,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from leakfree.pipeline import (
-    PendingSends,
     PipelineWarning,
-    RecvBuffer,
     RecvBufferPool,
-    ReleasedOutput,
     backward_from,
     recv_backward,
     recv_forward,
@@ -48,6 +45,9 @@ from leakfree.pipeline import (
     send_backward,
     send_forward,
 )
+from leakfree.pipeline.buffers import RecvBuffer
+from leakfree.pipeline.p2p import PendingSends
+from leakfree.pipeline.release import ReleasedOutput
 
 D, STAGES = 32, 2
 

@@ -19,12 +19,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Function": "leakfree.function",
     "ReferenceCycleError": "leakfree.function",
-    "ReleaseHandle": "leakfree.function",
     "release_after_backward": "leakfree.function",
     "released_attributes": "leakfree.function",
-    "LossList": "leakfree.losses",
     "LossLog": "leakfree.losses",
-    "RunningLoss": "leakfree.losses",
     "detach_tree": "leakfree.detach",
     "NoOffload": "leakfree.offload",
     "OffloadActivations": "leakfree.offload",
@@ -42,10 +39,12 @@ _EXPORTS = {
 }
 _SUBMODULES = ("pipeline",)
 
+# What a user needs, and no more: the rest (LossList, RunningLoss, ReleaseHandle, the
+# pools, the registry's records...) stays importable from the module that defines it.
+
 __all__ = [
     "Function",
     "LeakfreeWarning",
-    "LossList",
     "LossLog",
     "MemoryGrowthWarning",
     "NoOffload",
@@ -53,9 +52,6 @@ __all__ = [
     "PatchError",
     "PatchWarning",
     "ReferenceCycleError",
-    "ReleaseHandle",
-    "RunningLoss",
-    "__version__",
     "detach_tree",
     "offload_model",
     "patch_all",
@@ -99,11 +95,10 @@ if TYPE_CHECKING:
     from leakfree.function import (
         Function,
         ReferenceCycleError,
-        ReleaseHandle,
         release_after_backward,
         released_attributes,
     )
-    from leakfree.losses import LossList, LossLog, RunningLoss
+    from leakfree.losses import LossLog
     from leakfree.offload import (
         NoOffload,
         OffloadActivations,

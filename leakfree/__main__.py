@@ -110,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _scan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from leakfree.scan import UsageError, render, scan
+    from leakfree.scan import render, scan
+    from leakfree.scan._locate import UsageError
     from leakfree.scan._report import summary
     from leakfree.scan.rules import RULES
 

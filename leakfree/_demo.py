@@ -20,7 +20,8 @@ import leakfree
 from leakfree._device import accelerator
 from leakfree._shapes import context_loss
 from leakfree._text import format_bytes, format_table
-from leakfree.diagnostics.memory import Growth, MemoryTracker, fit_growth
+from leakfree.diagnostics.growth import Growth, fit_growth
+from leakfree.diagnostics.memory import MemoryTracker
 from leakfree.pipeline import RecvBufferPool
 
 Step = Callable[[], None]

@@ -524,31 +524,35 @@ def release_after_backward(
             "already releases its ctx state after backward; list what must stay in "
             f"{cls.__qualname__}.keep instead."
         )
-    names: frozenset[str] | None
-    if attrs == "all":
-        names = None
-    elif attrs is None:
-        raise TypeError(
-            'release_after_backward(attrs=None): write attrs="all" to release all ctx '
-            "state, or a tuple of the attribute names to release"
-        )
-    elif isinstance(attrs, str):
-        raise TypeError(
-            f'release_after_backward(attrs={attrs!r}): attrs must be "all" or a collection '
-            f"of names, not one name; write attrs=({attrs!r},)"
-        )
-    else:
-        names = frozenset(attrs)
-        bad = [a for a in names if not (isinstance(a, str) and a.isidentifier())]
-        if bad:
-            raise TypeError(f"release_after_backward(attrs=...): not attribute names: {bad!r}")
-    handle = _install(cls, names, frozenset())
+    handle = _install(cls, release_choice("release_after_backward", attrs), frozenset())
     if handle is None:
         raise TypeError(
             f"release_after_backward({cls.__qualname__}): the class defines neither backward "
             "nor vjp, so there is no backward after which to release its ctx state."
         )
     return handle
+
+
+def release_choice(where: str, attrs: Any) -> frozenset[str] | None:
+    """The one check of an ``attrs`` argument: ``"all"`` (None here) or a collection of
+    attribute names; a ``TypeError`` naming ``where`` otherwise."""
+    if attrs == "all":
+        return None
+    if attrs is None:
+        raise TypeError(
+            f'{where}(attrs=None): write attrs="all" to release all ctx state, or a tuple '
+            "of the attribute names to release"
+        )
+    if isinstance(attrs, str) or not isinstance(attrs, Iterable):
+        hint = f"attrs=({attrs!r},)" if isinstance(attrs, str) else 'attrs=("name", ...)'
+        raise TypeError(
+            f'{where}(attrs={attrs!r}): attrs is "all" or a collection of names; write {hint}'
+        )
+    names = frozenset(attrs)
+    bad = [a for a in names if not (isinstance(a, str) and a.isidentifier())]
+    if bad:
+        raise TypeError(f"{where}(attrs=...): not attribute names: {bad!r}")
+    return names
 
 
 def released_attributes(cls: type) -> tuple[str, ...] | Literal["all"]:

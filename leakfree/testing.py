@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from leakfree.diagnostics.detector import DEFAULT_FLOOR, Rule
-from leakfree.diagnostics.memory import Growth, MemoryTracker, _default_devices
+from leakfree.diagnostics.growth import Growth
+from leakfree.diagnostics.memory import MemoryTracker, _default_devices
 from leakfree.diagnostics.retention import RetentionReport
 from leakfree.diagnostics.roots import code_roots
 

@@ -93,9 +93,9 @@ def test_ctx_state_after_backward_while_output_alive(base: type, no_gc: None) ->
     else:
         assert alive(r) == {"meta": False, "cache": False, "objects": False}  # fixed
         assert y.grad_fn.__dict__ == {
-                lf_function.RELEASED: ("meta", "cache", "objects"),
-                **dict.fromkeys(("meta", "cache", "objects")),  # set to None
-            }
+            lf_function.RELEASED: ("meta", "cache", "objects"),
+            **dict.fromkeys(("meta", "cache", "objects")),  # set to None
+        }
     del y
     assert alive(r) == {"meta": False, "cache": False, "objects": False}
 

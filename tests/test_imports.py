@@ -23,13 +23,9 @@ PACKAGE = ROOT / "leakfree"
 #: may be added here: break the circle instead (move the shared piece to the module that
 #: owns it, or pass what is needed in); and an entry leaves when its circle is gone.
 #: (patches/_registry <-> _originals: removed with the Outcome / Reason split; offload
-#: hooks <-> streams: removed by the offload change, offload/handles.py.)
-KNOWN_CIRCLES: dict[frozenset[str], str] = {
-    frozenset({"leakfree.diagnostics.detector", "leakfree.diagnostics.memory"}): (
-        "found by this test: memory.py imports detector's Finding and Rule for annotations "
-        "while detector imports memory's Growth; left to the diagnostics change"
-    ),
-}
+#: hooks <-> streams: offload/handles.py; diagnostics detector <-> memory: the growth fit
+#: in diagnostics/growth.py and the detector reading its tracker through a Protocol.)
+KNOWN_CIRCLES: dict[frozenset[str], str] = {}
 
 #: an edge's source line, for the message: (importer, imported) -> line
 Lines = dict[tuple[str, str], int]

@@ -18,6 +18,7 @@ import torch
 import leakfree
 from leakfree._shapes import context_loss
 from leakfree.diagnostics import count_host_syncs
+from leakfree.losses import RunningLoss
 
 # --- the real leak shape: a loss from a Function whose ctx holds a big tensor -----------------
 
@@ -284,7 +285,7 @@ def test_running_mode_is_constant_size_and_exact() -> None:
     for i in range(1000):
         log["a"].append(torch.tensor(float(i)))
         log["b"].append(torch.tensor(float(i % 17)))
-        assert len(log["a"]._pending) < leakfree.RunningLoss.FOLD
+        assert len(log["a"]._pending) < RunningLoss.FOLD
     assert len(log["a"]) == 1000
     assert log["a"].count == 1000 and log["a"].sum.item() == sum(range(1000))
     out = log.reduce()

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import leakfree
-from leakfree.offload import HostBlockPool, OffloadWarning, offload_model, remove_offload_hooks
+from leakfree.offload import OffloadWarning, offload_model, remove_offload_hooks
 from leakfree.offload.handles import _Offloaded
-from leakfree.offload.pool import _size_class
+from leakfree.offload.pool import HostBlockPool, _size_class
 from leakfree.offload.streams import _prefetch_plan, _prune_prefetching, _retire
 
 
@@ -727,7 +727,7 @@ def test_a_graph_keeps_its_payloads_not_the_manager_or_its_pool() -> None:
 def test_default_budget_is_one_per_process_shared_by_every_manager() -> None:
     """Several managers (one per model, one per data loader) used to get a quarter of RAM
     each. Now they draw from one process budget, counted in bytes really held."""
-    from leakfree.offload import PROCESS_BUDGET, HostBudget
+    from leakfree.offload.pool import PROCESS_BUDGET, HostBudget
 
     a, b = offload(), offload()
     assert a.pool.host_budget is b.pool.host_budget is PROCESS_BUDGET

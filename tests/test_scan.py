@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from leakfree.__main__ import main
-from leakfree.scan import Finding, Project, Rule, ScanResult, Source, UsageError, render, scan
+from leakfree.scan import Finding, ScanResult, render, scan
+from leakfree.scan._locate import UsageError
+from leakfree.scan._model import Project, Rule, Source
 from leakfree.scan._run import choose_rules, suppressions
 from tests._scan import CASES
 
@@ -74,7 +76,7 @@ def test_suppression_comments_are_real_comments_per_rule_and_line() -> None:
         """
     )
     assert suppressions(text) == {1: {"LF900"}, 2: {"LF001", "LF900"}, 3: {"*"}, 4: {"LF001"}}
-    from leakfree.scan import scan_sources
+    from leakfree.scan._run import scan_sources
 
     source = Source("m.py", text, ast.parse(text))
     assert [f.line for f in scan_sources([source], [PARKED])] == [4, 5, 6]

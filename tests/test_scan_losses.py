@@ -366,7 +366,7 @@ def test_module_level_script_loop() -> None:
 def test_an_enum_member_named_like_a_loss_is_not_a_loss() -> None:
     # found by scanning leakfree itself: `kind = Kind.LOSS; self.env.kinds[name] = kind`
 
-    from leakfree.scan import Project, Source
+    from leakfree.scan._model import Project, Source
     from leakfree.scan.rules.losses import RULES
 
     text = (

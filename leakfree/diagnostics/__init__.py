@@ -22,23 +22,19 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "Finding": "leakfree.diagnostics.detector",
     "Rule": "leakfree.diagnostics.detector",
-    "Growth": "leakfree.diagnostics.memory",
+    "Growth": "leakfree.diagnostics.growth",
     "MemoryTracker": "leakfree.diagnostics.memory",
     "StorageTracker": "leakfree.diagnostics.memory",
-    "fit_growth": "leakfree.diagnostics.memory",
-    "Retained": "leakfree.diagnostics.retention",
+    "fit_growth": "leakfree.diagnostics.growth",
     "RetentionReport": "leakfree.diagnostics.retention",
     "find_retained": "leakfree.diagnostics.retention",
-    "HostSyncCounter": "leakfree.diagnostics.syncs",
     "count_host_syncs": "leakfree.diagnostics.syncs",
 }
 
 __all__ = [
     "Finding",
     "Growth",
-    "HostSyncCounter",
     "MemoryTracker",
-    "Retained",
     "RetentionReport",
     "Rule",
     "StorageTracker",
@@ -62,6 +58,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from leakfree.diagnostics.detector import Finding, Rule
-    from leakfree.diagnostics.memory import Growth, MemoryTracker, StorageTracker, fit_growth
-    from leakfree.diagnostics.retention import Retained, RetentionReport, find_retained
-    from leakfree.diagnostics.syncs import HostSyncCounter, count_host_syncs
+    from leakfree.diagnostics.growth import Growth, fit_growth
+    from leakfree.diagnostics.memory import MemoryTracker, StorageTracker
+    from leakfree.diagnostics.retention import RetentionReport, find_retained
+    from leakfree.diagnostics.syncs import count_host_syncs

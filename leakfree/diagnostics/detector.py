@@ -44,19 +44,29 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from leakfree._text import format_bytes
 from leakfree._warnings import LeakfreeWarning
 from leakfree.diagnostics.cycles import Cycles, find_cycles
-from leakfree.diagnostics.memory import Growth, fit_growth
+from leakfree.diagnostics.growth import Growth, fit_growth
 from leakfree.diagnostics.retention import Retained, RetentionReport, find_retained, group
 from leakfree.diagnostics.roots import frame_roots, module_roots
 
-if TYPE_CHECKING:
-    from leakfree.diagnostics.memory import MemoryTracker
+
+class Tracked(Protocol):
+    """What a detector reads from the tracker that owns it (a
+    :class:`~leakfree.diagnostics.MemoryTracker`, which holds it): the device judged, and
+    the storage tracker of a device counted storage by storage (else None)."""
+
+    @property
+    def judged(self) -> Any: ...
+
+    @property
+    def _storages(self) -> Any: ...
+
 
 __all__ = ["DEFAULT_FLOOR", "Detector", "Finding", "Rule", "whole"]
 
@@ -125,7 +135,7 @@ class Detector:
     called with each new :class:`Finding` (a watcher warns or raises there).
     """
 
-    tracker: MemoryTracker
+    tracker: Tracked
     owner: str = "MemoryTracker"
     rule: Rule = field(default_factory=Rule)
     roots: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None

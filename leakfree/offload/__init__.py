@@ -41,14 +41,7 @@ discovery). Imports go one way: hooks -> streams -> handles -> pool.
 
 from leakfree.offload.hooks import NoOffload, OffloadActivations
 from leakfree.offload.models import offload_model, remove_offload_hooks
-from leakfree.offload.pool import (
-    PROCESS_BUDGET,
-    HostBlock,
-    HostBlockPool,
-    HostBudget,
-    OffloadWarning,
-    PoolStats,
-)
+from leakfree.offload.pool import OffloadWarning
 
 #: TRL's / torchtune's name for :class:`NoOffload`, so swapping the import is enough
 #: (``from leakfree.offload import NoOpManager``). Unlike theirs it keeps what it saves
@@ -56,15 +49,10 @@ from leakfree.offload.pool import (
 NoOpManager = NoOffload
 
 __all__ = [
-    "PROCESS_BUDGET",
-    "HostBlock",
-    "HostBlockPool",
-    "HostBudget",
     "NoOffload",
     "NoOpManager",
     "OffloadActivations",
     "OffloadWarning",
-    "PoolStats",
     "offload_model",
     "remove_offload_hooks",
 ]

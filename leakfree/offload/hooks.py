@@ -81,7 +81,7 @@ class OffloadActivations(saved_tensors_hooks):
             cached, counted as PyTorch's pinned allocator rounds them: powers of two);
             beyond it copies use pageable memory. Default (None): one budget for the
             whole process, a quarter of RAM, shared by every manager that does not set
-            its own (``leakfree.offload.PROCESS_BUDGET``).
+            its own (``leakfree.offload.pool.PROCESS_BUDGET``).
 
     Parameters, views of parameters, what ``update_model_params`` registered (matched by
     storage address: call it again after moving the model), tensor subclasses, non-strided

@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from leakfree.function import _HANDLE, Function, ReleaseHandle, _backward_name
+from leakfree.function import _HANDLE, Function, ReleaseHandle, _backward_name, release_choice
 from leakfree.patches._originals import Changes
 from leakfree.patches._registry import REGISTRY, SweepRecord
 
@@ -103,12 +103,8 @@ def patch_functions(prefix: str, attrs: Iterable[str] | Literal["all"] = "all") 
         or not all(part.isidentifier() for part in prefix.split("."))
     ):
         raise ValueError(f"patch_functions(prefix={prefix!r}): expected a module name like 'mylib'")
-    if attrs is None or (isinstance(attrs, str) and attrs != "all"):
-        raise TypeError(
-            f"patch_functions(attrs={attrs!r}): write attrs=\"all\" to release all ctx "
-            "state, or a tuple of the attribute names to release"
-        )
-    sweep = Sweep(prefix, "all" if attrs == "all" else tuple(attrs))
+    names = release_choice("patch_functions", attrs)
+    sweep = Sweep(prefix, "all" if names is None else tuple(sorted(names)))
     REGISTRY.add_sweep(sweep)
     return sweep
 

@@ -50,10 +50,9 @@ headers, :class:`PendingSends`, aborts and timeouts), ``losses``
 (:class:`PipelineLosses`).
 """
 
-from leakfree.pipeline.buffers import PoolCounters, RecvBuffer, RecvBufferPool
+from leakfree.pipeline.buffers import RecvBufferPool
 from leakfree.pipeline.losses import PipelineLosses
 from leakfree.pipeline.p2p import (
-    PendingSends,
     PipelineAborted,
     PipelineTimeout,
     recv_backward,
@@ -62,25 +61,16 @@ from leakfree.pipeline.p2p import (
     send_backward,
     send_forward,
 )
-from leakfree.pipeline.release import (
-    PipelineWarning,
-    ReleasedOutput,
-    backward_from,
-    release_output,
-)
+from leakfree.pipeline.release import PipelineWarning, backward_from, release_output
 from leakfree.pipeline.slots import GradSlot, as_nonleaf
 
 __all__ = [
     "GradSlot",
-    "PendingSends",
     "PipelineAborted",
     "PipelineLosses",
     "PipelineTimeout",
     "PipelineWarning",
-    "PoolCounters",
-    "RecvBuffer",
     "RecvBufferPool",
-    "ReleasedOutput",
     "as_nonleaf",
     "backward_from",
     "recv_backward",

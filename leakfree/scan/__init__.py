@@ -13,21 +13,13 @@ docs/scan.md.
 
 from __future__ import annotations
 
-from leakfree.scan._locate import UsageError
-from leakfree.scan._model import Finding, Project, Rule, Source
-from leakfree.scan._report import FORMATS, render
-from leakfree.scan._run import ScanResult, choose_rules, scan, scan_sources
+from leakfree.scan._model import Finding
+from leakfree.scan._report import render
+from leakfree.scan._run import ScanResult, scan
 
 __all__ = [
-    "FORMATS",
     "Finding",
-    "Project",
-    "Rule",
     "ScanResult",
-    "Source",
-    "UsageError",
-    "choose_rules",
     "render",
     "scan",
-    "scan_sources",
 ]
