@@ -1,6 +1,8 @@
 """Run code in a fresh interpreter state, cheaply: a child forked from a server process that
 has imported torch and nothing else (no leakfree, no packaging, no stand-in), so a run costs
-a fork rather than a torch import. This module imports only the standard library: it is
+a fork rather than a torch import. The server also imports ``torch._dynamo``, which torch
+itself imports on the first optimizer step or dispatch mode (a second each time, in every
+child, otherwise). This module imports only the standard library: it is
 what the child imports to find :func:`_run_child`."""
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 _FRESH = multiprocessing.get_context("forkserver")
-_FRESH.set_forkserver_preload(["torch"])
+#: what the server imports before forking (tests/test_docs.py uses the same server)
+PRELOAD = ["torch", "torch._dynamo"]
+_FRESH.set_forkserver_preload(PRELOAD)
 
 
 def _run_child(code: str, paths: Sequence[str], conn: Any) -> None:

@@ -237,21 +237,6 @@ def test_snapshot_with_three_files_prints_snapshots_usage() -> None:
     assert "snapshot takes one file, or two to diff" in err
 
 
-def test_import_leakfree_is_lazy_and_complete() -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys, leakfree; assert 'torch' not in sys.modules; "
-            "[getattr(leakfree, n) for n in leakfree.__all__]; print(sorted(dir(leakfree))[:1])",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-
-
 def test_doctor_points_to_docs_that_exist(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
     from leakfree import _doctor
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._fresh import PRELOAD
+
 ROOT = Path(__file__).resolve().parents[1]
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(
@@ -38,7 +40,7 @@ TIMEOUT = 60  # seconds per block
 
 # The same server as tests/_fresh.py: torch imported, and nothing else.
 _FORKSERVER = multiprocessing.get_context("forkserver")
-_FORKSERVER.set_forkserver_preload(["torch"])
+_FORKSERVER.set_forkserver_preload(PRELOAD)
 
 # What the forked child runs, given ``cwd``, ``path``, ``line`` and ``code``. Its target is
 # the builtin ``exec`` with this source, not a function of this module: unpickling one

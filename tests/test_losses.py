@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import math
 import pickle
+import sys
 import threading
 import types
 import weakref
@@ -460,24 +461,38 @@ def test_running_entry_alone_copies_and_pickles() -> None:
 
 @pytest.mark.parametrize("running", [False, True], ids=["list", "running"])
 def test_threads_append_each_value_once(running: bool) -> None:
-    """8 threads x 20,000 appends of 1.0: the first version double-counted in running mode."""
-    log = leakfree.LossLog({"lm": "mean", "n": "sum"}, running=running)
+    """8 threads appending 1.0 at once: the first version double-counted in running mode.
+    The interpreter switches threads every microsecond here instead of every 5 ms, and ten
+    short rounds replace one long one: each round catches a missing lock about half the
+    time, so ten miss it about once in a thousand runs (one round of 160,000 appends at
+    the default interval caught it about half the time, in ten times as long)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(10):
+            log = leakfree.LossLog({"lm": "mean", "n": "sum"}, running=running)
+            _append_from_threads(log, threads=8, each=1_000)
+            assert len(log["n"]) == 8_000
+            assert log.reduce() == {"lm": 1.0, "n": 8_000.0}
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _append_from_threads(log: leakfree.LossLog, threads: int, each: int) -> None:
     one = torch.tensor(1.0)
-    barrier = threading.Barrier(8)
+    barrier = threading.Barrier(threads)
 
     def work() -> None:
         barrier.wait(timeout=30)
-        for _ in range(20_000):
+        for _ in range(each):
             log["lm"].append(one)
             log["n"].append(one)
 
-    threads = [threading.Thread(target=work) for _ in range(8)]
-    for t in threads:
+    started = [threading.Thread(target=work) for _ in range(threads)]
+    for t in started:
         t.start()
-    for t in threads:
+    for t in started:
         t.join(timeout=120)
-    assert len(log["n"]) == 160_000
-    assert log.reduce() == {"lm": 1.0, "n": 160_000.0}
 
 
 @pytest.mark.parametrize("running", [False, True], ids=["list", "running"])

@@ -531,8 +531,8 @@ def test_accelerator_gradients_and_lifetimes(use_streams: bool, accelerator: tor
 def test_accelerator_in_flight_bounded_and_memory_drops(accelerator: torch.device) -> None:
     device = accelerator
     mod = torch.get_device_module(device)
-    layers = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]).to(device)
-    x = torch.randn(512, 1024, device=device)
+    layers = nn.Sequential(*[nn.Linear(256, 256) for _ in range(16)]).to(device)
+    x = torch.randn(256, 256, device=device)
     mod.synchronize()
     mod.reset_peak_memory_stats()
     base = mod.memory_allocated()
@@ -541,7 +541,7 @@ def test_accelerator_in_flight_bounded_and_memory_drops(accelerator: torch.devic
     plain = mod.memory_allocated() - base
     del y
     ctx = leakfree.OffloadActivations(max_fwd_stash_size=2, min_offload_size=1024)
-    activation = 512 * 1024 * 4
+    activation = 256 * 256 * 4
     with ctx:
         y = layers(x).sum()
         held = mod.memory_allocated() - base

@@ -63,6 +63,11 @@ def test_tolerance_and_argument_errors() -> None:
         assert_no_leak(lambda: None, steps=2)
 
 
+#: the inner runs load the installed plugins that pyproject.toml's addopts switch off
+#: for the suite itself (hypothesis alone costs a third of a second per run)
+_QUIET_PLUGINS = ("-p", "no:hypothesispytest", "-p", "no:anyio", "-p", "no:benchmark")
+
+
 def test_pytest_plugin_fixture_and_marker(pytester: Any) -> None:
     pytester.makepyfile(
         """
@@ -83,7 +88,9 @@ def test_pytest_plugin_fixture_and_marker(pytester: Any) -> None:
             KEPT.append(torch.zeros(1024))
         """
     )
-    result = pytester.runpytest("-q")  # the plugin is loaded through its entry point
+    result = pytester.runpytest(
+        "-q", *_QUIET_PLUGINS
+    )  # the plugin is loaded through its entry point
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["*test_marker_leaky*", "*memory grows by 4.0 KiB/step*"])
 
@@ -102,7 +109,7 @@ def test_pytest_plugin_refuses_what_it_cannot_repeat(pytester: Any) -> None:
             raise AssertionError("never awaited")
         """
     )
-    result = pytester.runpytest("-q")
+    result = pytester.runpytest("-q", *_QUIET_PLUGINS)
     result.stdout.fnmatch_lines(["*takes keyword arguments*"])
     assert result.ret != 0
 
@@ -210,6 +217,6 @@ def test_pytest_marker_names_the_global_the_test_appends_to(pytester: Any) -> No
             losses.append(loss)
         """
     )
-    result = pytester.runpytest("-q")
+    result = pytester.runpytest("-q", *_QUIET_PLUGINS)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*memory grows by*", "*losses[[]*[]]  7 graphs*"])

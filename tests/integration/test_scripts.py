@@ -47,6 +47,21 @@ def run_benchmark(name: str, tmp_path: Path, *args: str) -> Any:
     return json.loads(out.read_text())
 
 
+def test_import_leakfree_is_lazy_and_complete() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, leakfree; assert 'torch' not in sys.modules; "
+            "[getattr(leakfree, n) for n in leakfree.__all__]; print(sorted(dir(leakfree))[:1])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+
+
 def test_function_overhead_benchmark_runs(tmp_path: Path) -> None:
     data = run_benchmark("function_overhead", tmp_path)
     ops = [r["op"] for r in data["results"]]
