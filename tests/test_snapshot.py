@@ -383,9 +383,13 @@ def test_load_rejects_what_is_not_a_snapshot(tmp_path: Path, obj: object, why: s
 
 def test_load_rejects_garbage_and_globals(tmp_path: Path) -> None:
     garbage = tmp_path / "garbage.pickle"
-    garbage.write_bytes(b"this is not a pickle")
-    with pytest.raises(ValueError, match="garbage.pickle: not a memory snapshot pickle"):
-        load(garbage)
+    for text in (b"this is not a pickle", b"Iteration,loss\n1,2.5\n", b"Lorem ipsum\n"):
+        garbage.write_bytes(text)  # the last two read as pickle opcodes, up to an int()
+        with pytest.raises(ValueError) as info:
+            load(garbage)
+        message = str(info.value)
+        assert "garbage.pickle: not a memory snapshot: not a pickle file" in message
+        assert "_dump_snapshot" in message and "literal" not in message, message
     # a pickle that names a class is refused before anything is imported or called
     ordered = write(tmp_path / "ordered.pickle", collections.OrderedDict(segments=[]))
     with pytest.raises(ValueError, match="collections.OrderedDict"):

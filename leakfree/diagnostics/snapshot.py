@@ -82,9 +82,13 @@ class _PlainUnpickler(pickle.Unpickler):
     so a file that does is refused instead of running its code."""
 
     def find_class(self, module: str, name: str, /) -> Any:
-        raise pickle.UnpicklingError(
+        raise _Refused(
             f"it refers to {module}.{name}; a memory snapshot holds only plain containers"
         )
+
+
+class _Refused(pickle.UnpicklingError):
+    """A pickle refused for what it refers to (not for being garbage)."""
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -100,8 +104,15 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     with open(name, "rb") as f:
         try:
             obj = _PlainUnpickler(f).load()
+        except _Refused as e:
+            raise ValueError(f"{name}: not a memory snapshot: {e}") from e
         except Exception as e:  # garbage input raises many different types
-            raise ValueError(f"{name}: not a memory snapshot pickle: {e}") from e
+            # The unpickler's own words ("invalid literal for int()", "invalid load key")
+            # describe the bytes it tripped on, not the mistake: say what the file is not.
+            raise ValueError(
+                f"{name}: not a memory snapshot: not a pickle file ({type(e).__name__}); "
+                "write one with torch.cuda.memory._dump_snapshot(path)"
+            ) from e
     problem = _shape_problem(obj)
     if problem is not None:
         raise ValueError(
