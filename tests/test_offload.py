@@ -19,7 +19,7 @@ import leakfree
 from leakfree.offload import OffloadWarning, offload_model, remove_offload_hooks
 from leakfree.offload.handles import _Offloaded
 from leakfree.offload.pool import HostBlockPool, _size_class
-from leakfree.offload.streams import _prefetch_plan, _prune_prefetching, _retire
+from leakfree.offload.streams import _follow, _Pass, _plan, _retire, _to_prefetch
 
 
 class Block(nn.Module):
@@ -150,9 +150,10 @@ def test_in_place_after_save_is_not_deduplicated() -> None:
             a.add_(1.0)
         graphs.append((a * a).sum())  # saves a again at version 1: a new copy
     assert ctx.pool.stats.allocations == 2
-    first, second = (h().copy for h in list(ctx._session.tape)[::2])
-    assert torch.equal(first.host_bytes().view(torch.float32), x.detach())
-    assert torch.equal(second.host_bytes().view(torch.float32), x.detach() + 1.0)
+    first, second = (ctx._copies.at(seq) for seq in (0, 1))
+    assert ctx._copies.next_seq() == 2
+    assert torch.equal(first.host.view(torch.float32), x.detach())
+    assert torch.equal(second.host.view(torch.float32), x.detach() + 1.0)
     del graphs
 
 
@@ -164,7 +165,7 @@ def test_forward_without_backward_frees_everything_with_the_graph(no_gc: None) -
     ctx = offload()
     with ctx:
         loss = model(x).square().mean()
-    handles = list(ctx._session.tape)  # weak references, in pack order
+    handles = list(ctx._copies.refs)  # the host copies, weakly, in creation order
     assert handles and all(h() is not None for h in handles)
     in_use = ctx.pool.stats.in_use_bytes
     assert in_use > 0
@@ -304,8 +305,10 @@ def test_no_accelerator_no_option_is_a_noop() -> None:
         ({"max_fwd_stash_size": 0}, "max_fwd_stash_size=0"),
         ({"max_fwd_stash_size": 1.5}, "max_fwd_stash_size=1.5"),
         ({"max_fwd_stash_size": True}, "max_fwd_stash_size=True"),
-        ({"prefetch_depth": -1}, "prefetch_depth=-1"),
-        ({"prefetch_depth": 2.0}, "prefetch_depth=2.0"),
+        ({"prefetch_bytes": -1}, "prefetch_bytes=-1"),
+        ({"prefetch_bytes": 2.0}, "prefetch_bytes=2.0"),
+        ({"device_budget": -1}, "device_budget=-1"),
+        ({"device_budget": "1GB"}, "device_budget='1GB'"),
         ({"min_offload_size": -1}, "min_offload_size=-1"),
         ({"device": "cpu"}, "force_host_copy=True"),
         ({"pin_memory_budget": -5, "force_host_copy": True}, "budget=-5"),
@@ -352,47 +355,83 @@ def test_in_flight_window_skips_dead_handles() -> None:
     assert list(_retire(window, weakref.ref(hs[1]), limit=1)) == [hs[0]]
 
 
-def test_prefetch_plan_reverse_pack_order_bounded() -> None:
+def _pass_over(copies: list[Any], ctx: Any) -> _Pass:
+    """A pass state following the order ``copies`` were unpacked in (as a pass records)."""
+    state = _Pass()
+    state.order = [(c.seq, c.nbytes) for c in copies]
+    follow = _Pass()
+    _follow(state.learned(), copies[0], ctx._copies, follow)
+    return follow
+
+
+def test_prefetch_follows_the_learned_order_within_the_byte_window() -> None:
     ctx, hs = _handles(6)
-    session = hs[0].session
-    plan = _prefetch_plan(session, hs[5], budget=3)
-    assert plan == [hs[4].copy, hs[3].copy, hs[2].copy]
-    assert _prefetch_plan(session, hs[5], budget=0) == []
-    hs[4].in_flight = torch.empty(1)  # still on device: nothing to bring back
-    dead = (weakref.ref(torch.empty(1).untyped_storage()), None)
-    hs[3].copy.restored = dead  # its restored copy died: fetch again
+    copies = [h.copy for h in hs]  # 64 bytes each
+    order = [copies[i] for i in (5, 3, 4, 1, 2, 0)]  # not pack order: what backward did
+    state = _pass_over(order, ctx)
+    assert [r() for r in state.plan] == order
+    assert _to_prefetch(state, copies[5], window=128) == [copies[3], copies[4]]
+    assert state.outstanding == 128
+    assert _to_prefetch(state, copies[3], window=128) == []  # the window is full
+    state.outstanding = 0  # both were used
     keep = torch.empty(1)
-    hs[2].copy.restored = (weakref.ref(keep.untyped_storage()), None)  # alive: skip
-    assert _prefetch_plan(session, hs[5], budget=2) == [hs[3].copy, hs[1].copy]
-    h0, h3, h5 = hs[0], hs[3], hs[5]
-    del hs[1]  # its graph died: skipped
-    assert _prefetch_plan(session, h5, budget=5) == [h3.copy, h0.copy]
+    copies[1].restored = (weakref.ref(keep.untyped_storage()), None)  # alive: skipped
+    assert _to_prefetch(state, copies[4], window=64) == [copies[2]]
+    assert _to_prefetch(state, copies[0], window=64) == []  # the end of the order
+    assert _to_prefetch(_Pass(), copies[5], window=10**9) == []  # nothing learned: none
 
 
-def test_prefetch_window_drops_consumed_dead_and_passed() -> None:
-    _, hs = _handles(5)
-    window: deque[Any] = deque()
-    for h in hs:
-        h.copy.prefetched = (torch.empty(1), None)
-        window.append(weakref.ref(h.copy))
-    hs[1].copy.prefetched = None  # consumed
-    assert _prune_prefetching(window, current=3) == 2  # 0 and 2 still pending
-    assert hs[3].copy.prefetched is None and hs[4].copy.prefetched is None  # passed: dropped
-    h0 = hs[0]
-    del hs[2]  # died
-    assert _prune_prefetching(window, current=3) == 1
-    assert h0.copy.prefetched is not None
+def test_prefetch_takes_one_copy_larger_than_the_window() -> None:
+    ctx, hs = _handles(3)
+    state = _pass_over([h.copy for h in reversed(hs)], ctx)
+    assert _to_prefetch(state, hs[2].copy, window=1) == [hs[1].copy]
 
 
-def test_tape_drops_its_dead_prefix() -> None:
+def test_a_learned_order_is_followed_only_where_the_copies_match_it() -> None:
+    ctx, hs = _handles(4)
+    copies = [h.copy for h in hs]
+    state = _Pass()
+    state.order = [(c.seq, c.nbytes) for c in reversed(copies)]
+    order = state.learned()
+    assert order == ((0, 64), (-1, 64), (-2, 64), (-3, 64))
+    _, more = _handles(1)  # another manager's copy: not in ctx's registry
+    shifted = _Pass()
+    _follow(order, copies[2], ctx._copies, shifted)  # would start before the first copy
+    assert shifted.plan == []
+    again = _Pass()
+    _follow(order, copies[3], ctx._copies, again)
+    assert [r() for r in again.plan] == list(reversed(copies))
+    del hs[1], copies[1]  # a recorded copy died: the shape no longer matches
+    gone = _Pass()
+    _follow(order, again.plan[0](), ctx._copies, gone)
+    assert gone.plan == []
+    _follow(((0, 32),), more[0].copy, ctx._copies, gone)  # another size
+    assert gone.plan == []
+
+
+def test_copies_registry_drops_its_dead_prefix() -> None:
     ctx = offload(min_offload_size=1)
     w = torch.randn(16, requires_grad=True)
     with ctx:  # one with-block around a whole loop
-        for _ in range(3000):
+        for _ in range(5000):
             (torch.randn(16) * w).sum().backward()
-    session = ctx._session
-    assert len(session.tape) < 2100 and session.base > 900
-    assert session.next_index() == 3000
+    copies = ctx._copies
+    assert len(copies.refs) < 4200 and copies.base > 800
+    assert copies.next_seq() == 5000
+
+
+@pytest.mark.parametrize(
+    ("sizes", "budget", "moved"),
+    [
+        ([10, 10, 10, 10], 25, 2),  # the last two fit; the first two move
+        ([10, 10, 10, 10], 40, 0),  # all fit
+        ([10, 10, 10, 10], 0, 4),
+        ([10, 30, 10], 25, 2),  # the 30 does not fit: it and all before it move
+        ([], 10, 0),
+    ],
+)
+def test_plan_keeps_the_latest_copies_that_fit(sizes: list[int], budget: int, moved: int) -> None:
+    assert _plan(sizes, budget) == moved
 
 
 def test_pool_budget_accounting_and_reuse() -> None:

@@ -10,6 +10,7 @@ another stream may still use it, fails the test at teardown. Gradients are compa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from typing import Any
@@ -182,6 +183,7 @@ def test_two_with_blocks_then_one_backward(sim: Any) -> None:
     with ctx:
         loss2 = model(x * 2).square().mean()
     (loss1 + loss2).backward()
+    assert ctx.stats.to_device == ctx.stats.to_host  # one pass over both: once each
     ref, xr = make()
     (ref(xr).square().mean() + ref(xr * 2).square().mean()).backward()
     assert_equal_grads(sim_grads(model), [p.grad for p in ref.parameters()])
@@ -194,9 +196,11 @@ def test_retain_graph_twice(sim: Any) -> None:
     with ctx:
         loss = model(x).square().mean()
     loss.backward(retain_graph=True)
+    assert ctx.stats.to_device == ctx.stats.to_host  # once each per pass
     first = sim_grads(model)
     model.zero_grad()
     loss.backward()
+    assert ctx.stats.to_device == 2 * ctx.stats.to_host
     assert_equal_grads(first, sim_grads(model))
     assert_equal_grads(first, reference_grads())
 
@@ -270,58 +274,103 @@ def deep(width: int = 64, depth: int = 8) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-@pytest.mark.parametrize(("stash", "depth"), [(5, 2), (1, 3)])
-def test_prefetch_window_brings_copies_back_ahead_and_stays_bounded(
-    sim: Any, monkeypatch: pytest.MonkeyPatch, stash: int, depth: int
-) -> None:
-    """``prefetch_depth`` alone bounds the prefetches outstanding; ``max_fwd_stash_size``
-    is the forward's in-flight window only (it used to mean both)."""
-    model, x = deep().to("sim"), torch.randn(32, 64, device="sim")
-    ctx = offload(max_fwd_stash_size=stash, prefetch_depth=depth)
-    issued: list[bool] = []
+def _watch_prefetch(ctx: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
+    """Bytes outstanding after each look-ahead, and the size of each prefetched copy."""
     outstanding: list[int] = []
-    copy_in, look_ahead = ctx._copy_in, ctx._unpack_prefetch
+    prefetched: list[int] = []
+    import leakfree.offload.hooks as hooks
 
-    def watched(copy: Any, *, prefetch: bool = False) -> Any:
-        issued.append(prefetch)
-        return copy_in(copy, prefetch=prefetch)
+    plan = hooks._to_prefetch
 
-    def ahead(handle: Any) -> None:
-        look_ahead(handle)
-        outstanding.append(len(handle.session.prefetching))
+    def watched(state: Any, current: Any, window: int) -> list[Any]:
+        out = plan(state, current, window)
+        outstanding.append(state.outstanding)
+        prefetched.extend(c.nbytes for c in out)
+        return out
 
-    monkeypatch.setattr(ctx, "_copy_in", watched)
-    monkeypatch.setattr(ctx, "_unpack_prefetch", ahead)
-    with ctx:
-        loss = model(x).square().mean()
-    loss.backward()
-    assert sum(issued) >= 8  # most copies came back ahead of their use
-    assert max(outstanding) == depth  # the window fills, and never more outstanding
-    got = sim_grads(model)
+    monkeypatch.setattr(hooks, "_to_prefetch", watched)
+    return outstanding, prefetched
+
+
+@pytest.mark.parametrize(("stash", "window"), [(5, 16 * 1024), (1, 24 * 1024)])
+def test_prefetch_follows_the_order_backward_used_within_a_byte_window(
+    sim: Any, monkeypatch: pytest.MonkeyPatch, stash: int, window: int
+) -> None:
+    """The first backward prefetches nothing (nothing learned: nothing is brought back
+    that backward will not use); the next one of the same shape follows the order the
+    first used, within ``prefetch_bytes``, and every copy comes back once."""
+    model, x = deep().to("sim"), torch.randn(32, 64, device="sim")  # 8 KiB activations
+    ctx = offload(max_fwd_stash_size=stash, prefetch_bytes=window)
+    outstanding, prefetched = _watch_prefetch(ctx, monkeypatch)
+    for step in range(3):
+        model.zero_grad()
+        with ctx:
+            loss = model(x).square().mean()
+        sim.reset_copies()
+        loss.backward()
+        if step == 0:
+            assert prefetched == []
+        assert sim.copies["to_device"] == ctx.stats.to_host // (step + 1)  # once each
+    assert len(prefetched) >= 2 * 12  # steps 2 and 3: most copies came back ahead of use
+    assert max(outstanding) <= window and max(outstanding) > window - 8 * 1024
+    assert ctx.stats.to_device == ctx.stats.to_host  # one copy back per copy out
     ref = deep()
     ref(x.cpu()).square().mean().backward()
-    assert_equal_grads(got, [p.grad for p in ref.parameters()])
+    assert_equal_grads(sim_grads(model), [p.grad for p in ref.parameters()])
 
 
-def test_prefetch_depth_zero_copies_back_only_on_demand(
+def test_prefetch_bytes_zero_copies_back_only_on_demand(
     sim: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, x = deep().to("sim"), torch.randn(32, 64, device="sim")
-    ctx = offload(prefetch_depth=0)
-    issued: list[bool] = []
-    original = ctx._copy_in
-
-    def watched(copy: Any, *, prefetch: bool = False) -> Any:
-        issued.append(prefetch)
-        return original(copy, prefetch=prefetch)
-
-    monkeypatch.setattr(ctx, "_copy_in", watched)
-    with ctx:
-        loss = model(x).square().mean()
-    loss.backward()
-    assert issued and not any(issued)
+    ctx = offload(prefetch_bytes=0)
+    _, prefetched = _watch_prefetch(ctx, monkeypatch)
+    for _ in range(2):
+        model.zero_grad()
+        with ctx:
+            loss = model(x).square().mean()
+        loss.backward()
+    assert prefetched == [] and ctx.stats.to_device == ctx.stats.to_host > 0
     ref = deep()
     ref(x.cpu()).square().mean().backward()
+    assert_equal_grads(sim_grads(model), [p.grad for p in ref.parameters()])
+
+
+class Views(nn.Module):
+    """Saved views of one storage needed by several backward nodes, at different times (a
+    fused projection split into q, k, v, as attention does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(64, 192)
+        self.out = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(64, dim=-1)
+        h = self.out(q * k + v.sin())  # mul saves q and k; sin saves v
+        return (h * q.cos()).square().mean()  # cos saves q again, used first in backward
+
+
+def test_views_needed_by_several_nodes_come_back_once_per_pass(sim: Any) -> None:
+    """Each copy out comes back at most once per backward pass: the restored storage is
+    kept until the last node that needs it has unpacked it (before, the first node's
+    restored copy died with its saved tensors and the next node copied the bytes again)."""
+    torch.manual_seed(0)
+    model, x = Views().to("sim"), torch.randn(32, 64, device="sim")
+    ctx = offload()
+    sim.reset_copies()  # the model's and the input's uploads are not the offloader's
+    with ctx:
+        loss = model(x)
+    out = sim.copies["to_host"]
+    loss.backward(retain_graph=True)
+    assert sim.copies["to_device"] == out  # the qkv storage: once, not once per node
+    loss.backward()
+    assert sim.copies["to_device"] == 2 * out  # a second pass: once more, each
+    assert (ctx.stats.to_host, ctx.stats.to_device) == (out, 2 * out)
+    torch.manual_seed(0)
+    ref, xc = Views(), x.cpu()
+    ref(xc).backward(retain_graph=True)
+    ref(xc).backward()
     assert_equal_grads(sim_grads(model), [p.grad for p in ref.parameters()])
 
 
@@ -513,7 +562,25 @@ def test_checkpointing(sim: Any) -> None:
             h = checkpoint(block, h, use_reentrant=False)
         loss = model.lm_head(h).square().mean()
     loss.backward()
+    assert 0 < ctx.stats.to_device <= ctx.stats.to_host  # the checkpoints' inputs, once
     assert_equal_grads(sim_grads(model), reference_grads())
+
+
+def test_a_partial_pass_frees_what_it_kept_when_it_ends(sim: Any) -> None:
+    """A storage kept for handles a pass never reaches (``autograd.grad`` of an inner
+    tensor) is dropped when the pass ends, not held until the graph dies."""
+    torch.manual_seed(0)
+    model, x = Views().to("sim"), torch.randn(32, 64, device="sim", requires_grad=True)
+    ctx = offload()
+    with ctx:
+        q, k, v = model.qkv(x).split(64, dim=-1)
+        inner = q * k  # saves q and k: views of the qkv storage
+        loss = (model.out(inner + v.sin()) * q.cos()).square().mean()
+    torch.autograd.grad(inner.sum(), x, retain_graph=True)  # reaches mul only, not sin/cos
+    kept = [c for r in ctx._copies.refs if (c := r()) is not None and c.keep is not None]
+    assert kept == []  # the pass ended: its keep is gone, though sin and cos never ran
+    assert not ctx._passes
+    loss.backward()
 
 
 def test_backward_after_the_manager_is_gone(sim: Any) -> None:
@@ -551,3 +618,89 @@ def test_losslog_reduce_on_the_device_same_floats_one_wait(sim: Any) -> None:
 
 
 # --- the GPU suite cannot rot: its tiny sizes run here, on the simulated device ---------------
+
+
+# --- a device byte budget -----------------------------------------------------------------
+
+
+def _budget_run(sim: Any, budget: int | None, batches: tuple[int, ...] = (32, 32, 32)) -> Any:
+    """Steps of the deep MLP under ``OffloadActivations(device_budget=budget)``: per step,
+    the bytes it held on the device at most, moved to the host and back, and the device
+    peak of the forward; then the gradients against the CPU."""
+    model = deep(depth=16).to("sim")
+    ctx = offload(device_budget=budget)
+    steps = []
+    for batch in batches:
+        x = torch.randn(batch, 64, device="sim")
+        model.zero_grad()
+        before = dataclasses.replace(ctx.stats)
+        ctx.stats.peak_held_bytes = 0
+        sim.reset_peak()
+        with ctx:
+            loss = model(x).square().mean()
+        peak = sim.peak()
+        loss.backward()
+        steps.append(
+            {
+                "held": ctx.stats.peak_held_bytes,
+                "to_host": ctx.stats.to_host_bytes - before.to_host_bytes,
+                "to_device": ctx.stats.to_device_bytes - before.to_device_bytes,
+                "peak": peak,
+            }
+        )
+        ref = deep(depth=16)
+        ref(x.cpu()).square().mean().backward()
+        assert_equal_grads(sim_grads(model), [p.grad for p in ref.parameters()])
+    return ctx, steps
+
+
+def test_a_device_budget_keeps_the_last_activations_and_moves_the_rest(sim: Any) -> None:
+    budget = 96 * 1024  # 12 of the 32 activations of 8 KiB
+    ctx, steps = _budget_run(sim, budget)
+    _, everything = _budget_run(sim, None)
+    plan = ctx.plan
+    assert plan is not None and plan.budget == budget and plan.replans == 0
+    total = plan.kept_bytes + plan.moved_bytes
+    assert plan.kept_bytes <= budget and plan.kept_bytes > budget - 8 * 1024
+    assert total == everything[0]["to_host"]  # the same copies, by storage
+    for step in steps:
+        assert step["held"] <= budget  # the first step too: it holds, then moves the oldest
+        assert step["to_host"] <= 1.05 * (total - budget)
+        assert step["to_device"] == step["to_host"]  # what moved comes back, once
+        # the device memory the budget adds over moving everything is the budget at most
+        assert step["peak"] <= everything[0]["peak"] + budget
+    assert "stay on the device" in str(plan)
+
+
+def test_a_budget_that_keeps_everything_moves_nothing(sim: Any) -> None:
+    ctx, steps = _budget_run(sim, 10 * 2**20)
+    assert all(s["to_host"] == s["to_device"] == 0 for s in steps)
+    assert ctx.plan is not None and ctx.plan.moved == 0 and ctx.stats.to_host == 0
+    assert ctx.pool.stats.allocations == 0
+
+
+def test_a_zero_budget_moves_everything(sim: Any) -> None:
+    ctx, steps = _budget_run(sim, 0)
+    _, everything = _budget_run(sim, None)
+    assert [s["to_host"] for s in steps] == [s["to_host"] for s in everything]
+    assert all(s["held"] == 0 for s in steps[1:])  # planned: moved as the forward goes
+
+
+def test_a_budget_replans_when_the_shapes_change(sim: Any) -> None:
+    budget = 64 * 1024
+    ctx, steps = _budget_run(sim, budget, batches=(32, 32, 16, 16, 32))
+    assert ctx.plan is not None and ctx.plan.replans == 2  # 32 -> 16 -> 32
+    assert all(s["held"] <= budget for s in steps)
+    small = ctx.plan  # planned for batch 32 again
+    assert small.kept_bytes <= budget
+
+
+def test_offload_model_takes_a_device_budget(sim: Any) -> None:
+    model, x = on_sim()
+    ctx = leakfree.offload_model(model, device_budget=0, min_offload_size=256)
+    with ctx:
+        loss = model(x).square().mean()
+    loss.backward()
+    assert ctx.device_budget == 0 and ctx.plan is not None and ctx.plan.moved > 0
+    assert_equal_grads(sim_grads(model), reference_grads())
+    leakfree.remove_offload_hooks(model)

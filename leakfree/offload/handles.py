@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -22,13 +22,9 @@ from leakfree.offload.pool import HostBlockPool
 
 class _Restorer(Protocol):
     """What a handle asks of the manager that packed it (``OffloadActivations``), which it
-    holds weakly: bring its bytes back, then look ahead."""
+    holds weakly: bring its bytes back (and look ahead)."""
 
-    use_streams: bool
-
-    def _restore(self, copy: _HostCopy, session: _Session) -> torch.UntypedStorage: ...
-
-    def _unpack_prefetch(self, handle: _Offloaded) -> None: ...
+    def _restore(self, handle: _Offloaded) -> torch.UntypedStorage: ...
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -77,39 +73,20 @@ class _Kept:
 
 
 class _Session:
-    """One ``with`` block's pack order (for prefetch) and storage dedup map.
+    """One forward's storage dedup map (a ``with`` block, entered at depth 0).
 
-    Holds handles and host copies weakly: it owns no payload. The tape drops its dead
-    prefix as it grows, so one ``with`` around a whole training loop stays cheap.
+    Holds host copies weakly: it owns no payload.
     """
 
-    __slots__ = ("__weakref__", "base", "prefetching", "shared", "tape")
+    __slots__ = ("__weakref__", "shared")
 
     def __init__(self) -> None:
-        self.tape: deque[weakref.ref[_Offloaded]] = deque()
-        self.base = 0  # pack index of tape[0]
-        #: (storage address, version) -> the host copy made of it (weakly); one forward's
-        #: worth of entries, dropped with the session
+        #: (storage address, version) -> the copy made of it (weakly); one forward's worth
+        #: of entries, dropped with the session
         self.shared: dict[tuple[int, int], weakref.ref[_HostCopy]] = {}
-        #: copies with a prefetched device copy not yet consumed, weakly, in plan order
-        self.prefetching: deque[weakref.ref[_HostCopy]] = deque()
-
-    def next_index(self) -> int:
-        return self.base + len(self.tape)
-
-    def append(self, handle: _Offloaded) -> None:
-        self.tape.append(weakref.ref(handle))
-        if len(self.tape) >= 2048 and self.tape[0]() is None:
-            while self.tape and self.tape[0]() is None:  # a dead prefix: earlier steps
-                self.tape.popleft()
-                self.base += 1
-
-    def handle_at(self, index: int) -> _Offloaded | None:
-        i = index - self.base
-        return self.tape[i]() if 0 <= i < len(self.tape) else None
 
     def shared_copy(self, storage: torch.UntypedStorage, version: int) -> _HostCopy | None:
-        """A host copy of this very storage, at this version, made during this forward.
+        """A copy of this very storage, at this version, made during this forward.
 
         Keyed by address and version counter (an in-place write makes a new copy), and
         valid only while the storage it was copied from is alive (an address is reused
@@ -130,9 +107,17 @@ class _Session:
 
 
 class _HostCopy:
-    """Host bytes of (a span of) one device storage, shared by the handles that use them.
+    """The bytes of (a span of) one device storage, shared by the handles that use them.
 
-    Returns its pool block when the last handle using it dies.
+    Two states. *Held on the device* (a device budget keeps it there): ``pending`` is the
+    detached device tensor and nothing is copied. *On the host*: ``block`` is a pool block
+    holding the bytes, returned to the pool when the last handle using it dies. Moving from
+    the first state to the second is the copy out; there is no way back.
+
+    During a backward pass the storage restored from it is kept (``keep``) until the last
+    handle using it has been unpacked in that pass, so views of one storage needed by
+    several backward nodes are copied back once per pass; the pass's end drops whatever is
+    left (handles a partial pass never reached).
     """
 
     __slots__ = (
@@ -141,40 +126,56 @@ class _HostCopy:
         "byte_start",
         "device",
         "host",
-        "index",
+        "keep",
         "lent",
         "nbytes",
+        "pending",
         "pool",
         "prefetched",
+        "remaining",
         "restored",
+        "seq",
         "source",
+        "task",
+        "users",
+        "version",
     )
 
-    def __init__(
-        self, pool: HostBlockPool, nbytes: int, byte_start: int, device: torch.device
-    ) -> None:
-        # Weak: a graph keeps its own host bytes, not the pool and its free blocks.
-        self.pool = weakref.ref(pool)
-        self.block = pool.acquire(nbytes)
-        data = self.block.data
-        self.host = data if nbytes == self.block.size else data[:nbytes]  # the bytes used
+    def __init__(self, nbytes: int, byte_start: int, device: torch.device, seq: int) -> None:
+        self.block: Any = None
+        self.host: torch.Tensor | None = None  # the bytes used of the block
+        self.pool: Any = None  # weak reference to the pool the block returns to
         self.nbytes = nbytes
         self.byte_start = byte_start  # where the copied bytes start in the source storage
         self.device = device
-        self.index = 0  # tape position of the newest handle using it
+        self.seq = seq  # creation order, across every forward of the manager
+        self.users = 0  # handles made for it
+        self.version = 0  # the source's version counter when saved
         self.lent = False  # restored tensors view the block itself (CPU): never reuse it
         self.source: Any = None  # weak reference to the source storage (dedup validity)
+        self.pending: torch.Tensor | None = None  # held on the device: the saved tensor
         #: (weak reference to a live restored storage, the event its copy-in recorded)
         self.restored: tuple[Any, Any] | None = None
         self.prefetched: tuple[torch.Tensor, Any] | None = None  # (device bytes, event)
+        #: the backward pass (graph task id) that last unpacked it, the storage kept for
+        #: that pass's other handles, with its event, and how many are still to unpack
+        self.task = -1
+        self.keep: tuple[torch.UntypedStorage, Any] | None = None
+        self.remaining = 0
 
-    def host_bytes(self) -> torch.Tensor:
-        return self.host
+    def attach(self, pool: HostBlockPool) -> torch.Tensor:
+        """Take a host block for the bytes; returns the bytes to copy into."""
+        # Weak: a graph keeps its own host bytes, not the pool and its free blocks.
+        self.pool = weakref.ref(pool)
+        block = self.block = pool.acquire(self.nbytes)
+        data = block.data
+        host = self.host = data if self.nbytes == block.size else data[: self.nbytes]
+        return host
 
     def to_device(self, non_blocking: bool = False) -> torch.Tensor:
         """A new device buffer holding these bytes, copied on the current stream."""
         dev = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        return dev.copy_(self.host, non_blocking=non_blocking)
+        return dev.copy_(self.host, non_blocking=non_blocking)  # type: ignore[arg-type]
 
     def live_restored(self) -> tuple[torch.UntypedStorage, Any] | None:
         """The device storage a sibling handle restored, if it is still alive, and the
@@ -202,28 +203,24 @@ class _Offloaded:
         "dtype",
         "element_offset",
         "in_flight",
-        "index",
         "manager",
-        "session",
         "shape",
         "stride",
+        "task",
         "version",
     )
 
     def __init__(
         self,
-        manager: _Restorer,
-        session: _Session,
+        manager: Callable[[], _Restorer | None],  # a weak reference
         copy: _HostCopy,
         t: torch.Tensor,
         element_offset: int,
     ) -> None:
         # Weak, like the hooks: a graph keeps its payloads, never the context manager.
-        self.manager = weakref.ref(manager)
-        self.session = session
-        self.index = session.next_index()  # position in pack order
+        self.manager = manager
         self.copy = copy
-        copy.index = self.index
+        copy.users += 1
         self.dtype = t.dtype
         self.shape = t.shape
         self.stride = t.stride()
@@ -231,6 +228,7 @@ class _Offloaded:
         self.element_offset = element_offset  # storage offset within the copied bytes
         #: the device tensor (detached) while its device-to-host copy is in flight
         self.in_flight: torch.Tensor | None = None
+        self.task = -1  # the backward pass that last unpacked it
 
     def unpack(self) -> torch.Tensor:
         t = self.in_flight
@@ -238,16 +236,22 @@ class _Offloaded:
             if t._version != self.version:
                 raise _version_error(t._version, self.version, t.shape)
             return t
+        copy = self.copy
+        held = copy.pending
+        if held is not None:  # a device budget kept it: a view of the saved tensor
+            if held._version != self.version:
+                raise _version_error(held._version, self.version, self.shape)
+            offset = self.element_offset + copy.byte_start // held.element_size()
+            if held.dtype is self.dtype:
+                return held.as_strided(self.shape, self.stride, offset)
+            out = torch.empty(0, dtype=self.dtype, device=copy.device)  # a dtype view
+            offset = self.element_offset + copy.byte_start // out.element_size()
+            return out.set_(held.untyped_storage(), offset, self.shape, self.stride)
         manager = self.manager()
-        if manager is not None:
-            storage = manager._restore(self.copy, self.session)
-        else:
-            storage = _restore_without_manager(self.copy)
-        out = torch.empty(0, dtype=self.dtype, device=self.copy.device)
-        out.set_(storage, self.element_offset, self.shape, self.stride)
-        if manager is not None and manager.use_streams:
-            manager._unpack_prefetch(self)
-        return out
+        # dropped while its graph lives on: a plain synchronous copy back
+        storage = _restore_without_manager(copy) if manager is None else manager._restore(self)
+        out = torch.empty(0, dtype=self.dtype, device=copy.device)
+        return out.set_(storage, self.element_offset, self.shape, self.stride)
 
 
 _orphan_lock = threading.Lock()

@@ -8,10 +8,12 @@ are.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 import torch
@@ -27,9 +29,46 @@ from leakfree.offload.handles import (
     _span,
 )
 from leakfree.offload.pool import HostBlockPool
-from leakfree.offload.streams import _prefetch_plan, _prune_prefetching, _retire
+from leakfree.offload.streams import (
+    OffloadPlan,
+    Order,
+    _Copies,
+    _follow,
+    _Pass,
+    _plan,
+    _retire,
+    _to_prefetch,
+)
 
 __all__ = ["NoOffload", "OffloadActivations"]
+
+
+#: bytes backward may have brought back ahead of use, by default
+DEFAULT_PREFETCH_BYTES = 256 * 2**20
+
+#: the backward pass running on this thread (-1 outside one), and the engine's "run this
+#: when the pass is over"
+_graph_task: Callable[[], int] = torch._C._current_graph_task_id
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+@dataclass
+class OffloadStats:
+    """What a manager moved, since it was made: copies to the host (``to_host``) and back
+    (``to_device``), their bytes, and the most bytes a device budget held on the device
+    at once (``peak_held_bytes``)."""
+
+    to_host: int = 0
+    to_host_bytes: int = 0
+    to_device: int = 0
+    to_device_bytes: int = 0
+    peak_held_bytes: int = 0
+
+
+def _end_pass(manager_ref: weakref.ref[OffloadActivations], task: int) -> None:
+    manager = manager_ref()
+    if manager is not None:
+        manager._end_pass(task)
 
 
 def _is_count(value: object) -> TypeGuard[int]:
@@ -67,9 +106,20 @@ class OffloadActivations(saved_tensors_hooks):
             device-to-host in forward, host-to-device prefetch in backward.
         min_offload_size: tensors smaller than this many bytes stay where they are.
         max_fwd_stash_size: how many device-to-host copies may be in flight at once (their
-            device tensors are kept alive until then), as TRL's. At least 1.
-        prefetch_depth: how many host-to-device copies backward may have issued ahead of
-            their use (with ``use_streams``). 0 turns prefetch off.
+            device tensors are kept alive until then), as TRL's. At least 1. Without a
+            ``device_budget`` only: under one, a moved tensor is let go as soon as its copy
+            is issued (``record_stream`` keeps its memory safe), so the budget holds.
+        prefetch_bytes: how many bytes backward may have brought back ahead of their use
+            (with ``use_streams``; at least one copy). Backward prefetches in the order the
+            previous backward of the same shape used, so only what it will use; the first
+            one copies on demand. 0 turns prefetch off.
+        device_budget: bytes of saved activations to keep on the device (None: move
+            every one). The ones backward needs first (the last saved) stay, within the
+            budget; the earlier ones move. The first forward holds its saved tensors and
+            moves the oldest whenever the budget is exceeded, and leaves a plan that the
+            next forwards of the same shapes follow (moving as they go); a forward of
+            other shapes makes a new plan. :attr:`plan` reports it, :attr:`stats` the
+            bytes each way.
         device: the device to offload from; by default the current accelerator. Tensors on
             other device types stay put.
         force_host_copy: on a machine without an accelerator, offload CPU tensors to
@@ -82,6 +132,10 @@ class OffloadActivations(saved_tensors_hooks):
             beyond it copies use pageable memory. Default (None): one budget for the
             whole process, a quarter of RAM, shared by every manager that does not set
             its own (``leakfree.offload.pool.PROCESS_BUDGET``).
+
+    In one backward pass each host copy comes back to the device at most once: the
+    restored storage is kept until the last handle that uses it (views of one storage
+    saved by several nodes) has been unpacked, and let go when the pass ends at the latest.
 
     Parameters, views of parameters, what ``update_model_params`` registered (matched by
     storage address: call it again after moving the model), tensor subclasses, non-strided
@@ -105,17 +159,23 @@ class OffloadActivations(saved_tensors_hooks):
         device: torch.device | str | None = None,
         force_host_copy: bool = False,
         pin_memory_budget: int | None = None,
-        prefetch_depth: int = 5,
+        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        device_budget: int | None = None,
     ) -> None:
         if not _is_count(max_fwd_stash_size) or max_fwd_stash_size < 1:
             raise ValueError(
                 f"OffloadActivations(max_fwd_stash_size={max_fwd_stash_size!r}): must be an "
                 "int >= 1 (the number of copies in flight at once)"
             )
-        if not _is_count(prefetch_depth) or prefetch_depth < 0:
+        if not _is_count(prefetch_bytes) or prefetch_bytes < 0:
             raise ValueError(
-                f"OffloadActivations(prefetch_depth={prefetch_depth!r}): must be an int >= 0 "
-                "(the number of copies backward brings back ahead of use; 0: none)"
+                f"OffloadActivations(prefetch_bytes={prefetch_bytes!r}): must be an int >= 0 "
+                "(bytes backward may bring back ahead of use; 0: none)"
+            )
+        if device_budget is not None and (not _is_count(device_budget) or device_budget < 0):
+            raise ValueError(
+                f"OffloadActivations(device_budget={device_budget!r}): must be None or an "
+                "int >= 0 (bytes of saved activations to keep on the device)"
             )
         _check_min_offload_size("OffloadActivations(min_offload_size=", min_offload_size)
         target = torch.device(device) if device is not None else accelerator()
@@ -132,7 +192,10 @@ class OffloadActivations(saved_tensors_hooks):
         self.use_pin_memory = bool(use_pin_memory) and accelerated
         self.min_offload_size = min_offload_size
         self.max_fwd_stash_size = max_fwd_stash_size
-        self.prefetch_depth = prefetch_depth
+        self.prefetch_bytes = prefetch_bytes
+        self.device_budget = device_budget
+        #: whether moved tensors stay on the device while their copies are in flight
+        self._window = self.use_streams and device_budget is None
         self._device_type = target.type if target is not None else None  # for the pack hook
         self.pool = HostBlockPool(pin_memory_budget, pin=self.use_pin_memory)
         self._device_module: Any = device_module(target) if accelerated and target else None
@@ -145,8 +208,24 @@ class OffloadActivations(saved_tensors_hooks):
         self._depth = 0
         self._in_flight: deque[weakref.ref[_Offloaded]] = deque()
         self._lock = threading.RLock()  # backward may unpack on several device threads
+        self._ref = weakref.ref(self)  # what handles hold
+        self._copies = _Copies()
+        #: backward passes under way (graph task id -> its state), and the order the last
+        #: finished pass used, which the next pass of the same shape prefetches in
+        self._passes: dict[int, _Pass] = {}
+        self._order: Order = ()
+        #: a device budget's state: copies held on the device (weakly, oldest first, with
+        #: sizes) and their bytes; this forward's copy sizes; the plan (sizes, how many
+        #: move) from the last forward, and whether this forward still matches it
+        self._held: deque[tuple[weakref.ref[_HostCopy], int]] = deque()
+        self._held_bytes = 0
+        self._sizes: list[int] = []
+        self._budget_plan: tuple[tuple[int, ...], int] | None = None
+        self._on_plan = False
+        self._replans = -1
+        self.stats = OffloadStats()
         self.enabled = target is not None
-        super().__init__(_pack_hook(weakref.ref(self)), _unpack_hook)
+        super().__init__(_pack_hook(self._ref), _unpack_hook)
 
     # -- configuration ------------------------------------------------------------------
 
@@ -202,83 +281,221 @@ class OffloadActivations(saved_tensors_hooks):
         first, end = _span(t)
         span_bytes = (end - first) * elem
         whole = storage.nbytes() <= 2 * span_bytes
+        version = t._version
         with self._lock:
             session = self._session
-            copy = session.shared_copy(storage, t._version) if whole else None
+            copy = session.shared_copy(storage, version) if whole else None
             if copy is None:
                 start = 0 if whole else first * elem
-                nbytes = storage.nbytes() if whole else span_bytes
-                copy = _HostCopy(self.pool, nbytes, start, t.device)
-                self._copy_out(t, storage, copy)
+                copy = _HostCopy(
+                    storage.nbytes() if whole else span_bytes,
+                    start,
+                    t.device,
+                    self._copies.next_seq(),
+                )
+                copy.version = version
+                self._copies.add(copy)
                 if whole:
-                    session.remember(copy, storage, t._version)
-            offset = int(t.storage_offset()) - copy.byte_start // elem
-            handle = _Offloaded(self, session, copy, t, offset)
-            session.append(handle)
-            if self.use_streams and copy.block.pinned:
+                    session.remember(copy, storage, version)
+                if self.device_budget is None:
+                    self._copy_out(storage, copy)
+                else:
+                    self._budgeted(copy, t)
+            handle = _Offloaded(
+                self._ref, copy, t, int(t.storage_offset()) - copy.byte_start // elem
+            )
+            if self._window and copy.pending is None and copy.block.pinned:
                 # The device tensor stays alive (owned by the handle, detached: no grad_fn
-                # cycle) until its copy retires. Pageable copies are synchronous already.
+                # cycle) until its copy retires. Pageable copies are synchronous already;
+                # under a device budget the window would hold bytes the budget moved.
                 handle.in_flight = t.detach()
                 for old in _retire(self._in_flight, weakref.ref(handle), self.max_fwd_stash_size):
                     old.in_flight = None  # record_stream(side) keeps its memory safe
         return handle
 
+    # -- a device budget ------------------------------------------------------------------
+
+    def _budgeted(self, copy: _HostCopy, t: torch.Tensor) -> None:
+        """Keep ``copy`` on the device or move it, as the plan says; then move the oldest
+        held copies until the held bytes fit the budget again."""
+        sizes = self._sizes
+        plan = self._budget_plan
+        i = len(sizes)
+        sizes.append(copy.nbytes)
+        if self._on_plan and plan is not None and i < len(plan[0]) and plan[0][i] == copy.nbytes:
+            if i < plan[1]:  # the plan moves it: at once, as the forward goes
+                self._copy_out(t.untyped_storage(), copy)
+                return
+        else:
+            self._on_plan = False  # another shape: hold, and move the oldest as needed
+        copy.pending = t.detach()
+        self._held.append((weakref.ref(copy), copy.nbytes))
+        self._held_bytes += copy.nbytes
+        budget = self.device_budget
+        assert budget is not None
+        while self._held_bytes > budget and self._held:
+            ref, nbytes = self._held.popleft()
+            self._held_bytes -= nbytes
+            old = ref()
+            if old is None or old.pending is None:
+                continue
+            held = old.pending
+            if held._version != old.version:
+                continue  # written in place since: its unpack reports it, as PyTorch would
+            old.pending = None
+            self._copy_out(held.untyped_storage(), old)
+        self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self._held_bytes)
+
+    def _forget_dead_held(self) -> None:
+        """Drop the held copies whose graph is gone (used, or dropped) from the count."""
+        live = deque(e for e in self._held if (c := e[0]()) is not None and c.pending is not None)
+        self._held = live
+        self._held_bytes = sum(n for _, n in live)
+
+    def _end_forward(self) -> None:
+        """A forward ended: plan the next from its copy sizes, unless it followed the plan."""
+        sizes, self._sizes = self._sizes, []
+        budget = self.device_budget
+        if budget is None or not sizes:
+            return
+        plan = self._budget_plan
+        if plan is not None and tuple(sizes) == plan[0]:
+            return
+        self._budget_plan = (tuple(sizes), _plan(sizes, budget))
+        self._replans += 1
+
+    @property
+    def plan(self) -> OffloadPlan | None:
+        """What the device budget keeps and moves per forward (None without a budget, or
+        before the first forward ends)."""
+        plan, budget = self._budget_plan, self.device_budget
+        if plan is None or budget is None:
+            return None
+        sizes, moved = plan
+        return OffloadPlan(
+            budget=budget,
+            kept=len(sizes) - moved,
+            kept_bytes=sum(sizes[moved:]),
+            moved=moved,
+            moved_bytes=sum(sizes[:moved]),
+            replans=max(self._replans, 0),
+        )
+
     # -- copies -----------------------------------------------------------------------------
 
-    def _copy_out(self, t: torch.Tensor, storage: torch.UntypedStorage, copy: _HostCopy) -> None:
-        src = _bytes_of(storage, t.device, copy.byte_start, copy.nbytes)
-        dst = copy.host_bytes()
+    def _copy_out(self, storage: torch.UntypedStorage, copy: _HostCopy) -> None:
+        device = copy.device
+        src = _bytes_of(storage, device, copy.byte_start, copy.nbytes)
+        dst = copy.attach(self.pool)
+        stats = self.stats
+        stats.to_host += 1
+        stats.to_host_bytes += copy.nbytes
         if self._on_host:
             dst.copy_(src)
             return
-        side = self._side(t.device) if self.use_streams else None
+        side = self._side(device) if self.use_streams else None
         if side is not None:
-            compute = self._device_module.current_stream(t.device)
+            compute = self._device_module.current_stream(device)
             side.wait_stream(compute)  # the activation is complete before we read it
         with self._device_module.stream(side):  # stream(None): stay on the current one
             dst.copy_(src, non_blocking=copy.block.pinned)
             # the pool hands the block out again only once this copy has completed
-            copy.block.event = self._device_module.current_stream(t.device).record_event()
+            copy.block.event = self._device_module.current_stream(device).record_event()
         if side is not None:
             # The allocator must not hand this memory to anyone before the copy ran, even
             # if every reference to it is dropped early (e.g. the graph dies in forward).
-            t.record_stream(side)
+            src.record_stream(side)
 
-    def _restore(self, copy: _HostCopy, session: _Session) -> torch.UntypedStorage:
-        """A device storage holding ``copy``'s bytes (shared with a live restored sibling)."""
+    def _restore(self, handle: _Offloaded) -> torch.UntypedStorage:
+        """A device storage holding ``handle``'s bytes: the one this pass keeps for the
+        copy's handles, a live restored sibling, the prefetched one, or a new copy in."""
+        copy = handle.copy
+        task = _graph_task()
         with self._lock:
-            sibling = copy.live_restored()
-            if sibling is not None:
-                alive, event = sibling
+            state = self._passes.get(task) if task >= 0 else None
+            if task >= 0 and state is None:
+                state = self._begin_pass(task, copy)
+            kept = copy.keep if copy.task == task else None
+            found = kept or copy.live_restored()
+            if found is not None:
+                storage, event = found
                 if event is not None:  # this backward may run on another stream
-                    self._use_here(_bytes_of(alive, copy.device), event)
-                return alive
-            if copy.prefetched is not None:
-                dev, event = copy.prefetched
-                copy.prefetched = None
-                self._use_here(dev, event)
+                    self._use_here(_bytes_of(storage, copy.device), event)
             else:
-                dev, event = self._copy_in(copy)
-            storage = dev.untyped_storage()
-            copy.restored = (weakref.ref(storage), event)
+                if copy.prefetched is not None:
+                    dev, event = copy.prefetched
+                    copy.prefetched = None
+                    if state is not None:
+                        state.outstanding -= copy.nbytes
+                    self._use_here(dev, event)
+                else:
+                    dev, event = self._copy_in(copy)
+                storage = dev.untyped_storage()
+                copy.restored = (weakref.ref(storage), event)
+            if state is not None:
+                self._account(state, copy, handle, task, (storage, event))
+                if state.plan and self.use_streams and self.prefetch_bytes:
+                    for ahead in _to_prefetch(state, copy, self.prefetch_bytes):
+                        ahead.prefetched = self._copy_in(ahead, prefetch=True)
+                        state.prefetched.append(weakref.ref(ahead))
             return storage
 
+    def _account(
+        self, state: _Pass, copy: _HostCopy, handle: _Offloaded, task: int, restored: Any
+    ) -> None:
+        """Keep the restored storage for the copy's other handles in this pass, until the
+        last of them is unpacked."""
+        if copy.task != task:  # first unpack of this copy in this pass
+            copy.task = task
+            copy.remaining = copy.users
+            state.order.append((copy.seq, copy.nbytes))
+            state.held.append(weakref.ref(copy))
+        if handle.task != task:
+            handle.task = task
+            copy.remaining -= 1
+        copy.keep = restored if copy.remaining > 0 else None
+
+    def _begin_pass(self, task: int, first: _HostCopy) -> _Pass:
+        state = self._passes[task] = _Pass()
+        _follow(self._order, first, self._copies, state)
+        _queue_callback(functools.partial(_end_pass, self._ref, task))
+        return state
+
+    def _end_pass(self, task: int) -> None:
+        """The pass is over: drop what it kept and prefetched, learn the order it used."""
+        with self._lock:
+            state = self._passes.pop(task, None)
+            if state is None:
+                return
+            for ref in state.held:
+                copy = ref()
+                if copy is not None and copy.task == task:
+                    copy.keep = None
+            for ref in state.prefetched:
+                copy = ref()
+                if copy is not None:
+                    copy.prefetched = None  # brought back and never used: free it
+            if state.order:
+                self._order = state.learned()
+
     def _copy_in(self, copy: _HostCopy, *, prefetch: bool = False) -> tuple[torch.Tensor, Any]:
-        src = copy.host_bytes()
+        src = copy.host
+        assert src is not None
+        stats = self.stats
         if self._on_host:
             # the host bytes are already where the tensor lives, so restored tensors view
             # them (no copy back); the block then stays theirs and is never handed out again
             copy.lent = True
             return src, None
+        stats.to_device += 1
+        stats.to_device_bytes += copy.nbytes
         # No wait for compute: the host bytes were written on this same (side) stream.
         side = self._side(copy.device) if self.use_streams else None
         with self._device_module.stream(side):
             dev = copy.to_device(non_blocking=copy.block.pinned)
             event = self._device_module.current_stream(copy.device).record_event()
         copy.block.event = event  # the host block is read until this completes
-        if prefetch:
-            copy.prefetched = (dev, event)
-        elif side is not None:
+        if side is not None and not prefetch:
             self._use_here(dev, event)
         return dev, event
 
@@ -297,24 +514,18 @@ class OffloadActivations(saved_tensors_hooks):
             side = self._side_streams[device] = self._device_module.Stream(device=device)
         return side
 
-    # -- backward prefetch (its decisions are plain Python, tested on CPU) -----------------
-
-    def _unpack_prefetch(self, handle: _Offloaded) -> None:
-        with self._lock:
-            session = handle.session
-            live = _prune_prefetching(session.prefetching, handle.index)
-            for copy in _prefetch_plan(session, handle, self.prefetch_depth - live):
-                self._copy_in(copy, prefetch=True)
-                session.prefetching.append(weakref.ref(copy))
-
     # -- context ------------------------------------------------------------------------------
 
     def __enter__(self) -> OffloadActivations:  # type: ignore[override]
         with self._lock:
             if self._depth == 0:
-                # A fresh tape and dedup map for this forward; earlier forwards' handles
-                # keep their own session. Nested entries of the same instance share it.
+                # A fresh dedup map for this forward; earlier forwards' handles keep their
+                # own copies. Nested entries of the same instance share it.
                 self._session = _Session()
+                self._sizes = []
+                self._on_plan = True
+                if self.device_budget is not None:
+                    self._forget_dead_held()
             self._depth += 1
         super().__enter__()
         return self
@@ -323,6 +534,8 @@ class OffloadActivations(saved_tensors_hooks):
         try:
             with self._lock:
                 self._depth -= 1
+                if self._depth == 0:
+                    self._end_forward()
                 for device, side in self._side_streams.items():
                     self._device_module.current_stream(device).wait_stream(side)
                 while self._in_flight:

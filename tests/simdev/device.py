@@ -342,6 +342,9 @@ class _State:
         self.streams: dict[int, Stream] = {}
         self.log: list[tuple[Any, ...]] = []
         self.syncs: Counter[str] = Counter()
+        #: copies between the host and the device: ``to_host`` / ``to_device`` (how many)
+        #: and ``to_host_bytes`` / ``to_device_bytes``
+        self.copies: Counter[str] = Counter()
         self.sanitizer: Any = None  # a Sanitizer while one is attached
         self.allocated = 0
         self.peak = 0
@@ -453,6 +456,10 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
     (host_alias(dst) if _is_sim(dst) else dst).copy_(host_alias(src) if _is_sim(src) else src)
     index = (src if to_host else dst).device.index
     _launch(aten.copy_.default._schema, (dst, src), {}, dst, index)
+    if to_host != from_host:  # one end on the host: a transfer
+        way = "to_host" if to_host else "to_device"
+        _STATE.copies[way] += 1
+        _STATE.copies[f"{way}_bytes"] += dst.nbytes
     host = dst if to_host else src if from_host else None
     if host is not None and not (non_blocking and _pinned(host)):
         _STATE.count_sync("device_to_host" if to_host else "host_to_device")
@@ -753,6 +760,22 @@ class SimDevice:
         _STATE.syncs.clear()
 
     @property
+    def copies(self) -> Counter[str]:
+        """Transfers since the device was switched on (or :meth:`reset_copies`):
+        ``to_host``, ``to_device`` and their ``_bytes``."""
+        return _STATE.copies
+
+    def reset_copies(self) -> None:
+        _STATE.copies.clear()
+
+    def peak(self) -> int:
+        """The most device bytes allocated at once since :meth:`reset_peak`."""
+        return _STATE.peak
+
+    def reset_peak(self) -> None:
+        _STATE.peak = _STATE.allocated
+
+    @property
     def log(self) -> list[tuple[Any, ...]]:
         """``("record", stream, event)``, ``("wait_event", stream, event)``,
         ``("record_stream", storage pointer, stream)`` in issue order."""
@@ -783,6 +806,7 @@ def enabled() -> Iterator[SimDevice]:
     _STATE.on = True
     _STATE.lazy = False
     _STATE.syncs.clear()
+    _STATE.copies.clear()
     _STATE.log.clear()
     _STATE.reset_streams()
     _STATE.device = 0
