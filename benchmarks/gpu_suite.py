@@ -1,17 +1,20 @@
-"""The GPU suite: a causal LM trained four ways, LossLog's host syncs, a real memory snapshot.
+"""The GPU suite: a causal LM trained six ways, LossLog's host syncs, a real memory snapshot.
 
     python benchmarks/gpu_suite.py                # on the accelerator, the full size
     python benchmarks/gpu_suite.py --tiny         # smoke sizes (CPU, the test suite's device)
 
 The model is a Llama-style causal LM built from a ``transformers`` config with random
-weights (default hidden 2048, 8 layers, sequence 4096, bf16). Its activations are kept four
+weights (default hidden 2048, 8 layers, sequence 4096, bf16). Its activations are kept six
 ways, each on its own copy of the model, steps interleaved round by round so that a noisy
 machine slows every mode alike:
 
 * ``none``: plain PyTorch;
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
+* ``trl class``: TRL's ``OffloadActivations()``, a new one each step, as TRL's own usage;
 * ``trl``: TRL's ``get_act_offloading_ctx_manager`` (where TRL is installed and runs);
-* ``leakfree``: ``leakfree.offload.offload_model``.
+* ``leakfree``: ``leakfree.offload.offload_model``;
+* ``leakfree budget``: the same with ``device_budget`` = half the bytes ``leakfree`` moves
+  to the host in one step (measured first, on a copy of its own).
 
 Reported per mode: step time (median and IQR of its ratio to ``none``, round by round),
 peak memory, activation peak (peak minus the memory held at the start of the step),
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import os
 import pickle
 import subprocess
@@ -54,7 +58,7 @@ import leakfree
 from leakfree.diagnostics import count_host_syncs
 from leakfree.offload import offload_model
 
-MODES = ("none", "save_on_cpu", "trl", "leakfree")
+MODES = ("none", "save_on_cpu", "trl class", "trl", "leakfree", "leakfree budget")
 FULL = {"hidden": 2048, "layers": 8, "seq": 4096, "batch": 1, "vocab": 32000, "steps": 10}
 TINY = {"hidden": 64, "layers": 2, "seq": 64, "batch": 2, "vocab": 256, "steps": 3}
 
@@ -115,25 +119,57 @@ def build_model(size: dict[str, int], device: torch.device, dtype: torch.dtype) 
     return LlamaForCausalLM(config).to(device=device, dtype=dtype)
 
 
-def context(name: str, model: Any, device: torch.device) -> Callable[[], Any]:
+def context(
+    name: str, model: Any, device: torch.device, budget: int | None = None
+) -> Callable[[], Any]:
     """Mode ``name``'s context for one step of ``model``. Only that mode touches the model:
     TRL's and leakfree's helpers register hooks on its head, which the other modes'
-    models must not carry. A mode that cannot run here raises with the reason."""
+    models must not carry. ``budget``: the ``leakfree budget`` mode's device budget (None:
+    not measured). A mode that cannot run here raises with the reason."""
     cpu = device.type == "cpu"
     if name == "none":
         return contextlib.nullcontext
     if name == "save_on_cpu":
         return lambda: torch.autograd.graph.save_on_cpu(pin_memory=not cpu)
-    if name == "trl":
+    if name in ("trl", "trl class"):
         try:
-            from trl.models.activation_offloading import get_act_offloading_ctx_manager
+            from trl.models import activation_offloading as trl_offload
 
-            trl_ctx = get_act_offloading_ctx_manager(model)
+            if name == "trl class":
+                trl_offload.OffloadActivations()  # raises where TRL cannot run
+                return trl_offload.OffloadActivations
+            trl_ctx = trl_offload.get_act_offloading_ctx_manager(model)
         except Exception as e:  # not installed, or not on this machine
             return _raiser(f"{type(e).__name__}: {e}")
         return lambda: trl_ctx
+    if name == "leakfree budget":
+        if "device_budget" not in inspect.signature(leakfree.OffloadActivations).parameters:
+            return _raiser("not available: OffloadActivations has no device_budget")
+        if budget is None:
+            return _raiser("not available: what leakfree moves was not measured")
+        ctx = offload_model(model, force_host_copy=cpu, device_budget=budget)
+        return lambda: ctx
     ctx = offload_model(model, force_host_copy=cpu)
     return lambda: ctx
+
+
+def leakfree_budget(
+    size: dict[str, int], device: torch.device, dtype: torch.dtype, ids: torch.Tensor
+) -> int | None:
+    """Half the bytes ``leakfree`` copies to the host in one step of a fresh model (its
+    ``stats``): the ``leakfree budget`` mode's device budget. None where that step fails."""
+    model = build_model(size, device, dtype)
+    try:
+        ctx = offload_model(model, force_host_copy=device.type == "cpu")
+        with ctx:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return int(ctx.stats.to_host_bytes) // 2
+    except Exception:
+        return None
+    finally:
+        del model
+        gc.collect()
 
 
 def _raiser(message: str) -> Callable[[], Any]:
@@ -170,7 +206,11 @@ def step(run: Run, ids: torch.Tensor, memory: Memory, *, update: bool = True) ->
 
 
 def grads_identical(
-    size: dict[str, int], device: torch.device, dtype: torch.dtype, ids: torch.Tensor
+    size: dict[str, int],
+    device: torch.device,
+    dtype: torch.dtype,
+    ids: torch.Tensor,
+    budget: int | None = None,
 ) -> dict[str, bool | str]:
     """One forward and backward per mode, deterministic algorithms on: are the gradients
     bit-identical to plain PyTorch's?"""
@@ -182,7 +222,7 @@ def grads_identical(
         for name in MODES:
             model = build_model(size, device, dtype)
             try:
-                with context(name, model, device)():
+                with context(name, model, device, budget)():
                     loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
             except Exception as e:
@@ -288,12 +328,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ids = batch(size, device)
 
     with _quiet():
-        identical = grads_identical(size, device, dtype, ids)
+        budget = leakfree_budget(size, device, dtype, ids)
+        identical = grads_identical(size, device, dtype, ids, budget)
         runs: list[Run] = []
         for name in MODES:
             model = build_model(size, device, dtype)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-            runs.append(Run(name, model, optimizer, context(name, model, device)))
+            runs.append(Run(name, model, optimizer, context(name, model, device, budget)))
         for _ in range(size["steps"]):
             for run in runs:  # interleaved: each round takes one step of every mode
                 if run.error is None:
@@ -327,7 +368,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ]
         )
     print_table(
-        f"causal LM {size} on {device} ({dtype}), {size['steps']} interleaved steps",
+        f"causal LM {size} on {device} ({dtype}), {size['steps']} interleaved steps; "
+        f"leakfree budget: device_budget={budget} (half of what leakfree moves per step)",
         [
             "mode",
             "step time vs none",
@@ -349,6 +391,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "size": size,
         "device": str(device),
         "dtype": str(dtype),
+        "leakfree_budget_bytes": budget,
         "modes": results,
         "goals": goals,
         "losslog": syncs,

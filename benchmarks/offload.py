@@ -3,6 +3,12 @@
 CPU (always): per-saved-tensor hook cost (pack + unpack) and live bytes over steps.
 leakfree runs with force_host_copy=True so its whole path executes; TRL's class is tried
 and reported as not runnable where it raises (it needs an accelerator).
+Simulated accelerator (``tests/simdev``, where this torch supports it): the 4-block MLP at
+widths 64 and 512 and a tiny Llama, seven modes side by side (none, save_on_cpu, TRL's
+class and manager, leakfree plain, with a device budget of half what it moves, and with a
+budget that keeps everything): step time and its ratios, copies per step, Python calls per
+saved tensor, device peaks, bit-identical gradients, flat device memory
+(``_offload_sim.py``). With --quick: width 64 and the Llama, 3 rounds x 2 steps.
 Accelerator (when present): peak memory and step time of each mode.
 
     python benchmarks/offload.py [--quick] [--steps N] [--json PATH]
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import sys
 import time
 from collections.abc import Callable
@@ -22,9 +29,12 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _offload_sim
 from _common import StorageWatch, compare, print_table, write_json
 
 import leakfree
+
+_offload_sim.register()  # before this process's first backward
 
 
 def make_model(d: int, layers: int, device: torch.device) -> nn.Module:
@@ -33,6 +43,71 @@ def make_model(d: int, layers: int, device: torch.device) -> nn.Module:
     for _ in range(layers):
         blocks += [nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.LayerNorm(d)]
     return nn.Sequential(*blocks).to(device)
+
+
+def make_llama(device: torch.device) -> nn.Module:
+    """A tiny Llama (2 layers, hidden 64, vocabulary 256) from a config, random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=256,
+        max_position_embeddings=128,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device)
+
+
+def sim_workloads(device: torch.device, quick: bool) -> list[_offload_sim.Workload]:
+    """The MLP (batch 32) at widths 64 and 512 (64 only with --quick) and the tiny Llama
+    (batch 4, sequence 64), inputs made on the device once."""
+    out = []
+    for width in (64,) if quick else (64, 512):
+        x = torch.randn(32, width, device=device)
+        out.append(
+            _offload_sim.Workload(
+                f"4-block MLP, width {width}, batch 32 (no output head, so TRL's manager and "
+                "leakfree offload every layer); a step = forward + backward of "
+                "model(x).square().mean()",
+                make_model(width, 4, device),
+                lambda m, x=x: m(x).square().mean(),
+                has_head=False,
+            )
+        )
+    if importlib.util.find_spec("transformers") is None:
+        print("\n(transformers is not installed: no tiny Llama on the simulated device)")
+        return out
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1)).to(device)
+    out.append(
+        _offload_sim.Workload(
+            "tiny Llama (2 layers, hidden 64, 4 heads, vocab 256), batch 4 x sequence 64; "
+            "a step = forward + backward of model(ids, labels=ids).loss",
+            make_llama(device),
+            lambda m: m(ids, labels=ids).loss,
+            has_head=True,
+        )
+    )
+    return out
+
+
+def sim_section(quick: bool) -> dict[str, Any] | str:
+    """The side-by-side tables on the simulated accelerator, or why they were not run."""
+    if torch.accelerator.is_available():  # its modes would pick the real device's streams
+        return "not run: a real accelerator is present (see the accelerator section)"
+    with _offload_sim.simulated_device() as sim:
+        if sim is None:
+            return f"not run: the simulated device does not support torch {torch.__version__}"
+        return {
+            "device": "sim (tests/simdev: host memory, one Python kernel per aten op)",
+            "models": [
+                _offload_sim.measure(w, sim, quick) for w in sim_workloads(sim.device, quick)
+            ],
+        }
 
 
 def trl_factory(device: torch.device) -> tuple[Callable[[], Any] | None, str]:
@@ -218,6 +293,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cpu_live_bytes": live,
         "trl": trl_note,
     }
+    payload["sim"] = sim_section(args.quick)
+    if isinstance(payload["sim"], str):
+        print(f"\n(simulated accelerator: {payload['sim']})")
     if torch.accelerator.is_available():
         device = torch.accelerator.current_accelerator()
         assert device is not None

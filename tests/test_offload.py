@@ -8,7 +8,6 @@ an accelerator, or on the test suite's simulated one (``tests/simdev``) without 
 from __future__ import annotations
 
 import weakref
-from collections import deque
 from typing import Any
 
 import pytest
@@ -19,7 +18,7 @@ import leakfree
 from leakfree.offload import OffloadWarning, offload_model, remove_offload_hooks
 from leakfree.offload.handles import _Offloaded
 from leakfree.offload.pool import HostBlockPool, _size_class
-from leakfree.offload.streams import _follow, _Pass, _plan, _retire, _to_prefetch
+from leakfree.offload.streams import _follow, _Pass, _plan, _to_prefetch
 
 
 class Block(nn.Module):
@@ -152,8 +151,8 @@ def test_in_place_after_save_is_not_deduplicated() -> None:
     assert ctx.pool.stats.allocations == 2
     first, second = (ctx._copies.at(seq) for seq in (0, 1))
     assert ctx._copies.next_seq() == 2
-    assert torch.equal(first.host.view(torch.float32), x.detach())
-    assert torch.equal(second.host.view(torch.float32), x.detach() + 1.0)
+    assert torch.equal(first.typed.view(torch.float32), x.detach())
+    assert torch.equal(second.typed.view(torch.float32), x.detach() + 1.0)
     del graphs
 
 
@@ -330,29 +329,6 @@ def _handles(n: int) -> tuple[leakfree.OffloadActivations, list[_Offloaded]]:
     for x in xs:
         out.append(ctx._pack(x * 1.0))
     return ctx, out
-
-
-def test_in_flight_window_retires_oldest_beyond_limit() -> None:
-    _, hs = _handles(5)
-    for h in hs:
-        h.in_flight = torch.empty(1)  # as if their copies were in flight
-    window: deque[Any] = deque()
-    retired = []
-    for h in hs:
-        retired += list(_retire(window, weakref.ref(h), limit=2))
-    assert retired == hs[:3]
-    assert [r() for r in window] == hs[3:]
-
-
-def test_in_flight_window_skips_dead_handles() -> None:
-    _, hs = _handles(3)
-    for h in hs:
-        h.in_flight = torch.empty(1)
-    window: deque[Any] = deque()
-    list(_retire(window, weakref.ref(hs[0]), limit=1))
-    del hs[0]  # its graph died: nothing to wait for
-    assert list(_retire(window, weakref.ref(hs[0]), limit=1)) == []
-    assert list(_retire(window, weakref.ref(hs[1]), limit=1)) == [hs[0]]
 
 
 def _pass_over(copies: list[Any], ctx: Any) -> _Pass:

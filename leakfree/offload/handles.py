@@ -24,7 +24,9 @@ class _Restorer(Protocol):
     """What a handle asks of the manager that packed it (``OffloadActivations``), which it
     holds weakly: bring its bytes back (and look ahead)."""
 
-    def _restore(self, handle: _Offloaded) -> torch.UntypedStorage: ...
+    def _restore(self, handle: _Offloaded) -> torch.Tensor: ...
+
+    def _note(self, copy: _HostCopy) -> None: ...
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -50,19 +52,22 @@ def _version_error(t_version: int, saved_version: int, shape: Any) -> RuntimeErr
 
 
 class _Kept:
-    """A saved tensor that stays where it is: detached, with its version at save time.
+    """A saved tensor that stays where it is, with its version at save time.
 
-    Detached because a saved *output* reaches the pack hook with ``grad_fn`` set to the very
-    node that saves it: storing it as is closes a cycle through C++ (node -> saved tensor
-    -> grad_fn -> node) that no garbage collector can free, so a graph dropped without
-    backward would leak with everything upstream of it. Autograd restores the autograd
-    metadata on unpack itself.
+    Detached when it has a ``grad_fn``: a saved *output* reaches the pack hook with
+    ``grad_fn`` set to the very node that saves it, and storing it as is closes a cycle
+    through C++ (node -> saved tensor -> grad_fn -> node) that no garbage collector can
+    free, so a graph dropped without backward would leak with everything upstream of it.
+    Autograd restores the autograd metadata on unpack itself. A tensor without one (a
+    parameter, a leaf, anything made without grad) can close no cycle: it is kept as it
+    is, which spares an operation on the device per saved weight.
     """
 
     __slots__ = ("tensor", "version")
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t.detach()  # shares storage and version counter, holds no grad_fn
+        # detach: shares storage and version counter, holds no grad_fn
+        self.tensor = t if t.grad_fn is None else t.detach()
         self.version = t._version
 
     def unpack(self) -> torch.Tensor:
@@ -73,9 +78,15 @@ class _Kept:
 
 
 class _Session:
-    """One forward's storage dedup map (a ``with`` block, entered at depth 0).
+    """One forward's storage dedup map (a ``with`` block, entered at depth 0): later saves
+    of a storage at the same version share the copy made of it.
 
-    Holds host copies weakly: it owns no payload.
+    Keyed by address and version counter (an in-place write makes a new copy), and valid
+    only while the storage it was copied from is alive (``copy.source``; an address is
+    reused only after its storage died): no stale keys, nothing to clean up. Writes that
+    bypass the version counter (through ``.data``, ``set_`` or numpy aliases) between two
+    saves are not seen: PyTorch does not track them either. Holds the copies weakly: it
+    owns no payload.
     """
 
     __slots__ = ("__weakref__", "shared")
@@ -84,26 +95,6 @@ class _Session:
         #: (storage address, version) -> the copy made of it (weakly); one forward's worth
         #: of entries, dropped with the session
         self.shared: dict[tuple[int, int], weakref.ref[_HostCopy]] = {}
-
-    def shared_copy(self, storage: torch.UntypedStorage, version: int) -> _HostCopy | None:
-        """A copy of this very storage, at this version, made during this forward.
-
-        Keyed by address and version counter (an in-place write makes a new copy), and
-        valid only while the storage it was copied from is alive (an address is reused
-        only after its storage died): no stale keys, nothing to clean up. Writes that
-        bypass the version counter (through ``.data``, ``set_`` or numpy aliases) between
-        two saves are not seen: PyTorch does not track them either.
-        """
-        ref = self.shared.get((storage.data_ptr(), version))
-        copy = ref() if ref is not None else None
-        if copy is not None and copy.source is not None and copy.source() is not None:
-            return copy
-        return None
-
-    def remember(self, copy: _HostCopy, storage: torch.UntypedStorage, version: int) -> None:
-        """Let later saves of ``storage`` at ``version`` in this forward share ``copy``."""
-        copy.source = weakref.ref(storage)
-        self.shared[(storage.data_ptr(), version)] = weakref.ref(copy)
 
 
 class _HostCopy:
@@ -125,9 +116,10 @@ class _HostCopy:
         "block",
         "byte_start",
         "device",
-        "host",
+        "dtype",
         "keep",
         "lent",
+        "like",
         "nbytes",
         "pending",
         "pool",
@@ -137,48 +129,63 @@ class _HostCopy:
         "seq",
         "source",
         "task",
+        "typed",
         "users",
         "version",
+        "written",
     )
 
-    def __init__(self, nbytes: int, byte_start: int, device: torch.device, seq: int) -> None:
+    def __init__(self, nbytes: int, byte_start: int, device: torch.device) -> None:
         self.block: Any = None
-        self.host: torch.Tensor | None = None  # the bytes used of the block
+        self.typed: torch.Tensor | None = None  # the block's bytes, as copied (see attach)
         self.pool: Any = None  # weak reference to the pool the block returns to
         self.nbytes = nbytes
         self.byte_start = byte_start  # where the copied bytes start in the source storage
         self.device = device
-        self.seq = seq  # creation order, across every forward of the manager
+        self.dtype = torch.uint8  # what it is copied back as: its first tensor's, if whole
+        self.seq = 0  # creation order, across every forward of the manager (set when kept)
         self.users = 0  # handles made for it
+        #: (dtype, shape) when its first handle's tensor is exactly these bytes (contiguous,
+        #: from the start): it is then copied back as that tensor, which every handle of
+        #: that very geometry returns as it is (no view: one device op fewer each)
+        self.like: tuple[torch.dtype, torch.Size] | None = None
         self.version = 0  # the source's version counter when saved
         self.lent = False  # restored tensors view the block itself (CPU): never reuse it
         self.source: Any = None  # weak reference to the source storage (dedup validity)
         self.pending: torch.Tensor | None = None  # held on the device: the saved tensor
-        #: (weak reference to a live restored storage, the event its copy-in recorded)
+        #: (weak reference to the live restored tensor, the event its copy-in recorded)
         self.restored: tuple[Any, Any] | None = None
         self.prefetched: tuple[torch.Tensor, Any] | None = None  # (device bytes, event)
+        self.written: Any = None  # the event the copy out recorded (None: synchronous)
         #: the backward pass (graph task id) that last unpacked it, the storage kept for
         #: that pass's other handles, with its event, and how many are still to unpack
         self.task = -1
-        self.keep: tuple[torch.UntypedStorage, Any] | None = None
+        self.keep: tuple[torch.Tensor, Any] | None = None
         self.remaining = 0
 
     def attach(self, pool: HostBlockPool) -> torch.Tensor:
-        """Take a host block for the bytes; returns the bytes to copy into."""
+        """Take a host block for the bytes; returns them as they are copied (``typed``):
+        the one handle's own tensor (``like``), or a flat tensor of ``dtype``."""
         # Weak: a graph keeps its own host bytes, not the pool and its free blocks.
         self.pool = weakref.ref(pool)
         block = self.block = pool.acquire(self.nbytes)
-        data = block.data
-        host = self.host = data if self.nbytes == block.size else data[: self.nbytes]
-        return host
+        like = self.like
+        if like is not None:
+            typed = block.view(self.nbytes, like[0], like[1])
+        else:
+            typed = block.view(self.nbytes, self.dtype)
+        self.typed = typed
+        return typed
 
     def to_device(self, non_blocking: bool = False) -> torch.Tensor:
-        """A new device buffer holding these bytes, copied on the current stream."""
-        dev = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        return dev.copy_(self.host, non_blocking=non_blocking)  # type: ignore[arg-type]
+        """A new device tensor holding these bytes, copied on the current stream."""
+        host = self.typed
+        assert host is not None
+        dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        return dev.copy_(host, non_blocking=non_blocking)
 
-    def live_restored(self) -> tuple[torch.UntypedStorage, Any] | None:
-        """The device storage a sibling handle restored, if it is still alive, and the
+    def live_restored(self) -> tuple[torch.Tensor, Any] | None:
+        """The device tensor a sibling handle restored, if it is still alive, and the
         event its copy-in recorded."""
         if self.restored is None:
             return None
@@ -204,6 +211,7 @@ class _Offloaded:
         "element_offset",
         "in_flight",
         "manager",
+        "same",
         "shape",
         "stride",
         "task",
@@ -224,9 +232,20 @@ class _Offloaded:
         self.dtype = t.dtype
         self.shape = t.shape
         self.stride = t.stride()
+        like = copy.like
+        #: the restored tensor is this handle's as it is (``like``): no view to make
+        self.same = (
+            like is not None
+            and like[0] is t.dtype
+            and like[1] == t.shape
+            and element_offset == 0
+            and t.is_contiguous()
+        )
         self.version = t._version
         self.element_offset = element_offset  # storage offset within the copied bytes
-        #: the device tensor (detached) while its device-to-host copy is in flight
+        #: the device tensor while its device-to-host copy is in flight: held as it is (a
+        #: saved output's grad_fn then holds this handle back, a cycle the window's end
+        #: breaks, at the latest at ``__exit__``), detached only if unpacked meanwhile
         self.in_flight: torch.Tensor | None = None
         self.task = -1  # the backward pass that last unpacked it
 
@@ -235,12 +254,17 @@ class _Offloaded:
         if t is not None:  # never left the device: its copy has not even retired
             if t._version != self.version:
                 raise _version_error(t._version, self.version, t.shape)
-            return t
+            return t.detach()
         copy = self.copy
         held = copy.pending
         if held is not None:  # a device budget kept it: a view of the saved tensor
             if held._version != self.version:
                 raise _version_error(held._version, self.version, self.shape)
+            manager = self.manager()
+            if manager is not None:
+                manager._note(copy)  # its place in the pass's order, for later prefetch
+            if self.same:
+                return held  # the saved tensor itself
             offset = self.element_offset + copy.byte_start // held.element_size()
             if held.dtype is self.dtype:
                 return held.as_strided(self.shape, self.stride, offset)
@@ -248,16 +272,23 @@ class _Offloaded:
             offset = self.element_offset + copy.byte_start // out.element_size()
             return out.set_(held.untyped_storage(), offset, self.shape, self.stride)
         manager = self.manager()
+        if manager is not None:
+            return manager._restore(self)
         # dropped while its graph lives on: a plain synchronous copy back
-        storage = _restore_without_manager(copy) if manager is None else manager._restore(self)
-        out = torch.empty(0, dtype=self.dtype, device=copy.device)
-        return out.set_(storage, self.element_offset, self.shape, self.stride)
+        return self.view_of(_restore_without_manager(copy))
+
+    def view_of(self, base: torch.Tensor) -> torch.Tensor:
+        """This handle's tensor, viewing ``base``: the copy's bytes on the device."""
+        if base.dtype is self.dtype:
+            return base.as_strided(self.shape, self.stride, self.element_offset)
+        out = torch.empty(0, dtype=self.dtype, device=base.device)
+        return out.set_(base.untyped_storage(), self.element_offset, self.shape, self.stride)
 
 
 _orphan_lock = threading.Lock()
 
 
-def _restore_without_manager(copy: _HostCopy) -> torch.UntypedStorage:
+def _restore_without_manager(copy: _HostCopy) -> torch.Tensor:
     """The context manager was dropped while its graph lived on: bring the bytes back with
     a plain synchronous copy on the current stream (its copies out all completed by its
     ``__exit__``; no prefetch is left to use)."""
@@ -265,6 +296,6 @@ def _restore_without_manager(copy: _HostCopy) -> torch.UntypedStorage:
         sibling = copy.live_restored()
         if sibling is not None:
             return sibling[0]
-        storage = copy.to_device().untyped_storage()
-        copy.restored = (weakref.ref(storage), None)
-        return storage
+        restored = copy.to_device()
+        copy.restored = (weakref.ref(restored), None)
+        return restored

@@ -9,6 +9,7 @@ are.
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 import weakref
 from collections import deque
@@ -30,21 +31,18 @@ from leakfree.offload.handles import (
 )
 from leakfree.offload.pool import HostBlockPool
 from leakfree.offload.streams import (
+    Flight,
     OffloadPlan,
     Order,
     _Copies,
     _follow,
     _Pass,
     _plan,
-    _retire,
     _to_prefetch,
 )
 
 __all__ = ["NoOffload", "OffloadActivations"]
 
-
-#: bytes backward may have brought back ahead of use, by default
-DEFAULT_PREFETCH_BYTES = 256 * 2**20
 
 #: the backward pass running on this thread (-1 outside one), and the engine's "run this
 #: when the pass is over"
@@ -91,9 +89,8 @@ def _pack_hook(manager_ref: weakref.ref[OffloadActivations]) -> Callable[[torch.
     return pack
 
 
-def _unpack_hook(packed: Any) -> torch.Tensor:
-    out: torch.Tensor = packed.unpack()
-    return out
+#: ``packed.unpack()``: a C-level call, no Python frame per saved tensor
+_unpack_hook: Callable[[Any], torch.Tensor] = operator.methodcaller("unpack")
 
 
 class OffloadActivations(saved_tensors_hooks):
@@ -110,9 +107,10 @@ class OffloadActivations(saved_tensors_hooks):
             ``device_budget`` only: under one, a moved tensor is let go as soon as its copy
             is issued (``record_stream`` keeps its memory safe), so the budget holds.
         prefetch_bytes: how many bytes backward may have brought back ahead of their use
-            (with ``use_streams``; at least one copy). Backward prefetches in the order the
-            previous backward of the same shape used, so only what it will use; the first
-            one copies on demand. 0 turns prefetch off.
+            (with ``use_streams``; at least one copy). Default (None): twice the largest
+            copy the pass will bring back, so about two copies ahead. Backward prefetches
+            in the order the previous backward of the same shape used, so only what it will
+            use; the first one copies on demand. 0 turns prefetch off.
         device_budget: bytes of saved activations to keep on the device (None: move
             every one). The ones backward needs first (the last saved) stay, within the
             budget; the earlier ones move. The first forward holds its saved tensors and
@@ -159,7 +157,7 @@ class OffloadActivations(saved_tensors_hooks):
         device: torch.device | str | None = None,
         force_host_copy: bool = False,
         pin_memory_budget: int | None = None,
-        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        prefetch_bytes: int | None = None,
         device_budget: int | None = None,
     ) -> None:
         if not _is_count(max_fwd_stash_size) or max_fwd_stash_size < 1:
@@ -167,10 +165,10 @@ class OffloadActivations(saved_tensors_hooks):
                 f"OffloadActivations(max_fwd_stash_size={max_fwd_stash_size!r}): must be an "
                 "int >= 1 (the number of copies in flight at once)"
             )
-        if not _is_count(prefetch_bytes) or prefetch_bytes < 0:
+        if prefetch_bytes is not None and (not _is_count(prefetch_bytes) or prefetch_bytes < 0):
             raise ValueError(
-                f"OffloadActivations(prefetch_bytes={prefetch_bytes!r}): must be an int >= 0 "
-                "(bytes backward may bring back ahead of use; 0: none)"
+                f"OffloadActivations(prefetch_bytes={prefetch_bytes!r}): must be None or an "
+                "int >= 0 (bytes backward may bring back ahead of use; 0: none)"
             )
         if device_budget is not None and (not _is_count(device_budget) or device_budget < 0):
             raise ValueError(
@@ -206,7 +204,7 @@ class OffloadActivations(saved_tensors_hooks):
         self._param_storages: frozenset[int] = frozenset()
         self._session = _Session()
         self._depth = 0
-        self._in_flight: deque[weakref.ref[_Offloaded]] = deque()
+        self._in_flight: deque[Flight] = deque()
         self._lock = threading.RLock()  # backward may unpack on several device threads
         self._ref = weakref.ref(self)  # what handles hold
         self._copies = _Copies()
@@ -259,58 +257,85 @@ class OffloadActivations(saved_tensors_hooks):
 
     # -- the hooks --------------------------------------------------------------------------
 
-    def _eligible(self, t: torch.Tensor) -> torch.UntypedStorage | None:
-        """``t``'s storage if ``t`` is to be offloaded, else None (cheapest checks first:
-        this runs for every saved tensor)."""
-        if not (self.enabled and type(t) is torch.Tensor):  # not Parameters, not subclasses
-            return None
-        if t.is_nested or t.layout != torch.strided or t.is_quantized:
-            return None  # no sizes to span, or no byte view to copy through
-        if t.nbytes < self._min_bytes or t.device.type != self._device_type:
-            return None
-        if t.is_conj() or t.is_neg() or isinstance(t._base, nn.Parameter):
-            return None  # lazy bits; weight.t() and other parameter views
-        storage = t.untyped_storage()
-        return None if storage.data_ptr() in self._param_storages else storage
-
     def _pack(self, t: torch.Tensor) -> Any:
-        storage = self._eligible(t)
-        if storage is None:
+        # Runs for every saved tensor: the checks go cheapest first, and the common path
+        # (a new storage, copied whole) makes no call it can avoid.
+        if (
+            not self.enabled
+            or type(t) is not torch.Tensor  # not Parameters, not subclasses
+            or t.device.type != self._device_type
+            or t.layout != torch.strided  # no sizes to span, no byte view to copy through
+            or t.is_nested
+            or t.nbytes < self._min_bytes
+            or t.is_quantized
+            or t.is_conj()  # lazy bits
+            or t.is_neg()
+            or isinstance(t._base, nn.Parameter)  # weight.t() and other parameter views
+        ):
             return _Kept(t)  # stays where it is, as plain PyTorch would keep it
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self._param_storages:
+            return _Kept(t)
         elem = t.element_size()
-        first, end = _span(t)
+        if t.is_contiguous():  # the common case, without a walk over the strides
+            first = int(t.storage_offset())
+            end = first + t.numel()
+        else:
+            first, end = _span(t)
         span_bytes = (end - first) * elem
-        whole = storage.nbytes() <= 2 * span_bytes
+        total = storage.nbytes()
+        whole = total <= 2 * span_bytes
         version = t._version
         with self._lock:
-            session = self._session
-            copy = session.shared_copy(storage, version) if whole else None
+            shared = self._session.shared
+            copy = None
+            if whole:  # another view of this storage at this version, saved in this forward
+                ref = shared.get((ptr, version))
+                copy = ref() if ref is not None else None
+                if copy is not None and (copy.source is None or copy.source() is None):
+                    copy = None  # its storage died: the address was reused
             if copy is None:
-                start = 0 if whole else first * elem
                 copy = _HostCopy(
-                    storage.nbytes() if whole else span_bytes,
-                    start,
-                    t.device,
-                    self._copies.next_seq(),
+                    total if whole else span_bytes, 0 if whole else first * elem, t.device
                 )
                 copy.version = version
-                self._copies.add(copy)
                 if whole:
-                    session.remember(copy, storage, version)
-                if self.device_budget is None:
-                    self._copy_out(storage, copy)
+                    if total % elem == 0:
+                        copy.dtype = t.dtype
+                        if first == 0 and t.nbytes == total and t.is_contiguous():
+                            copy.like = (t.dtype, t.shape)
+                    copy.source = weakref.ref(storage)
+                    shared[(ptr, version)] = weakref.ref(copy)
+                self._copies.add(copy)  # numbers it
+                self._sizes.append(copy.nbytes)  # this forward's copies, for the plan
+                plan = self._budget_plan
+                if plan is None and self.device_budget is None:
+                    self._copy_out(t, copy)  # a first forward with no budget: all move
+                elif self._on_plan and plan is not None and len(self._sizes) <= plan[1]:
+                    if plan[0][len(self._sizes) - 1] == copy.nbytes:
+                        self._copy_out(t, copy)  # the plan moves it, as the forward goes
+                    else:
+                        self._budgeted(copy, t)
                 else:
                     self._budgeted(copy, t)
-            handle = _Offloaded(
-                self._ref, copy, t, int(t.storage_offset()) - copy.byte_start // elem
-            )
+            offset = int(t.storage_offset()) - copy.byte_start // elem
+            handle = _Offloaded(self._ref, copy, t, offset)  # type: ignore[arg-type]
             if self._window and copy.pending is None and copy.block.pinned:
-                # The device tensor stays alive (owned by the handle, detached: no grad_fn
-                # cycle) until its copy retires. Pageable copies are synchronous already;
-                # under a device budget the window would hold bytes the budget moved.
-                handle.in_flight = t.detach()
-                for old in _retire(self._in_flight, weakref.ref(handle), self.max_fwd_stash_size):
-                    old.in_flight = None  # record_stream(side) keeps its memory safe
+                # The device tensor stays alive until its copy retires (pageable copies are
+                # synchronous already; under a device budget the window would hold bytes
+                # the budget moved).
+                handle.in_flight = t
+                window = self._in_flight
+                window.append((weakref.ref(handle), t, copy.written))
+                if len(window) > self.max_fwd_stash_size:  # the oldest retires
+                    flight = window.popleft()
+                    if flight[2].query():  # its copy is done: nothing to record (the rule)
+                        old = flight[0]()
+                        if old is not None:
+                            old.in_flight = None
+                    else:
+                        self._let_go(flight, done=False)
         return handle
 
     # -- a device budget ------------------------------------------------------------------
@@ -318,21 +343,18 @@ class OffloadActivations(saved_tensors_hooks):
     def _budgeted(self, copy: _HostCopy, t: torch.Tensor) -> None:
         """Keep ``copy`` on the device or move it, as the plan says; then move the oldest
         held copies until the held bytes fit the budget again."""
-        sizes = self._sizes
         plan = self._budget_plan
-        i = len(sizes)
-        sizes.append(copy.nbytes)
+        i = len(self._sizes) - 1  # this copy's place in the forward
         if self._on_plan and plan is not None and i < len(plan[0]) and plan[0][i] == copy.nbytes:
             if i < plan[1]:  # the plan moves it: at once, as the forward goes
-                self._copy_out(t.untyped_storage(), copy)
+                self._copy_out(t, copy)
                 return
         else:
             self._on_plan = False  # another shape: hold, and move the oldest as needed
         copy.pending = t.detach()
         self._held.append((weakref.ref(copy), copy.nbytes))
         self._held_bytes += copy.nbytes
-        budget = self.device_budget
-        assert budget is not None
+        budget = self._budget()
         while self._held_bytes > budget and self._held:
             ref, nbytes = self._held.popleft()
             self._held_bytes -= nbytes
@@ -343,7 +365,7 @@ class OffloadActivations(saved_tensors_hooks):
             if held._version != old.version:
                 continue  # written in place since: its unpack reports it, as PyTorch would
             old.pending = None
-            self._copy_out(held.untyped_storage(), old)
+            self._copy_out(held, old)
         self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self._held_bytes)
 
     def _forget_dead_held(self) -> None:
@@ -352,28 +374,37 @@ class OffloadActivations(saved_tensors_hooks):
         self._held = live
         self._held_bytes = sum(n for _, n in live)
 
+    def _budget(self) -> int:
+        """The device budget: the one given, or (None) twice the largest copy of the
+        planned forward: what backward's prefetch would bring back at once anyway."""
+        if self.device_budget is not None:
+            return self.device_budget
+        plan = self._budget_plan
+        return 2 * max(plan[0], default=0) if plan is not None else 0
+
     def _end_forward(self) -> None:
         """A forward ended: plan the next from its copy sizes, unless it followed the plan."""
         sizes, self._sizes = self._sizes, []
-        budget = self.device_budget
-        if budget is None or not sizes:
+        if not sizes:
             return
         plan = self._budget_plan
         if plan is not None and tuple(sizes) == plan[0]:
             return
-        self._budget_plan = (tuple(sizes), _plan(sizes, budget))
+        if self.device_budget is None:
+            self._budget_plan = (tuple(sizes), 0)  # for _budget to read the largest
+        self._budget_plan = (tuple(sizes), _plan(sizes, self._budget()))
         self._replans += 1
 
     @property
     def plan(self) -> OffloadPlan | None:
-        """What the device budget keeps and moves per forward (None without a budget, or
-        before the first forward ends)."""
-        plan, budget = self._budget_plan, self.device_budget
-        if plan is None or budget is None:
+        """What stays on the device and what moves per forward (None before the first
+        forward ends)."""
+        plan = self._budget_plan
+        if plan is None:
             return None
         sizes, moved = plan
         return OffloadPlan(
-            budget=budget,
+            budget=self._budget(),
             kept=len(sizes) - moved,
             kept_bytes=sum(sizes[moved:]),
             moved=moved,
@@ -383,77 +414,118 @@ class OffloadActivations(saved_tensors_hooks):
 
     # -- copies -----------------------------------------------------------------------------
 
-    def _copy_out(self, storage: torch.UntypedStorage, copy: _HostCopy) -> None:
+    def _copy_out(self, t: torch.Tensor, copy: _HostCopy) -> None:
+        """Copy ``copy``'s bytes of ``t``'s storage into a host block."""
         device = copy.device
-        src = _bytes_of(storage, device, copy.byte_start, copy.nbytes)
-        dst = copy.attach(self.pool)
+        dst = copy.attach(self.pool)  # as the bytes are copied back
+        if copy.like is not None:
+            # t is its whole storage: copied as it is, host side viewed to match (one op on
+            # the device, where a byte view of the storage costs two more)
+            src = t
+        elif copy.dtype is t.dtype:  # the bytes, seen flat through t's dtype
+            elem = t.element_size()
+            src = t.as_strided((copy.nbytes // elem,), (1,), copy.byte_start // elem)
+        else:
+            src = _bytes_of(t.untyped_storage(), device, copy.byte_start, copy.nbytes)
+            dst = copy.block.view(copy.nbytes, torch.uint8)  # bytes, whatever the dtype
         stats = self.stats
         stats.to_host += 1
         stats.to_host_bytes += copy.nbytes
         if self._on_host:
             dst.copy_(src)
             return
-        side = self._side(device) if self.use_streams else None
+        side = (self._side_streams.get(device) or self._side(device)) if self.use_streams else None
         if side is not None:
             compute = self._device_module.current_stream(device)
             side.wait_stream(compute)  # the activation is complete before we read it
         with self._device_module.stream(side):  # stream(None): stay on the current one
             dst.copy_(src, non_blocking=copy.block.pinned)
             # the pool hands the block out again only once this copy has completed
-            copy.block.event = self._device_module.current_stream(device).record_event()
-        if side is not None:
-            # The allocator must not hand this memory to anyone before the copy ran, even
-            # if every reference to it is dropped early (e.g. the graph dies in forward).
+            event = self._device_module.current_stream(device).record_event()
+            copy.block.event = copy.written = event
+        if side is not None and copy.block.pinned and not self._window:
+            # Let go of at once (a device budget): the allocator must not hand this memory
+            # to anyone before the copy ran. In the window, `_let_go` decides at retirement.
             src.record_stream(side)
 
-    def _restore(self, handle: _Offloaded) -> torch.UntypedStorage:
-        """A device storage holding ``handle``'s bytes: the one this pass keeps for the
-        copy's handles, a live restored sibling, the prefetched one, or a new copy in."""
+    def _restore(self, handle: _Offloaded) -> torch.Tensor:
+        """``handle``'s tensor on the device, viewing the storage this pass keeps for the
+        copy's handles, a live restored sibling, the prefetched one, or a new copy in.
+
+        Runs for every unpacked handle: the pass's bookkeeping is written out here rather
+        than in helpers. In a pass (``task`` >= 0) the first unpack of a copy records its
+        place in the order; the restored tensor is kept (``copy.keep``) until the copy's
+        last handle has been unpacked."""
         copy = handle.copy
         task = _graph_task()
         with self._lock:
-            state = self._passes.get(task) if task >= 0 else None
-            if task >= 0 and state is None:
-                state = self._begin_pass(task, copy)
+            state = None
+            if task >= 0:
+                state = self._passes.get(task)
+                if state is None:
+                    state = self._begin_pass(task, copy)
             kept = copy.keep if copy.task == task else None
-            found = kept or copy.live_restored()
-            if found is not None:
-                storage, event = found
-                if event is not None:  # this backward may run on another stream
-                    self._use_here(_bytes_of(storage, copy.device), event)
+            if kept is not None:
+                dev = kept[0]
             else:
-                if copy.prefetched is not None:
-                    dev, event = copy.prefetched
-                    copy.prefetched = None
-                    if state is not None:
-                        state.outstanding -= copy.nbytes
-                    self._use_here(dev, event)
+                restored = copy.restored
+                sibling = restored[0]() if restored is not None else None
+                if sibling is not None:  # a sibling's, from another pass: maybe another stream
+                    dev = sibling
+                    event = restored[1]  # type: ignore[index]
+                    if event is not None:
+                        self._use_here(dev, event)
                 else:
-                    dev, event = self._copy_in(copy)
-                storage = dev.untyped_storage()
-                copy.restored = (weakref.ref(storage), event)
+                    if copy.prefetched is not None:
+                        dev, event = copy.prefetched
+                        copy.prefetched = None
+                        if state is not None:
+                            state.outstanding -= copy.nbytes
+                        self._device_module.current_stream(dev.device).wait_event(event)
+                    else:
+                        dev, event = self._copy_in(copy)
+                    if copy.users > 1:  # shared: siblings of later passes may use it
+                        copy.restored = (weakref.ref(dev), event)
+                kept = (dev, None)  # what this pass's other handles use: already waited for
             if state is not None:
-                self._account(state, copy, handle, task, (storage, event))
-                if state.plan and self.use_streams and self.prefetch_bytes:
-                    for ahead in _to_prefetch(state, copy, self.prefetch_bytes):
-                        ahead.prefetched = self._copy_in(ahead, prefetch=True)
-                        state.prefetched.append(weakref.ref(ahead))
-            return storage
+                if copy.task != task:  # the first unpack of this copy in this pass
+                    copy.task = task
+                    copy.remaining = copy.users
+                    state.order.append((copy.seq, copy.nbytes))
+                    state.held.append(weakref.ref(copy))
+                if handle.task != task:
+                    handle.task = task
+                    copy.remaining -= 1
+                copy.keep = kept if copy.remaining > 0 else None
+                if state.plan and self.use_streams:
+                    window = self.prefetch_bytes
+                    if window is None:
+                        window = state.window
+                    if window:
+                        for ahead in _to_prefetch(state, copy, window):
+                            ahead.prefetched = self._copy_in(ahead, prefetch=True)
+                            state.prefetched.append(weakref.ref(ahead))
+        if handle.same:
+            return dev  # the handle's own tensor, as it was: no view to make
+        if dev.dtype is not handle.dtype:
+            out = torch.empty(0, dtype=handle.dtype, device=dev.device)
+            return out.set_(
+                dev.untyped_storage(), handle.element_offset, handle.shape, handle.stride
+            )
+        return dev.as_strided(handle.shape, handle.stride, handle.element_offset)
 
-    def _account(
-        self, state: _Pass, copy: _HostCopy, handle: _Offloaded, task: int, restored: Any
-    ) -> None:
-        """Keep the restored storage for the copy's other handles in this pass, until the
-        last of them is unpacked."""
-        if copy.task != task:  # first unpack of this copy in this pass
+    def _note(self, copy: _HostCopy) -> None:
+        """A copy held on the device was unpacked: its place in this pass's order (so the
+        order of the next pass lines up, whichever copies it holds)."""
+        task = _graph_task()
+        if task < 0 or copy.task == task:
+            return
+        with self._lock:
+            state = self._passes.get(task)
+            if state is None:
+                state = self._begin_pass(task, copy)
             copy.task = task
-            copy.remaining = copy.users
             state.order.append((copy.seq, copy.nbytes))
-            state.held.append(weakref.ref(copy))
-        if handle.task != task:
-            handle.task = task
-            copy.remaining -= 1
-        copy.keep = restored if copy.remaining > 0 else None
 
     def _begin_pass(self, task: int, first: _HostCopy) -> _Pass:
         state = self._passes[task] = _Pass()
@@ -473,31 +545,58 @@ class OffloadActivations(saved_tensors_hooks):
                     copy.keep = None
             for ref in state.prefetched:
                 copy = ref()
-                if copy is not None:
-                    copy.prefetched = None  # brought back and never used: free it
+                if copy is not None and copy.prefetched is not None:
+                    # brought back and never used: free it, once the current stream (whose
+                    # memory it is) waits for the copy writing it
+                    dev, event = copy.prefetched
+                    self._device_module.current_stream(dev.device).wait_event(event)
+                    copy.prefetched = None
             if state.order:
                 self._order = state.learned()
 
     def _copy_in(self, copy: _HostCopy, *, prefetch: bool = False) -> tuple[torch.Tensor, Any]:
-        src = copy.host
-        assert src is not None
-        stats = self.stats
+        """Bring ``copy``'s bytes back: needed now, on the current stream (after the copy
+        out); ahead of use, on the side stream, into memory of the current stream (the
+        side waits for the current stream first, as that memory may be its own; the
+        consumer then waits for the copy's event: nothing to record on either stream)."""
+        host = copy.typed
+        assert host is not None
         if self._on_host:
             # the host bytes are already where the tensor lives, so restored tensors view
             # them (no copy back); the block then stays theirs and is never handed out again
             copy.lent = True
-            return src, None
+            return host, None
+        stats = self.stats
         stats.to_device += 1
         stats.to_device_bytes += copy.nbytes
-        # No wait for compute: the host bytes were written on this same (side) stream.
-        side = self._side(copy.device) if self.use_streams else None
-        with self._device_module.stream(side):
-            dev = copy.to_device(non_blocking=copy.block.pinned)
-            event = self._device_module.current_stream(copy.device).record_event()
+        module = self._device_module
+        current = module.current_stream(copy.device)
+        dev = torch.empty(host.shape, dtype=host.dtype, device=copy.device)
+        if prefetch and self.use_streams:
+            side = self._side_streams.get(copy.device) or self._side(copy.device)
+            side.wait_stream(current)
+            with module.stream(side):
+                dev.copy_(host, non_blocking=copy.block.pinned)
+                event = side.record_event()
+        else:
+            if copy.written is not None:
+                current.wait_event(copy.written)
+            dev.copy_(host, non_blocking=copy.block.pinned)
+            event = current.record_event()
         copy.block.event = event  # the host block is read until this completes
-        if side is not None and not prefetch:
-            self._use_here(dev, event)
         return dev, event
+
+    def _let_go(self, flight: Flight, *, done: bool) -> None:
+        """End the in-flight window's hold of a device tensor whose copy out recorded
+        ``event``. If the copy is done (``done``: the compute stream already waits for the
+        side stream; or the event says so, the common case) the tensor is let go as it is;
+        else ``record_stream`` makes the allocator wait for the side stream first."""
+        ref, t, event = flight
+        if not done and not event.query():
+            t.record_stream(self._side(t.device))
+        handle = ref()
+        if handle is not None:
+            handle.in_flight = None
 
     def _use_here(self, dev: torch.Tensor, event: Any) -> None:
         """Make ``dev``, written on another stream up to ``event``, usable on the current
@@ -508,10 +607,13 @@ class OffloadActivations(saved_tensors_hooks):
         dev.record_stream(current)
 
     def _side(self, device: torch.device) -> Any:
-        device = torch.device(device.type, device_index(device))
-        side = self._side_streams.get(device)
+        """The side stream of ``device`` (made on first use; kept under the device as given
+        and with its index, so a tensor's own ``device`` finds it in one look-up)."""
+        indexed = torch.device(device.type, device_index(device))
+        side = self._side_streams.get(indexed)
         if side is None:
-            side = self._side_streams[device] = self._device_module.Stream(device=device)
+            side = self._side_streams[indexed] = self._device_module.Stream(device=indexed)
+        self._side_streams[device] = side
         return side
 
     # -- context ------------------------------------------------------------------------------
@@ -538,10 +640,8 @@ class OffloadActivations(saved_tensors_hooks):
                     self._end_forward()
                 for device, side in self._side_streams.items():
                     self._device_module.current_stream(device).wait_stream(side)
-                while self._in_flight:
-                    handle = self._in_flight.popleft()()
-                    if handle is not None:
-                        handle.in_flight = None
+                while self._in_flight:  # the compute streams now wait for the copies
+                    self._let_go(self._in_flight.popleft(), done=True)
         finally:
             super().__exit__(*exc)
 

@@ -10,7 +10,6 @@ to the autograd graph: the pool never holds a reference to it.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import threading
 import warnings
@@ -42,7 +41,7 @@ def _size_class(nbytes: int) -> int:
     PyTorch's caching host allocator rounds every pinned allocation up to a power of two,
     so a block of a size class pins exactly its size: the budget counts real bytes.
     """
-    return 1 << max(12, math.ceil(math.log2(max(nbytes, 1))))
+    return 1 << max(12, (nbytes - 1).bit_length())
 
 
 def _default_budget() -> int:
@@ -100,7 +99,7 @@ class HostBlock:
     block out again before that event has completed.
     """
 
-    __slots__ = ("__weakref__", "budget", "data", "event", "pinned", "pooled", "size")
+    __slots__ = ("__weakref__", "budget", "data", "event", "pinned", "pooled", "size", "views")
 
     def __init__(self, size: int, pinned: bool, budget: HostBudget | None = None) -> None:
         self.size = size
@@ -109,6 +108,21 @@ class HostBlock:
         self.budget = budget  # the budget this block's bytes are reserved in, if any
         self.data = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
         self.event: Any = None
+        #: typed views of the first bytes, as host copies used them: a block is reused step
+        #: after step by a copy of the same size and dtype, so each is made once
+        self.views: dict[tuple[int, torch.dtype, Any], torch.Tensor] = {}
+
+    def view(self, nbytes: int, dtype: torch.dtype, shape: Any = None) -> torch.Tensor:
+        """The first ``nbytes`` as a flat ``dtype`` tensor, or of ``shape`` (cached)."""
+        key = (nbytes, dtype, shape)
+        out = self.views.get(key)
+        if out is None:
+            data = self.data if nbytes == self.size else self.data[:nbytes]
+            out = data.view(dtype) if shape is None else data.view(dtype).view(shape)
+            if len(self.views) >= 8:  # a block reused for many shapes: keep the newest
+                self.views.clear()
+            self.views[key] = out
+        return out
 
     def ready(self) -> bool:
         return self.event is None or bool(self.event.query())
@@ -188,12 +202,19 @@ class HostBlockPool:
                 self._stats.pooled_bytes -= block.size
 
     def acquire(self, nbytes: int) -> HostBlock:
-        size = _size_class(nbytes)
+        size = 1 << max(12, (nbytes - 1).bit_length())  # _size_class, on the hot path
         wait: HostBlock | None = None
+        block = None
         with self._lock:
-            self._drain()
+            if self._returned:
+                self._drain()
             same = self._by_size.get(size)
-            block = next((b for b in same.values() if b.ready()), None) if same else None
+            if same:
+                for candidate in same.values():
+                    event = candidate.event
+                    if event is None or event.query():  # HostBlock.ready, inlined
+                        block = candidate
+                        break
             if block is None and same and self.host_budget.used + size > self.budget:
                 block = wait = next(iter(same.values()))  # all busy, no room: wait for one
             if block is not None:

@@ -15,25 +15,16 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from leakfree.offload.handles import _HostCopy, _Offloaded
 
-
-def _retire(
-    window: deque[weakref.ref[_Offloaded]], new: weakref.ref[_Offloaded], limit: int
-) -> Iterator[_Offloaded]:
-    """Add ``new`` to the in-flight window; yield the handles that must leave it.
-
-    Dead entries (their graph was dropped) leave silently; the oldest live ones leave until
-    at most ``limit`` remain.
-    """
-    window.append(new)
-    while len(window) > limit:
-        old = window.popleft()()
-        if old is not None and old.in_flight is not None:
-            yield old
+#: one device-to-host copy in flight: its handle (weakly), the device tensor it reads
+#: (held here, so it outlives even a graph dropped mid-forward) and the copy's event
+Flight = tuple[weakref.ref[_Offloaded], torch.Tensor, Any]
 
 
 class _Copies:
@@ -50,6 +41,8 @@ class _Copies:
         return self.base + len(self.refs)
 
     def add(self, copy: _HostCopy) -> None:
+        """Number ``copy`` (``copy.seq``) and keep it, weakly."""
+        copy.seq = self.base + len(self.refs)
         self.refs.append(weakref.ref(copy))
         if len(self.refs) >= 4096 and self.refs[0]() is None:
             while self.refs and self.refs[0]() is None:
@@ -69,7 +62,16 @@ Order = tuple[tuple[int, int], ...]
 class _Pass:
     """One backward pass (one graph task) through a manager's copies."""
 
-    __slots__ = ("held", "next", "order", "outstanding", "plan", "position", "prefetched")
+    __slots__ = (
+        "held",
+        "next",
+        "order",
+        "outstanding",
+        "plan",
+        "position",
+        "prefetched",
+        "window",
+    )
 
     def __init__(self) -> None:
         self.order: list[tuple[int, int]] = []  # (seq, nbytes), in first-unpack order
@@ -79,13 +81,14 @@ class _Pass:
         self.plan: list[weakref.ref[_HostCopy]] = []  # the learned order, as copies
         self.position: dict[int, int] = {}  # seq -> index in plan
         self.next = 0  # the first plan index not yet considered for prefetch
+        self.window = 0  # the default prefetch window: twice the plan's largest copy
 
     def learned(self) -> Order:
         """This pass's order, relative to its first unpacked copy (empty if none)."""
         if not self.order:
             return ()
         first = self.order[0][0]
-        return tuple((seq - first, nbytes) for seq, nbytes in self.order)
+        return tuple([(seq - first, nbytes) for seq, nbytes in self.order])
 
 
 def _follow(order: Order, first: _HostCopy, copies: _Copies, state: _Pass) -> None:
@@ -94,15 +97,22 @@ def _follow(order: Order, first: _HostCopy, copies: _Copies, state: _Pass) -> No
     is alive with the recorded size."""
     if not order or order[0][1] != first.nbytes:
         return
-    base = first.seq - order[0][0]
+    start = first.seq - order[0][0] - copies.base  # index in copies.refs of relative 0
+    refs = copies.refs
     plan: list[weakref.ref[_HostCopy]] = []
+    largest = 0
     for rel, nbytes in order:
-        copy = copies.at(base + rel)
+        i = start + rel
+        ref = refs[i] if 0 <= i < len(refs) else None
+        copy = ref() if ref is not None else None
         if copy is None or copy.nbytes != nbytes:
             return
-        plan.append(weakref.ref(copy))
+        plan.append(ref)  # type: ignore[arg-type]
+        largest = max(largest, nbytes)
+    base = first.seq - order[0][0]
     state.plan = plan
     state.position = {base + rel: i for i, (rel, _) in enumerate(order)}
+    state.window = 2 * largest
 
 
 def _to_prefetch(state: _Pass, current: _HostCopy, window: int) -> list[_HostCopy]:
@@ -123,7 +133,7 @@ def _to_prefetch(state: _Pass, current: _HostCopy, window: int) -> list[_HostCop
             or copy.block is None
             or copy.prefetched is not None
             or (copy.keep is not None and copy.task == current.task)
-            or copy.live_restored() is not None
+            or (copy.restored is not None and copy.restored[0]() is not None)
         ):
             j += 1
             continue

@@ -20,7 +20,8 @@ def test_gpu_suite_smoke(sim: Any, tmp_path: Any) -> None:
     out = suite.main(["--tiny", "--device", "sim", "--json", str(tmp_path / "gpu.json")])
     assert (tmp_path / "gpu.json").exists()
     modes = out["modes"]
-    for name in ("none", "save_on_cpu", "trl", "leakfree"):
+    assert set(modes) == set(suite.MODES) >= {"none", "save_on_cpu", "trl", "leakfree"}
+    for name in suite.MODES:
         assert modes[name]["error"] is None, (name, modes[name]["error"])
         assert modes[name]["grads_bit_identical"] is True, name
         after = modes[name]["allocated_after_each_step"]
