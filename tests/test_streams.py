@@ -67,6 +67,28 @@ def test_sanitizer_reports_an_unordered_read_and_accepts_the_ordered_one(sim: An
     assert sim.sanitizer.errors == []
 
 
+def test_sanitizer_reports_a_fresh_allocation_used_by_a_stream_not_ordered_after_it(
+    sim: Any,
+) -> None:
+    """The caching allocator may hand a stream a block its earlier work still uses: another
+    stream writing the new allocation must wait for the allocation stream first (the rule
+    offload's prefetch follows: its buffers are the current stream's, written by the side
+    stream after ``side.wait_stream(current)``)."""
+    side = sim.module.Stream()
+    torch.ones(256, device="sim").sum()  # the default stream has work in flight
+    fresh = torch.empty(256, device="sim")  # allocated on the default stream
+    with sim.module.stream(side):
+        fresh.fill_(1.0)  # written by side, which never waited for the default stream
+    assert "before that stream waited for the allocation stream" in sim.sanitizer.report()
+    sim.sanitizer.errors.clear()
+    other = torch.empty(256, device="sim")
+    side.wait_stream(sim.module.current_stream())
+    with sim.module.stream(side):
+        other.fill_(1.0)
+    sim.module.current_stream().wait_stream(side)
+    assert sim.sanitizer.errors == []
+
+
 def test_sanitizer_reports_a_free_without_record_stream(sim: Any) -> None:
     side = sim.module.Stream()
     for record in (False, True):
@@ -230,18 +252,19 @@ def test_a_second_backward_on_another_stream_shares_the_restored_storage(sim: An
     (g,) = torch.autograd.grad(y, x, create_graph=True)  # restores h; g's graph keeps it
     other = sim.module.Stream()  # waits for nothing: all it reads comes from the offload
     with sim.module.stream(other):
-        (again,) = torch.autograd.grad(y, x, retain_graph=True)
-        again = again.cpu()
+        (again,) = torch.autograd.grad(y, x, retain_graph=True)  # no host wait after it
     (gg,) = torch.autograd.grad(g.sum(), x)
+    gg, g_host = gg.cpu(), g.detach().cpu()
+    del g  # frees the shared storage, last read by `other`: record_stream covers it
+    sim.module.current_stream().wait_stream(other)
+    again = again.cpu()
     xr = torch.linspace(-1, 1, 256, requires_grad=True)
     hr = xr * 3.0
     yr = (hr * hr).sum() + torch.tanh(hr).sum()
     (gr,) = torch.autograd.grad(yr, xr, create_graph=True)
     (ggr,) = torch.autograd.grad(gr.sum(), xr)
-    assert torch.equal(g.detach().cpu(), gr.detach()) and torch.equal(again, gr.detach())
-    assert torch.equal(gg.cpu(), ggr)
-    del g, gg
-    sim.module.current_stream().wait_stream(other)
+    assert torch.equal(g_host, gr.detach()) and torch.equal(again, gr.detach())
+    assert torch.equal(gg, ggr)
 
 
 def test_views_and_shared_storages(sim: Any) -> None:
@@ -729,4 +752,41 @@ def test_the_in_flight_window_records_a_stream_only_for_copies_still_running(
     recorded = [e for e in sim.log if e[0] == "record_stream"]
     assert bool(recorded) == lazy  # retired mid-forward while the copy was pending
     assert all(r() is None for r in held)  # let go at __exit__, after the compute waited
+    sim.lazy = False
+
+
+def test_a_copy_back_on_a_stream_that_never_saw_the_copies_out_waits_for_them(
+    sim: Any,
+) -> None:
+    """A backward on a stream ordered after the forward's compute, but not after its side
+    stream, reads host blocks the side stream wrote: each copy back waits for its copy
+    out's event first (no prefetch in a first pass, so every copy back is on demand)."""
+    model, x = on_sim()
+    ctx = offload(min_offload_size=1)  # nothing kept: the test's own tensors cross no stream
+    other = sim.module.Stream()
+    with ctx:
+        loss = model(x).square().mean()
+        forward_done = sim.module.current_stream().record_event()  # before __exit__
+    other.wait_event(forward_done)  # the compute of the forward, not its copies out
+    with sim.module.stream(other):
+        loss.backward()
+        grads = sim_grads(model)
+    sim.module.current_stream().wait_stream(other)
+    assert_equal_grads(grads, reference_grads())
+
+
+def test_the_pool_never_evicts_a_block_a_copy_still_reads(sim: Any) -> None:
+    """Making room for another size class frees only cached blocks whose last copy has
+    completed; on a slow device the busy one stays, and the new block overflows."""
+    from leakfree.offload.pool import HostBlockPool
+
+    sim.lazy = True
+    pool = HostBlockPool(budget=8192, pin=True)
+    small = pool.acquire(4096)
+    small.event = sim.module.current_stream().record_event()  # a copy still reads it
+    pool.release(small)
+    with pytest.warns(OffloadWarning, match="budget"):
+        big = pool.acquire(8192)  # needs small's room: small is busy, so no eviction
+    assert pool.stats.overflows == 1 and pool.stats.cached_bytes == 4096
+    pool.release(big)
     sim.lazy = False

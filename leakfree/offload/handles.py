@@ -153,7 +153,9 @@ class _HostCopy:
         self.lent = False  # restored tensors view the block itself (CPU): never reuse it
         self.source: Any = None  # weak reference to the source storage (dedup validity)
         self.pending: torch.Tensor | None = None  # held on the device: the saved tensor
-        #: (weak reference to the live restored tensor, the event its copy-in recorded)
+        #: (weak reference to the restored storage, the event its copy-in recorded): the
+        #: storage, since what autograd keeps of an unpacked tensor may be another tensor
+        #: object over it (a double-backward graph)
         self.restored: tuple[Any, Any] | None = None
         self.prefetched: tuple[torch.Tensor, Any] | None = None  # (device bytes, event)
         self.written: Any = None  # the event the copy out recorded (None: synchronous)
@@ -185,12 +187,17 @@ class _HostCopy:
         return dev.copy_(host, non_blocking=non_blocking)
 
     def live_restored(self) -> tuple[torch.Tensor, Any] | None:
-        """The device tensor a sibling handle restored, if it is still alive, and the
-        event its copy-in recorded."""
+        """The bytes a sibling handle restored, if their storage is still alive (as they
+        were copied back: ``typed``'s dtype and shape), and the event of that copy-in."""
         if self.restored is None:
             return None
-        alive = self.restored[0]()
-        return None if alive is None else (alive, self.restored[1])
+        storage = self.restored[0]()
+        if storage is None:
+            return None
+        typed = self.typed
+        assert typed is not None  # restored: so it was on the host
+        dev = torch.empty(0, dtype=typed.dtype, device=self.device)
+        return dev.set_(storage, 0, typed.shape, typed.stride()), self.restored[1]
 
     def __del__(self) -> None:
         block = getattr(self, "block", None)
@@ -297,5 +304,5 @@ def _restore_without_manager(copy: _HostCopy) -> torch.Tensor:
         if sibling is not None:
             return sibling[0]
         restored = copy.to_device()
-        copy.restored = (weakref.ref(restored), None)
+        copy.restored = (weakref.ref(restored.untyped_storage()), None)
         return restored

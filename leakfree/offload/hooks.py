@@ -468,11 +468,9 @@ class OffloadActivations(saved_tensors_hooks):
             if kept is not None:
                 dev = kept[0]
             else:
-                restored = copy.restored
-                sibling = restored[0]() if restored is not None else None
+                sibling = copy.live_restored() if copy.restored is not None else None
                 if sibling is not None:  # a sibling's, from another pass: maybe another stream
-                    dev = sibling
-                    event = restored[1]  # type: ignore[index]
+                    dev, event = sibling
                     if event is not None:
                         self._use_here(dev, event)
                 else:
@@ -484,8 +482,8 @@ class OffloadActivations(saved_tensors_hooks):
                         self._device_module.current_stream(dev.device).wait_event(event)
                     else:
                         dev, event = self._copy_in(copy)
-                    if copy.users > 1:  # shared: siblings of later passes may use it
-                        copy.restored = (weakref.ref(dev), event)
+                    # a later pass may find it alive (a double-backward graph keeps it)
+                    copy.restored = (weakref.ref(dev.untyped_storage()), event)
                 kept = (dev, None)  # what this pass's other handles use: already waited for
             if state is not None:
                 if copy.task != task:  # the first unpack of this copy in this pass

@@ -15,7 +15,11 @@ Two checks are added, for what the CUDA Sanitizer leaves to the caching allocato
   allocator would hand the memory out again on the allocation stream at once);
 * **pinned host memory** is tracked like device memory wherever a device operation reads
   or writes it (the non-blocking copies), so a pool block reused on another stream before
-  the copy that last used it has completed is a race.
+  the copy that last used it has completed is a race;
+* **use before allocation**: memory the allocator hands out on a stream may be a block
+  that stream freed while its earlier work still used it (the allocator orders reuse on
+  the allocation stream only), so another stream that accesses a fresh allocation must
+  first be ordered after the allocation stream's point at allocation.
 """
 
 from __future__ import annotations
@@ -79,10 +83,27 @@ class UseAfterFree(SynchronizationError):  # type: ignore[misc]
         )
 
 
+class UseBeforeAllocation(SynchronizationError):  # type: ignore[misc]
+    def __init__(self, ptr: int, alloc_stream: int, stream: int, operator: Any) -> None:
+        super().__init__()
+        self.ptr, self.alloc_stream = ptr, alloc_stream
+        self.stream, self.operator = stream, operator
+
+    def __str__(self) -> str:
+        return (
+            f"storage {self.ptr:#x}, allocated on stream {self.alloc_stream}, was used by "
+            f"stream {self.stream} ({self.operator}) before that stream waited for the "
+            "allocation stream: the memory may be a block the allocation stream's earlier "
+            "work still uses"
+        )
+
+
 @dataclass
 class _Allocation:
     stream: int
+    seq_num: int = 0  #: the allocation stream's own point when the memory was handed out
     recorded: set[int] = field(default_factory=set)
+    checked: set[int] = field(default_factory=set)  #: other streams found ordered after it
 
 
 class Sanitizer:
@@ -104,6 +125,9 @@ class Sanitizer:
         arguments.parse_inputs(schema, args, kwargs, is_factory=factory)
         arguments.parse_outputs(schema, out, is_factory=factory)
         self.launches += 1
+        self._check_allocated_before(
+            arguments.dataptrs_read | arguments.dataptrs_written, stream, schema
+        )
         self.errors += self.handler._handle_kernel_launch(
             stream,
             arguments.dataptrs_read - arguments.dataptrs_written,
@@ -117,7 +141,9 @@ class Sanitizer:
         if handler == "allocate":
             ptr, stream = args
             self.handler._handle_memory_allocation(ptr)
-            self.allocations[ptr] = _Allocation(stream)
+            self.handler.syncs._ensure_stream_exists(stream)
+            own = self.handler.syncs.current_sync_states[stream].get(stream, 0)
+            self.allocations[ptr] = _Allocation(stream, own)
         elif handler == "allocate_pinned":
             self.handler._handle_memory_allocation(args[0])
         elif handler == "record_stream":
@@ -128,6 +154,19 @@ class Sanitizer:
             self._free(args[0])
         else:
             getattr(self.handler, handler)(*args)
+
+    def _check_allocated_before(self, ptrs: set[int], stream: int, operator: Any) -> None:
+        for ptr in ptrs:
+            allocation = self.allocations.get(ptr)
+            if allocation is None or stream == allocation.stream or stream in allocation.checked:
+                continue
+            syncs = self.handler.syncs
+            syncs._ensure_stream_exists(stream)
+            if allocation.seq_num and not syncs.is_ordered_after(
+                stream, allocation.seq_num, allocation.stream
+            ):
+                self.errors.append(UseBeforeAllocation(ptr, allocation.stream, stream, operator))
+            allocation.checked.add(stream)
 
     def _free(self, ptr: int) -> None:
         allocation = self.allocations.pop(ptr, None)
