@@ -790,3 +790,35 @@ def test_the_pool_never_evicts_a_block_a_copy_still_reads(sim: Any) -> None:
     assert pool.stats.overflows == 1 and pool.stats.cached_bytes == 4096
     pool.release(big)
     sim.lazy = False
+
+
+def test_a_plan_that_keeps_everything_makes_no_copy_objects_and_still_holds_the_budget(
+    sim: Any,
+) -> None:
+    """Once a forward fits the budget whole, the next ones keep their saved tensors as they
+    are (no copy, no handle machinery: what "costs nothing over no offloading" takes);
+    a forward that outgrows it, or a second forward before backward, is held to the budget
+    all the same, counting what the first kept."""
+    model = deep(depth=16).to("sim")
+    budget = 200 * 1024  # the batch-32 forward's 264 KiB does not fit; batch 16's does
+    ctx = offload(device_budget=budget)
+    small = torch.randn(16, 64, device="sim")
+    for _ in range(2):
+        with ctx:
+            loss = model(small).square().mean()
+        loss.backward()
+    made = ctx._copies.next_seq()
+    ctx.stats.peak_held_bytes = 0
+    with ctx:
+        loss = model(small).square().mean()
+    assert ctx._copies.next_seq() == made and ctx.stats.to_host == 0  # no copy at all
+    large = torch.randn(32, 64, device="sim")
+    with ctx:  # a second forward before the first's backward, twice as big
+        big = model(large).square().mean()
+    assert 0 < ctx.stats.peak_held_bytes <= budget
+    assert ctx.stats.to_host > 0  # the second forward moved what did not fit
+    model.zero_grad()
+    (loss + big).backward()
+    ref = deep(depth=16)
+    (ref(small.cpu()).square().mean() + ref(large.cpu()).square().mean()).backward()
+    assert_equal_grads(sim_grads(model), [p.grad for p in ref.parameters()])

@@ -63,7 +63,7 @@ class _Kept:
     is, which spares an operation on the device per saved weight.
     """
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("__weakref__", "tensor", "version")
 
     def __init__(self, t: torch.Tensor) -> None:
         # detach: shares storage and version counter, holds no grad_fn

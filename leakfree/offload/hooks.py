@@ -217,6 +217,11 @@ class OffloadActivations(saved_tensors_hooks):
         #: move) from the last forward, and whether this forward still matches it
         self._held: deque[tuple[weakref.ref[_HostCopy], int]] = deque()
         self._held_bytes = 0
+        #: a forward whose plan moves nothing keeps its saved tensors as they are: those
+        #: (weakly, with their bytes) and their bytes; and whether it still does
+        self._kept: list[tuple[weakref.ref[_Kept], int]] = []
+        self._kept_bytes = 0
+        self._keep_all = False
         self._sizes: list[int] = []
         self._budget_plan: tuple[tuple[int, ...], int] | None = None
         self._on_plan = False
@@ -277,6 +282,8 @@ class OffloadActivations(saved_tensors_hooks):
         ptr = storage.data_ptr()
         if ptr in self._param_storages:
             return _Kept(t)
+        if self._keep_all:  # the plan moves nothing: kept as it is, its bytes counted
+            return self._keep(t)
         elem = t.element_size()
         if t.is_contiguous():  # the common case, without a walk over the strides
             first = int(t.storage_offset())
@@ -354,7 +361,7 @@ class OffloadActivations(saved_tensors_hooks):
         copy.pending = t.detach()
         self._held.append((weakref.ref(copy), copy.nbytes))
         self._held_bytes += copy.nbytes
-        budget = self._budget()
+        budget = self._budget() - self._kept_bytes
         while self._held_bytes > budget and self._held:
             ref, nbytes = self._held.popleft()
             self._held_bytes -= nbytes
@@ -366,13 +373,32 @@ class OffloadActivations(saved_tensors_hooks):
                 continue  # written in place since: its unpack reports it, as PyTorch would
             old.pending = None
             self._copy_out(held, old)
-        self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self._held_bytes)
+        total = self._held_bytes + self._kept_bytes
+        self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, total)
+
+    def _keep(self, t: torch.Tensor) -> Any:
+        """A forward whose plan moves nothing: ``t`` stays as any kept tensor does, with no
+        copy object, while the bytes kept (counted per saved tensor: views count twice,
+        which only errs on the safe side) fit the budget; past it, the rest of the forward
+        is handled as under any budget, the kept bytes a floor nothing moves."""
+        nbytes = t.nbytes
+        with self._lock:
+            if self._kept_bytes + nbytes <= self._budget():
+                self._kept_bytes += nbytes
+                kept = _Kept(t)
+                self._kept.append((weakref.ref(kept), nbytes))
+                return kept
+            self._keep_all = self._on_plan = False  # outgrown: held and moved from here
+        return self._pack(t)
 
     def _forget_dead_held(self) -> None:
         """Drop the held copies whose graph is gone (used, or dropped) from the count."""
         live = deque(e for e in self._held if (c := e[0]()) is not None and c.pending is not None)
         self._held = live
         self._held_bytes = sum(n for _, n in live)
+        kept = [e for e in self._kept if e[0]() is not None]  # an earlier forward's, alive
+        self._kept = kept
+        self._kept_bytes = sum(n for _, n in kept)
 
     def _budget(self) -> int:
         """The device budget: the one given, or (None) twice the largest copy of the
@@ -624,7 +650,9 @@ class OffloadActivations(saved_tensors_hooks):
                 self._session = _Session()
                 self._sizes = []
                 self._on_plan = True
-                if self.device_budget is not None:
+                plan = self._budget_plan
+                self._keep_all = plan is not None and plan[1] == 0
+                if self.device_budget is not None or self._keep_all:
                     self._forget_dead_held()
             self._depth += 1
         super().__enter__()
@@ -636,6 +664,8 @@ class OffloadActivations(saved_tensors_hooks):
                 self._depth -= 1
                 if self._depth == 0:
                     self._end_forward()
+                    held = self._held_bytes + self._kept_bytes
+                    self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, held)
                 for device, side in self._side_streams.items():
                     self._device_module.current_stream(device).wait_stream(side)
                 while self._in_flight:  # the compute streams now wait for the copies
