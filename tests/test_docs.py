@@ -20,6 +20,7 @@ run by tests/test_cli.py.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,9 @@ TIMEOUT = 60  # seconds per block
 # The same server as tests/_fresh.py: torch imported, and nothing else.
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(PRELOAD)
+# Started now, at collection: the server imports torch on the other core while the tests
+# before these run, instead of at the first block (1.6 s of the fast suite's wall time).
+multiprocessing.forkserver.ensure_running()
 
 # What the forked child runs, given ``cwd``, ``path``, ``line`` and ``code``. Its target is
 # the builtin ``exec`` with this source, not a function of this module: unpickling one
