@@ -4,29 +4,31 @@
 forward and brings them back in backward, optionally on a side stream. It is a drop-in for
 TRL's / torchtune's class of the same name (same constructor, ``update_model_params``),
 built the other way round: the pack hook returns a handle object, and that handle owns
-the host copy (and, while a copy is in flight, the device tensor and its event). The
-autograd graph owns the handle. So:
+the host copy. The autograd graph owns the handle. So:
 
 * a graph that is dropped without backward frees its payloads with it;
 * two forwards under separate ``with`` blocks, then one backward, just work (nothing is
   wiped on ``__enter__``: there is no table to wipe);
 * ``backward(retain_graph=True)`` twice works: unpack reads the handle, never consumes it;
 * nothing per-step lives in the context manager: it keeps a pool of *free* host blocks
-  (bounded by a byte budget), weak references to the handles whose copies are in flight,
-  and configuration.
+  (bounded by a byte budget), the in-flight window, weak references to its copies (their
+  order, for prefetch and the device budget's plan), and configuration.
 
 Lifetime contract
 -----------------
 *A handle* lives exactly as long as autograd keeps the saved tensor: until the node's
 backward has run in a pass that does not keep the graph, or until the graph is dropped.
 Its host block returns to the pool then.
-*The device tensor* of an offloaded activation is kept only while its device-to-host copy
-is in flight: at most ``max_fwd_stash_size`` of them per context, and none after
-``__exit__``.
+*The device tensor* of an offloaded activation is kept, by the in-flight window, only
+while its device-to-host copy is in flight: at most ``max_fwd_stash_size`` of them per
+context, and none after ``__exit__``. One a device budget keeps on the device is held by
+its host copy (detached) until its handles die or the budget moves it.
 *A restored (device) copy* belongs to autograd, which drops it after the node's backward;
-views of one storage restored while a sibling copy is alive share it.
-*What a graph keeps*: its handles, their host copies (the pool blocks holding its bytes)
-and its ``with`` block's pack order. Never the context manager nor its pool: both are
+the host copy keeps it for the copy's other handles until the last is unpacked in that
+backward pass, or the pass ends; one a sibling restored earlier and that is still alive
+is shared.
+*What a graph keeps*: its handles and their host copies (the pool blocks holding its
+bytes). Never the context manager nor its pool: both are
 referenced weakly. Drop the manager while a graph lives and that graph's backward still
 restores its bytes (a synchronous copy, without prefetch); the blocks are freed rather
 than returned to a pool that is gone.
