@@ -179,10 +179,20 @@ class _HostCopy:
         self.typed = typed
         return typed
 
+    def on_host(self) -> torch.Tensor:
+        """The host bytes as they are copied back (``typed``); only for a copy that was
+        moved (a copy held on the device has none)."""
+        typed = self.typed
+        if typed is None:
+            raise RuntimeError(
+                "leakfree: a host copy was read back before it was moved to the host "
+                "(held on the device by a device budget); please report this"
+            )
+        return typed
+
     def to_device(self, non_blocking: bool = False) -> torch.Tensor:
         """A new device tensor holding these bytes, copied on the current stream."""
-        host = self.typed
-        assert host is not None
+        host = self.on_host()
         dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         return dev.copy_(host, non_blocking=non_blocking)
 
@@ -194,8 +204,7 @@ class _HostCopy:
         storage = self.restored[0]()
         if storage is None:
             return None
-        typed = self.typed
-        assert typed is not None  # restored: so it was on the host
+        typed = self.on_host()  # restored: so it was moved
         dev = torch.empty(0, dtype=typed.dtype, device=self.device)
         return dev.set_(storage, 0, typed.shape, typed.stride()), self.restored[1]
 
@@ -270,26 +279,25 @@ class _Offloaded:
             manager = self.manager()
             if manager is not None:
                 manager._note(copy)  # its place in the pass's order, for later prefetch
-            if self.same:
-                return held  # the saved tensor itself
-            offset = self.element_offset + copy.byte_start // held.element_size()
-            if held.dtype is self.dtype:
-                return held.as_strided(self.shape, self.stride, offset)
-            out = torch.empty(0, dtype=self.dtype, device=copy.device)  # a dtype view
-            offset = self.element_offset + copy.byte_start // out.element_size()
-            return out.set_(held.untyped_storage(), offset, self.shape, self.stride)
+            return self.view_of(held, copy.byte_start)  # the saved tensor, or a view of it
         manager = self.manager()
         if manager is not None:
             return manager._restore(self)
         # dropped while its graph lives on: a plain synchronous copy back
         return self.view_of(_restore_without_manager(copy))
 
-    def view_of(self, base: torch.Tensor) -> torch.Tensor:
-        """This handle's tensor, viewing ``base``: the copy's bytes on the device."""
+    def view_of(self, base: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """This handle's tensor over ``base``, a device tensor whose storage holds the
+        copy's bytes from byte ``start`` on (0: restored; ``byte_start``: held on the
+        device): ``base`` itself when it is exactly the handle's tensor (``same``), else
+        a view of it."""
+        if self.same:
+            return base
+        offset = self.element_offset + start // self.dtype.itemsize
         if base.dtype is self.dtype:
-            return base.as_strided(self.shape, self.stride, self.element_offset)
-        out = torch.empty(0, dtype=self.dtype, device=base.device)
-        return out.set_(base.untyped_storage(), self.element_offset, self.shape, self.stride)
+            return base.as_strided(self.shape, self.stride, offset)
+        out = torch.empty(0, dtype=self.dtype, device=base.device)  # a dtype view
+        return out.set_(base.untyped_storage(), offset, self.shape, self.stride)
 
 
 _orphan_lock = threading.Lock()

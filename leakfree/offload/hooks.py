@@ -316,14 +316,8 @@ class OffloadActivations(saved_tensors_hooks):
                     shared[(ptr, version)] = weakref.ref(copy)
                 self._copies.add(copy)  # numbers it
                 self._sizes.append(copy.nbytes)  # this forward's copies, for the plan
-                plan = self._budget_plan
-                if plan is None and self.device_budget is None:
+                if self._budget_plan is None and self.device_budget is None:
                     self._copy_out(t, copy)  # a first forward with no budget: all move
-                elif self._on_plan and plan is not None and len(self._sizes) <= plan[1]:
-                    if plan[0][len(self._sizes) - 1] == copy.nbytes:
-                        self._copy_out(t, copy)  # the plan moves it, as the forward goes
-                    else:
-                        self._budgeted(copy, t)
                 else:
                     self._budgeted(copy, t)
             offset = int(t.storage_offset()) - copy.byte_start // elem
@@ -336,13 +330,7 @@ class OffloadActivations(saved_tensors_hooks):
                 window = self._in_flight
                 window.append((weakref.ref(handle), t, copy.written))
                 if len(window) > self.max_fwd_stash_size:  # the oldest retires
-                    flight = window.popleft()
-                    if flight[2].query():  # its copy is done: nothing to record (the rule)
-                        old = flight[0]()
-                        if old is not None:
-                            old.in_flight = None
-                    else:
-                        self._let_go(flight, done=False)
+                    self._let_go(window.popleft(), done=False)
         return handle
 
     # -- a device budget ------------------------------------------------------------------
@@ -400,13 +388,16 @@ class OffloadActivations(saved_tensors_hooks):
         self._kept = kept
         self._kept_bytes = sum(n for _, n in kept)
 
-    def _budget(self) -> int:
-        """The device budget: the one given, or (None) twice the largest copy of the
-        planned forward: what backward's prefetch would bring back at once anyway."""
+    def _budget(self, sizes: tuple[int, ...] | list[int] | None = None) -> int:
+        """The device budget: the one given, or (None) twice the largest copy of a
+        forward (``sizes``; by default the planned one): what backward's prefetch would
+        bring back at once anyway."""
         if self.device_budget is not None:
             return self.device_budget
-        plan = self._budget_plan
-        return 2 * max(plan[0], default=0) if plan is not None else 0
+        if sizes is None:
+            plan = self._budget_plan
+            sizes = plan[0] if plan is not None else ()
+        return 2 * max(sizes, default=0)
 
     def _end_forward(self) -> None:
         """A forward ended: plan the next from its copy sizes, unless it followed the plan."""
@@ -416,9 +407,7 @@ class OffloadActivations(saved_tensors_hooks):
         plan = self._budget_plan
         if plan is not None and tuple(sizes) == plan[0]:
             return
-        if self.device_budget is None:
-            self._budget_plan = (tuple(sizes), 0)  # for _budget to read the largest
-        self._budget_plan = (tuple(sizes), _plan(sizes, self._budget()))
+        self._budget_plan = (tuple(sizes), _plan(sizes, self._budget(sizes)))
         self._replans += 1
 
     @property
@@ -485,11 +474,7 @@ class OffloadActivations(saved_tensors_hooks):
         copy = handle.copy
         task = _graph_task()
         with self._lock:
-            state = None
-            if task >= 0:
-                state = self._passes.get(task)
-                if state is None:
-                    state = self._begin_pass(task, copy)
+            state = self._pass(task, copy) if task >= 0 else None
             kept = copy.keep if copy.task == task else None
             if kept is not None:
                 dev = kept[0]
@@ -529,14 +514,7 @@ class OffloadActivations(saved_tensors_hooks):
                         for ahead in _to_prefetch(state, copy, window):
                             ahead.prefetched = self._copy_in(ahead, prefetch=True)
                             state.prefetched.append(weakref.ref(ahead))
-        if handle.same:
-            return dev  # the handle's own tensor, as it was: no view to make
-        if dev.dtype is not handle.dtype:
-            out = torch.empty(0, dtype=handle.dtype, device=dev.device)
-            return out.set_(
-                dev.untyped_storage(), handle.element_offset, handle.shape, handle.stride
-            )
-        return dev.as_strided(handle.shape, handle.stride, handle.element_offset)
+        return handle.view_of(dev)
 
     def _note(self, copy: _HostCopy) -> None:
         """A copy held on the device was unpacked: its place in this pass's order (so the
@@ -545,16 +523,18 @@ class OffloadActivations(saved_tensors_hooks):
         if task < 0 or copy.task == task:
             return
         with self._lock:
-            state = self._passes.get(task)
-            if state is None:
-                state = self._begin_pass(task, copy)
+            state = self._pass(task, copy)
             copy.task = task
             state.order.append((copy.seq, copy.nbytes))
 
-    def _begin_pass(self, task: int, first: _HostCopy) -> _Pass:
-        state = self._passes[task] = _Pass()
-        _follow(self._order, first, self._copies, state)
-        _queue_callback(functools.partial(_end_pass, self._ref, task))
+    def _pass(self, task: int, first: _HostCopy) -> _Pass:
+        """The state of backward pass ``task`` (lock held); begun by its first unpack,
+        ``first``: it follows the order learned last time, and ends in a callback."""
+        state = self._passes.get(task)
+        if state is None:
+            state = self._passes[task] = _Pass()
+            _follow(self._order, first, self._copies, state)
+            _queue_callback(functools.partial(_end_pass, self._ref, task))
         return state
 
     def _end_pass(self, task: int) -> None:
@@ -583,8 +563,7 @@ class OffloadActivations(saved_tensors_hooks):
         out); ahead of use, on the side stream, into memory of the current stream (the
         side waits for the current stream first, as that memory may be its own; the
         consumer then waits for the copy's event: nothing to record on either stream)."""
-        host = copy.typed
-        assert host is not None
+        host = copy.on_host()
         if self._on_host:
             # the host bytes are already where the tensor lives, so restored tensors view
             # them (no copy back); the block then stays theirs and is never handed out again

@@ -202,7 +202,7 @@ class HostBlockPool:
                 self._stats.pooled_bytes -= block.size
 
     def acquire(self, nbytes: int) -> HostBlock:
-        size = 1 << max(12, (nbytes - 1).bit_length())  # _size_class, on the hot path
+        size = _size_class(nbytes)
         wait: HostBlock | None = None
         block = None
         with self._lock:
@@ -210,11 +210,7 @@ class HostBlockPool:
                 self._drain()
             same = self._by_size.get(size)
             if same:
-                for candidate in same.values():
-                    event = candidate.event
-                    if event is None or event.query():  # HostBlock.ready, inlined
-                        block = candidate
-                        break
+                block = next((b for b in same.values() if b.ready()), None)
             if block is None and same and self.host_budget.used + size > self.budget:
                 block = wait = next(iter(same.values()))  # all busy, no room: wait for one
             if block is not None:

@@ -97,19 +97,15 @@ def _follow(order: Order, first: _HostCopy, copies: _Copies, state: _Pass) -> No
     is alive with the recorded size."""
     if not order or order[0][1] != first.nbytes:
         return
-    start = first.seq - order[0][0] - copies.base  # index in copies.refs of relative 0
-    refs = copies.refs
+    base = first.seq - order[0][0]  # the creation number of relative 0
     plan: list[weakref.ref[_HostCopy]] = []
     largest = 0
     for rel, nbytes in order:
-        i = start + rel
-        ref = refs[i] if 0 <= i < len(refs) else None
-        copy = ref() if ref is not None else None
+        copy = copies.at(base + rel)
         if copy is None or copy.nbytes != nbytes:
             return
-        plan.append(ref)  # type: ignore[arg-type]
+        plan.append(weakref.ref(copy))
         largest = max(largest, nbytes)
-    base = first.seq - order[0][0]
     state.plan = plan
     state.position = {base + rel: i for i, (rel, _) in enumerate(order)}
     state.window = 2 * largest
