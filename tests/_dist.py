@@ -2,7 +2,13 @@
 
 Each worker gets (rank, world_size, out_dir, *args); it writes what it wants to check as
 JSON to out_dir/rank{r}.json, which run_workers returns. Workers must be module-level
-functions (spawned processes import them by name).
+functions (the ranks import them by name).
+
+The ranks are forked from the test session's fork server (tests/_fresh.py), which has
+imported torch and nothing else: a fresh interpreter state, like a spawned process, without
+paying torch's import once per rank (about 2 s of CPU each, with ``torch._dynamo``, which
+an optimizer step imports). The server's environment is the one it started with, so each
+rank takes the caller's environment, as a spawned process would.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests._fresh import START_METHOD
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -27,8 +35,17 @@ def free_port() -> int:
 
 
 def _entry(
-    rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: Any, barrier: bool
+    rank: int,
+    fn: Callable[..., Any],
+    world: int,
+    port: int,
+    out: str,
+    args: Any,
+    barrier: bool,
+    environ: dict[str, str],
 ) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # The ranks share the machine's cores: intra-op threads beyond each rank's share only
     # spin against each other (a 2-rank pipeline step ran 5x slower on 2 cores).
@@ -58,10 +75,10 @@ def run_workers(
     port = free_port()
     ctx = mp.start_processes(
         _entry,
-        args=(fn, world_size, port, str(tmp), args, barrier),
+        args=(fn, world_size, port, str(tmp), args, barrier, dict(os.environ)),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method=START_METHOD,
     )
     deadline = time.monotonic() + timeout
     try:

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-_FRESH = multiprocessing.get_context("forkserver")
+#: the start method of every fresh process the tests make (tests/_dist.py's ranks too)
+START_METHOD = "forkserver"
+_FRESH = multiprocessing.get_context(START_METHOD)
 #: what the server imports before forking (tests/test_docs.py uses the same server)
 PRELOAD = ["torch", "torch._dynamo"]
 _FRESH.set_forkserver_preload(PRELOAD)
