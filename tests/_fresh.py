@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import textwrap
 import traceback
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,3 +62,53 @@ def run_py(code: str, *paths: Path, timeout: float = 180) -> Any:
     if not ok:
         raise AssertionError(f"run_py failed:\n{output}")
     return json.loads(output.strip().splitlines()[-1])
+
+
+def _module_child(module: str, argv: Sequence[str], cwd: str, env: dict[str, str], out: str) -> None:
+    import os
+    import runpy
+    import sys
+
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        sink = os.open(f"{out}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(sink, fd)
+        os.close(sink)
+    sys.path.insert(0, cwd)  # as `python -m` puts the working directory first
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def run_module(
+    module: str, *argv: str, cwd: Path, env: dict[str, str], timeout: float = 180
+) -> tuple[int, str, str]:
+    """``python -m module argv...`` in ``cwd`` with environment ``env``, in a process forked
+    from the server (torch already imported, nothing else): its exit status (negative: the
+    signal that ended it, as :mod:`subprocess` reports it), stdout and stderr."""
+    out = cwd / f".run-{uuid.uuid4().hex}"
+    child = _FRESH.Process(target=_module_child, args=(module, list(argv), str(cwd), env, str(out)))
+    child.start()
+    child.join(timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        raise AssertionError(f"python -m {module} {' '.join(argv)}: still running after {timeout} s")
+    streams = [Path(f"{out}.{name}") for name in ("stdout", "stderr")]
+    stdout, stderr = (p.read_text() for p in streams)
+    for p in streams:
+        p.unlink()
+    return int(child.exitcode or 0), stdout, stderr

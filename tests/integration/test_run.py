@@ -3,8 +3,9 @@
 Each leak shape of [2/6] is a script here: run with ``--fail`` it names the holder and the
 line that made what it keeps, and exits 79; the clean scripts exit 0 and report nothing;
 a 2-rank gloo script reports per rank; scripts that exit non-zero, raise or are
-interrupted keep their own status. The scripts run concurrently (a few at a time): each
-pays torch's import.
+interrupted keep their own status. The scripts run concurrently (a few at a time); the
+clean and the multi-process ones in a new interpreter each, the others in a process forked
+from one that has imported torch (``tests._fresh.run_module``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests._fresh import run_module
 
 ROOT = Path(__file__).resolve().parents[2]
 EXIT_LEAK = 79
@@ -286,17 +289,31 @@ def line_of(source: str, marker: str = "# MADE") -> int:
     return next(i for i, text in enumerate(source.splitlines(), 1) if marker in text)
 
 
-def leakfree_run(cwd: Path, *words: str, json_out: bool = True) -> Run:
+def leakfree_run(cwd: Path, *words: str, json_out: bool = True, fork: bool = False) -> Run:
+    """``python -m leakfree run [--json FILE] words...`` in ``cwd``: a new interpreter, or
+    (``fork``) a process forked from the test session's fork server, which has imported
+    torch and nothing else, so it saves the imports (about 2 s of CPU per run) and runs
+    the same code: ``python -m leakfree``'s, with the same argv, path, environment and
+    exit status."""
     out = cwd / f"report-{abs(hash(words))}.json"
-    command = [sys.executable, "-m", "leakfree", "run"]
+    command = ["run"]
     if json_out:
         command += ["--json", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [*command, *words], cwd=cwd, capture_output=True, text=True, timeout=240, env=env
-    )
+    if fork:
+        status, stdout, stderr = run_module("leakfree", *command, *words, cwd=cwd, env=env)
+    else:
+        done = subprocess.run(
+            [sys.executable, "-m", "leakfree", *command, *words],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
+        status, stdout, stderr = done.returncode, done.stdout, done.stderr
     report = json.loads(out.read_text()) if json_out and out.exists() else {}
-    return Run(done.returncode, done.stdout, done.stderr, report)
+    return Run(status, stdout, stderr, report)
 
 
 @pytest.fixture(scope="module")
@@ -338,13 +355,19 @@ RUNS: dict[str, tuple[str, ...]] = {
     "interrupt": ("--fail", "exits.py", "interrupt"),
     "terminate": ("--fail", "exits.py", "terminate"),
 }
+#: the runs made in a new interpreter, start to end as a user's would be (the clean one,
+#: and the two whose ranks are found through the child environment); the others fork
+NEW_INTERPRETER = {"clean", "dist leak", "torchrun"}
 
 
 @pytest.fixture(scope="module")
 def runs(scripts: Path) -> dict[str, Run]:
-    """Every run, a few at a time (each pays torch's import)."""
+    """Every run, a few at a time."""
     with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {name: pool.submit(leakfree_run, scripts, *words) for name, words in RUNS.items()}
+        futures = {
+            name: pool.submit(leakfree_run, scripts, *words, fork=name not in NEW_INTERPRETER)
+            for name, words in RUNS.items()
+        }
         return {name: f.result() for name, f in futures.items()}
 
 
