@@ -64,7 +64,9 @@ def run_py(code: str, *paths: Path, timeout: float = 180) -> Any:
     return json.loads(output.strip().splitlines()[-1])
 
 
-def _module_child(module: str, argv: Sequence[str], cwd: str, env: dict[str, str], out: str) -> None:
+def _module_child(
+    module: str, argv: Sequence[str], cwd: str, env: dict[str, str], out: str
+) -> None:
     import os
     import runpy
     import sys
@@ -106,7 +108,9 @@ def run_module(
     if child.is_alive():
         child.kill()
         child.join()
-        raise AssertionError(f"python -m {module} {' '.join(argv)}: still running after {timeout} s")
+        raise AssertionError(
+            f"python -m {module} {' '.join(argv)}: still running after {timeout} s"
+        )
     streams = [Path(f"{out}.{name}") for name in ("stdout", "stderr")]
     stdout, stderr = (p.read_text() for p in streams)
     for p in streams:
