@@ -64,9 +64,7 @@ def run_py(code: str, *paths: Path, timeout: float = 180) -> Any:
     return json.loads(output.strip().splitlines()[-1])
 
 
-def _module_child(
-    module: str, argv: Sequence[str], cwd: str, env: dict[str, str], out: str
-) -> None:
+def _python_child(argv: Sequence[str], cwd: str, env: dict[str, str], out: str) -> None:
     import os
     import runpy
     import sys
@@ -78,10 +76,18 @@ def _module_child(
         sink = os.open(f"{out}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(sink, fd)
         os.close(sink)
-    sys.path.insert(0, cwd)  # as `python -m` puts the working directory first
-    sys.argv = [module, *argv]
+    # sys.path as python builds it: the script's folder (or, with -m, the working
+    # directory), then PYTHONPATH, then the rest
+    module = argv[1] if argv[0] == "-m" else None
+    first = cwd if module is not None else os.path.dirname(os.path.abspath(argv[0]))
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [first, *extra]
+    sys.argv = [module, *argv[2:]] if module is not None else list(argv)
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if module is not None:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
         status = 0
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -95,22 +101,22 @@ def _module_child(
     os._exit(status)
 
 
-def run_module(
-    module: str, *argv: str, cwd: Path, env: dict[str, str], timeout: float = 180
+def run_python(
+    *argv: str, cwd: Path, env: dict[str, str], timeout: float = 180
 ) -> tuple[int, str, str]:
-    """``python -m module argv...`` in ``cwd`` with environment ``env``, in a process forked
-    from the server (torch already imported, nothing else): its exit status (negative: the
-    signal that ended it, as :mod:`subprocess` reports it), stdout and stderr."""
+    """``python argv...`` (``SCRIPT ARGS`` or ``-m MODULE ARGS``) in ``cwd`` with environment
+    ``env``, in a process forked from the server (torch already imported, nothing else):
+    its exit status (negative: the signal that ended it, as :mod:`subprocess` reports it),
+    stdout and stderr. The same code runs as in a new interpreter, with the same argv,
+    path, environment and status, without paying torch's import again."""
     out = cwd / f".run-{uuid.uuid4().hex}"
-    child = _FRESH.Process(target=_module_child, args=(module, list(argv), str(cwd), env, str(out)))
+    child = _FRESH.Process(target=_python_child, args=(list(argv), str(cwd), env, str(out)))
     child.start()
     child.join(timeout)
     if child.is_alive():
         child.kill()
         child.join()
-        raise AssertionError(
-            f"python -m {module} {' '.join(argv)}: still running after {timeout} s"
-        )
+        raise AssertionError(f"python {' '.join(argv)}: still running after {timeout} s")
     streams = [Path(f"{out}.{name}") for name in ("stdout", "stderr")]
     stdout, stderr = (p.read_text() for p in streams)
     for p in streams:

@@ -5,7 +5,7 @@ line that made what it keeps, and exits 79; the clean scripts exit 0 and report 
 a 2-rank gloo script reports per rank; scripts that exit non-zero, raise or are
 interrupted keep their own status. The scripts run concurrently (a few at a time); the
 clean and the multi-process ones in a new interpreter each, the others in a process forked
-from one that has imported torch (``tests._fresh.run_module``).
+from one that has imported torch (``tests._fresh.run_python``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests._fresh import run_module
+from tests._fresh import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 EXIT_LEAK = 79
@@ -301,7 +301,7 @@ def leakfree_run(cwd: Path, *words: str, json_out: bool = True, fork: bool = Fal
         command += ["--json", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if fork:
-        status, stdout, stderr = run_module("leakfree", *command, *words, cwd=cwd, env=env)
+        status, stdout, stderr = run_python("-m", "leakfree", *command, *words, cwd=cwd, env=env)
     else:
         done = subprocess.run(
             [sys.executable, "-m", "leakfree", *command, *words],

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,7 @@ from typing import Any
 import pytest
 
 from leakfree._device import accelerator
-from tests._fresh import run_py
+from tests._fresh import run_py, run_python
 from tests.test_patches import ROOT, old_trl, trl_check
 
 BENCHMARK = ROOT / "benchmarks" / "trl_versions.py"
@@ -23,19 +21,15 @@ STEPS = 4
 
 
 def sft(mode: str, *paths: Path) -> dict[str, Any]:
-    """One ``SFTTrainer`` run (benchmarks/trl_versions.py's worker) in a child interpreter,
-    with ``paths`` (an older TRL) first on its path."""
+    """One ``SFTTrainer`` run (benchmarks/trl_versions.py's worker) in a fresh process
+    (forked from one that has imported torch only), with ``paths`` (an older TRL) first on
+    its path."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join(map(str, (*paths, ROOT)))
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--worker", mode, "--steps", str(STEPS)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    argv = (str(BENCHMARK), "--worker", mode, "--steps", str(STEPS))
+    status, stdout, stderr = run_python(*argv, cwd=ROOT, env=env, timeout=600)
+    assert status == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 def check_sft_trainer(*paths: Path) -> tuple[dict[str, Any], dict[str, Any]]:
