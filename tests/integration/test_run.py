@@ -256,6 +256,9 @@ for step in range(14):
     opt.zero_grad()
     if dist.get_rank() == 0:
         KEPT.append(loss)
+# DDP's reducer holds the process group: left to the interpreter's teardown, gloo's threads
+# can abort the process (terminate called without an active exception) now and then
+del model, opt
 dist.destroy_process_group()
 """
 
