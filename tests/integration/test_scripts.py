@@ -1,9 +1,12 @@
 """The scripts end to end, in subprocesses: the console script, every benchmark at its
-smoke size, the pipeline example, the demo's redirected output, the sdist and wheel."""
+smoke size, the pipeline example, the demo's redirected output, the sdist and wheel. The
+benchmarks, the example and the demo run forked from a process that has imported torch
+only (``tests._fresh.run_python``); the rest in new interpreters."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -14,6 +17,7 @@ from typing import Any
 import pytest
 
 from leakfree import _demo
+from tests._fresh import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,20 +34,12 @@ def test_console_script_entry_point() -> None:
 
 
 def run_benchmark(name: str, tmp_path: Path, *args: str) -> Any:
+    """``python benchmarks/NAME.py --quick ARGS``, forked from the torch-preloaded server."""
     out = tmp_path / f"{name}.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / f"{name}.py"),
-            "--quick",
-            *args,
-            "--json",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    script = str(ROOT / "benchmarks" / f"{name}.py")
+    argv = (script, "--quick", *args, "--json", str(out))
+    status, _, stderr = run_python(*argv, cwd=tmp_path, env=dict(os.environ), timeout=300)
+    assert status == 0, stderr[-3000:]
     return json.loads(out.read_text())
 
 
@@ -111,15 +107,13 @@ def test_pipeline_benchmark_runs(tmp_path: Path) -> None:
     assert data["live_bytes"]["leaf receive"][-1] == 10 * 16384
 
 
-def test_pipeline_example_runs() -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "pipeline_two_stages.py"), "--microbatches", "4"],
-        capture_output=True,
-        text=True,
-        timeout=180,
+def test_pipeline_example_runs(tmp_path: Path) -> None:
+    example = str(ROOT / "examples" / "pipeline_two_stages.py")
+    status, stdout, stderr = run_python(
+        example, "--microbatches", "4", cwd=tmp_path, env=dict(os.environ), timeout=180
     )
-    assert done.returncode == 0, done.stderr
-    assert "gradients bit-identical to one process: True" in done.stdout
+    assert status == 0, stderr
+    assert "gradients bit-identical to one process: True" in stdout
 
 
 def test_sdist_and_wheel_ship_the_licence_and_no_partial_test_tree(tmp_path: Path) -> None:
@@ -165,20 +159,15 @@ def test_sdist_and_wheel_ship_the_licence_and_no_partial_test_tree(tmp_path: Pat
 def test_demo_out_no_progress_bar_when_redirected_and_says_what_stays(tmp_path: Path) -> None:
     png = tmp_path / "plots" / "demo.png"
     png.parent.mkdir()
-    done = subprocess.run(
-        [sys.executable, "-m", "leakfree", "demo", "--steps", "4", "--out", str(png)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "\r" not in done.stderr and "\r" not in done.stdout  # no bar in a redirected log
-    assert png.is_file() if "plot: skipped" not in done.stdout else True
+    argv = ("-m", "leakfree", "demo", "--steps", "4", "--out", str(png))
+    status, stdout, stderr = run_python(*argv, cwd=tmp_path, env=dict(os.environ), timeout=300)
+    assert status == 0, stderr
+    assert "\r" not in stderr and "\r" not in stdout  # no bar in a redirected log
+    assert png.is_file() if "plot: skipped" not in stdout else True
     assert not (tmp_path / "leakfree-demo.png").exists()
     for name in _demo.KEPT_ON_PURPOSE:
-        assert f"  {name}: " in done.stdout
-    assert "offloader's host blocks" in done.stdout
+        assert f"  {name}: " in stdout
+    assert "offloader's host blocks" in stdout
 
 
 def test_tracker_hf_benchmark_runs(tmp_path: Path) -> None:
