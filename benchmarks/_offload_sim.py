@@ -175,7 +175,7 @@ def step_times(runs: dict[str, Run], quick: bool) -> Timings:
 
 
 def rounds(quick: bool) -> dict[str, int]:
-    return {"repeat": 3, "number": 2, "warmup": 1} if quick else {"repeat": 25, "number": 4}
+    return {"repeat": 3, "number": 1, "warmup": 1} if quick else {"repeat": 25, "number": 4}
 
 
 def copies_per_step(run: Run, sim: Any) -> dict[str, int]:

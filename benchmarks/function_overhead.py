@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     cases.append(("1-element mul, forward only", plain_scale, lf_scale, x1, w1, number, False))
     xm = torch.randn(1024, 1024, requires_grad=True)
     wm = torch.randn(1024, 1024, requires_grad=True)
-    cases.append(("1024x1024 matmul", plain_mm, lf_mm, xm, wm, 2 if args.quick else 10, True))
+    cases.append(("1024x1024 matmul", plain_mm, lf_mm, xm, wm, 1 if args.quick else 10, True))
 
     rows, results = [], []
     for name, plain, lf, x, w, number, backward in cases:

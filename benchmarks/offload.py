@@ -8,7 +8,7 @@ widths 64 and 512 and a tiny Llama, seven modes side by side (none, save_on_cpu,
 class and manager, leakfree plain, with a device budget of half what it moves, and with a
 budget that keeps everything): step time and its ratios, copies per step, Python calls per
 saved tensor, device peaks, bit-identical gradients, flat device memory
-(``_offload_sim.py``). With --quick: width 64 and the Llama, 3 rounds x 2 steps.
+(``_offload_sim.py``). With --quick: width 64 and the Llama, 3 rounds x 1 step.
 Accelerator (when present): peak memory and step time of each mode.
 
     python benchmarks/offload.py [--quick] [--steps N] [--json PATH]

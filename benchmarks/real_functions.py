@@ -397,6 +397,10 @@ def run(case: Case, classes: list[type], *, release: bool, warmup: int, steps: i
     live: list[int] = []
     nodes = 0
     tracker = StorageTracker()
+    # What exists now (the imports' objects, the model) lives through the run: set aside,
+    # so each step's collection scans only what the steps made (0.17 s -> ms per collect)
+    gc.collect()
+    gc.freeze()
     try:
         # One step more than measured: the model may still hold the newest step's state (a
         # quantization scale it keeps as its latest), which then lives anyway.
@@ -415,6 +419,7 @@ def run(case: Case, classes: list[type], *, release: bool, warmup: int, steps: i
             gc.collect()
             live.append(sum(tracker.live_bytes().values()))
     finally:
+        gc.unfreeze()
         for handle in handles:
             handle.restore()
     held = {key: ref for key, (ref, _, _) in refs.items() if not ref.expired()}

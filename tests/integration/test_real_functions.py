@@ -6,8 +6,7 @@ checkpoint and bitsandbytes' 8-bit matmuls. Each test keeps the loss alive after
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
 import leakfree
+from tests._fresh import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,20 +160,17 @@ def test_patch_functions_sweeps_bitsandbytes_and_undoes(bnb: Any) -> None:
 
 def test_real_functions_benchmark_runs(tmp_path: Path, bnb: Any) -> None:
     out = tmp_path / "real_functions.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "real_functions.py"),
-            "--steps=2",
-            "--no-sweep",
-            "--only=CheckpointFunction",
-            "--only=MatMul8bitFp",
-            f"--json={out}",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
+    argv = (
+        str(ROOT / "benchmarks" / "real_functions.py"),
+        "--steps=2",
+        "--no-sweep",
+        "--only=CheckpointFunction",
+        "--only=MatMul8bitFp",
+        f"--json={out}",
     )
+    # forked from the torch-preloaded server: the script's code, without torch's import
+    status, _, stderr = run_python(*argv, cwd=tmp_path, env=dict(os.environ), timeout=300)
+    assert status == 0, stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     rows = {r["functions"][0].rsplit(".", 1)[-1]: r for r in results}
     assert set(rows) == {"CheckpointFunction", "MatMul8bitFp"}
