@@ -1,4 +1,5 @@
-"""OffloadActivations inside a garbage collection, in a fresh interpreter."""
+"""OffloadActivations inside a garbage collection, in a fresh interpreter state
+(forked from the torch-preloaded server: ``tests._fresh.run_py``)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,8 @@ for step in range(1500):
     h = Holder(); h.me = h; h.g = dropped
     del h, dropped
     loss.backward()
-print("ok")
+print('"ok"')
 """
-    import subprocess
-    import sys
+    from tests._fresh import run_py
 
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ok"
+    assert run_py(script, timeout=120) == "ok"

@@ -11,6 +11,7 @@ plain list, freed with the sink).
 from __future__ import annotations
 
 import inspect
+import os
 import weakref
 from pathlib import Path
 from typing import Any
@@ -228,20 +229,16 @@ def test_pipeline_losses_with_a_real_schedule() -> None:
     assert runs["sink"][1] == [v for step in runs["plain"][0] for v in step]
 
 
-def test_pipelining_example_runs() -> None:
-    import subprocess
-    import sys
+def test_pipelining_example_runs(tmp_path: Path) -> None:
+    from tests._fresh import run_python
 
     example = Path(__file__).resolve().parents[2] / "examples" / "pipelining.py"
-    done = subprocess.run(
-        [sys.executable, str(example), "--steps", "10", "--schedule", "ScheduleGPipe"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]  # it exits 1 if memory grows
-    assert "steps 5-9: mean loss" in done.stdout
-    assert "rank 0: live bytes" in done.stdout and "rank 1: live bytes" in done.stdout
+    argv = (str(example), "--steps", "10", "--schedule", "ScheduleGPipe")
+    # forked from the torch-preloaded server; the example spawns its two ranks itself
+    status, stdout, stderr = run_python(*argv, cwd=tmp_path, env=dict(os.environ), timeout=240)
+    assert status == 0, stderr[-2000:]  # it exits 1 if memory grows
+    assert "steps 5-9: mean loss" in stdout
+    assert "rank 0: live bytes" in stdout and "rank 1: live bytes" in stdout
 
 
 def _clean_worker(rank: int, world: int) -> dict[str, Any]:
