@@ -180,8 +180,8 @@ def _failing_worker(rank: int, world: int, mode: str, timeout: float) -> dict[st
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
     elapsed = time.monotonic() - t0
-    # "raises": the failed rank stays alive, in run_workers' final barrier, until its peer
-    # is done: the peer is told, it does not learn it from a closed connection
+    if rank == 0 and mode == "raises":
+        time.sleep(timeout)  # the failed rank stays alive: its peer must not wait for it
     return {"error": error, "elapsed": elapsed}
 
 
