@@ -191,12 +191,13 @@ def run_schedule(
         pending.wait_all(timeout)
     except BaseException:
         # Tell the neighbours, so that nobody waits on us for the process group's timeout.
-        # Not waited for: a neighbour that failed too may never receive it.
+        # Not waited for: a neighbour that failed too may never receive it. send_abort
+        # keeps the sends still in flight, which the neighbour reads first.
         for peer in (prev_rank, next_rank):
             if peer is not None:
                 # The group itself may be broken: then there is nothing more to do.
                 with contextlib.suppress(Exception):
-                    send_abort(peer, group=group)
+                    send_abort(peer, group=group, pending=pending)
         raise
     return ScheduleResult(losses, live, pool, freed)
 

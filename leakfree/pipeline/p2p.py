@@ -82,15 +82,28 @@ def _recv(buf: torch.Tensor, src: int, group: Any, timeout: float | None, what: 
         _wait(dist.irecv(buf, src, group=group), timeout, f"{what} from rank {src}")
 
 
-def send_abort(dst: int, *, group: Any = None) -> Any:
+#: every abort sent, with its header and the sends in flight before it, until the process
+#: ends: gloo cancels a send whose work is dropped before it left, so an abort nobody waits
+#: for (or a send queued before it) would never arrive
+_ABORTS: list[tuple[Any, torch.Tensor, PendingSends | None]] = []
+
+
+def send_abort(dst: int, *, group: Any = None, pending: PendingSends | None = None) -> Any:
     """Tell stage ``dst`` that this stage failed: its next receive from us raises
-    :class:`PipelineAborted` instead of waiting. Returns the ``isend`` work (not waited:
-    the peer may never receive it)."""
+    :class:`PipelineAborted` instead of waiting. Returns the ``isend`` work.
+
+    Nobody needs to wait for it (the peer may have failed too and never receive it): this
+    module keeps the work and its 80-byte header until the process ends, and ``pending``,
+    this stage's sends still in flight, with it. A peer receives in order, so those must
+    go out first; dropped with a failing schedule's frame, gloo would cancel them, and the
+    peer would wait for them until its timeout instead of reading the abort."""
     import torch.distributed as dist
 
     header = torch.zeros(_HEADER, dtype=torch.int64)
     header[0] = _ABORT
-    return dist.isend(header, dst, group=group)
+    work = dist.isend(header, dst, group=group)
+    _ABORTS.append((work, header, pending))
+    return work
 
 
 class _Send:
