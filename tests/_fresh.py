@@ -108,7 +108,10 @@ def run_python(
     ``env``, in a process forked from the server (torch already imported, nothing else):
     its exit status (negative: the signal that ended it, as :mod:`subprocess` reports it),
     stdout and stderr. The same code runs as in a new interpreter, with the same argv,
-    path, environment and status, without paying torch's import again."""
+    path, environment and status, without paying torch's import again. One difference:
+    the child ends with ``os._exit``, as multiprocessing's children do, so ``atexit``
+    handlers do not run; code whose output depends on them needs a new interpreter (the
+    ranks `leakfree run` watches report from one)."""
     out = cwd / f".run-{uuid.uuid4().hex}"
     child = _FRESH.Process(target=_python_child, args=(list(argv), str(cwd), env, str(out)))
     child.start()
