@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests._fresh import START_METHOD
+from tests._fresh import START_METHOD, adopt_environment
 
 
 def free_port() -> int:
@@ -44,8 +44,7 @@ def _entry(
     barrier: bool,
     environ: dict[str, str],
 ) -> None:
-    os.environ.clear()
-    os.environ.update(environ)
+    adopt_environment(environ)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # The ranks share the machine's cores: intra-op threads beyond each rank's share only
     # spin against each other (a 2-rank pipeline step ran 5x slower on 2 cores).

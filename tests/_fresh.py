@@ -11,9 +11,10 @@ import contextlib
 import io
 import json
 import multiprocessing
+import os
+import tempfile
 import textwrap
 import traceback
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -64,14 +65,22 @@ def run_py(code: str, *paths: Path, timeout: float = 180) -> Any:
     return json.loads(output.strip().splitlines()[-1])
 
 
+def adopt_environment(env: dict[str, str]) -> None:
+    """Make ``env`` this process's environment: a child forked from the server starts with
+    the server's, as it was when the server started, not with its caller's."""
+    import os
+
+    os.environ.clear()
+    os.environ.update(env)
+
+
 def _python_child(argv: Sequence[str], cwd: str, env: dict[str, str], out: str) -> None:
     import os
     import runpy
     import sys
 
     os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
+    adopt_environment(env)
     for fd, name in ((1, "stdout"), (2, "stderr")):
         sink = os.open(f"{out}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(sink, fd)
@@ -90,9 +99,9 @@ def _python_child(argv: Sequence[str], cwd: str, env: dict[str, str], out: str) 
             runpy.run_path(argv[0], run_name="__main__")
         status = 0
     except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int | None):
-            print(e.code, file=sys.stderr)
+        from leakfree._run import _exit_status  # what python makes of sys.exit(code)
+
+        status = _exit_status(e.code)
     except BaseException:
         traceback.print_exc()
         status = 1
@@ -102,26 +111,26 @@ def _python_child(argv: Sequence[str], cwd: str, env: dict[str, str], out: str) 
 
 
 def run_python(
-    *argv: str, cwd: Path, env: dict[str, str], timeout: float = 180
+    *argv: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 180
 ) -> tuple[int, str, str]:
     """``python argv...`` (``SCRIPT ARGS`` or ``-m MODULE ARGS``) in ``cwd`` with environment
-    ``env``, in a process forked from the server (torch already imported, nothing else):
+    ``env`` (default: this process's, as :mod:`subprocess` does), in a process forked from
+    the server (torch already imported, nothing else):
     its exit status (negative: the signal that ended it, as :mod:`subprocess` reports it),
     stdout and stderr. The same code runs as in a new interpreter, with the same argv,
     path, environment and status, without paying torch's import again. One difference:
     the child ends with ``os._exit``, as multiprocessing's children do, so ``atexit``
     handlers do not run; code whose output depends on them needs a new interpreter (the
     ranks `leakfree run` watches report from one)."""
-    out = cwd / f".run-{uuid.uuid4().hex}"
-    child = _FRESH.Process(target=_python_child, args=(list(argv), str(cwd), env, str(out)))
-    child.start()
-    child.join(timeout)
-    if child.is_alive():
-        child.kill()
-        child.join()
-        raise AssertionError(f"python {' '.join(argv)}: still running after {timeout} s")
-    streams = [Path(f"{out}.{name}") for name in ("stdout", "stderr")]
-    stdout, stderr = (p.read_text() for p in streams)
-    for p in streams:
-        p.unlink()
+    environ = dict(os.environ) if env is None else env
+    with tempfile.TemporaryDirectory(prefix="run_python-") as folder:
+        out = str(Path(folder, "out"))
+        child = _FRESH.Process(target=_python_child, args=(list(argv), str(cwd), environ, out))
+        child.start()
+        child.join(timeout)
+        if child.is_alive():
+            child.kill()
+            child.join()
+            raise AssertionError(f"python {' '.join(argv)}: still running after {timeout} s")
+        stdout, stderr = (Path(f"{out}.{name}").read_text() for name in ("stdout", "stderr"))
     return int(child.exitcode or 0), stdout, stderr

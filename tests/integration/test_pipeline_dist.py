@@ -190,9 +190,9 @@ def _failing_worker(
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_stage_failure_reaches_the_peer_at_once(tmp_path: Path, schedule: str) -> None:
-    # The failed stage drops the abort's work (run_schedule does not wait for it): under
-    # gpipe the abort never arrived when send_abort did not keep the work itself (gloo
-    # cancels a dropped send), and under 1f1b it depended on timing
+    # The failed stage drops the abort's work and its sends in flight (run_schedule waits
+    # for neither): gloo cancels a dropped send, so before send_abort kept both, the abort
+    # never arrived under gpipe, and under 1f1b it depended on timing
     results = run_workers(_failing_worker, 2, tmp_path, "raises", 6.0, schedule, timeout=120)
     assert results[0]["error"].startswith("ValueError: boom in stage 0")
     assert results[1]["error"].startswith("PipelineAborted: recv_forward: rank 0 failed")

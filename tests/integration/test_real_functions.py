@@ -6,7 +6,6 @@ checkpoint and bitsandbytes' 8-bit matmuls. Each test keeps the loss alive after
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -169,7 +168,7 @@ def test_real_functions_benchmark_runs(tmp_path: Path, bnb: Any) -> None:
         f"--json={out}",
     )
     # forked from the torch-preloaded server: the script's code, without torch's import
-    status, _, stderr = run_python(*argv, cwd=tmp_path, env=dict(os.environ), timeout=300)
+    status, _, stderr = run_python(*argv, cwd=tmp_path, timeout=300)
     assert status == 0, stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     rows = {r["functions"][0].rsplit(".", 1)[-1]: r for r in results}

@@ -6,7 +6,6 @@ only (``tests._fresh.run_python``); the rest in new interpreters."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -38,7 +37,7 @@ def run_benchmark(name: str, tmp_path: Path, *args: str) -> Any:
     out = tmp_path / f"{name}.json"
     script = str(ROOT / "benchmarks" / f"{name}.py")
     argv = (script, "--quick", *args, "--json", str(out))
-    status, _, stderr = run_python(*argv, cwd=tmp_path, env=dict(os.environ), timeout=300)
+    status, _, stderr = run_python(*argv, cwd=tmp_path, timeout=300)
     assert status == 0, stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -109,9 +108,7 @@ def test_pipeline_benchmark_runs(tmp_path: Path) -> None:
 
 def test_pipeline_example_runs(tmp_path: Path) -> None:
     example = str(ROOT / "examples" / "pipeline_two_stages.py")
-    status, stdout, stderr = run_python(
-        example, "--microbatches", "4", cwd=tmp_path, env=dict(os.environ), timeout=180
-    )
+    status, stdout, stderr = run_python(example, "--microbatches", "4", cwd=tmp_path, timeout=180)
     assert status == 0, stderr
     assert "gradients bit-identical to one process: True" in stdout
 
@@ -160,7 +157,7 @@ def test_demo_out_no_progress_bar_when_redirected_and_says_what_stays(tmp_path: 
     png = tmp_path / "plots" / "demo.png"
     png.parent.mkdir()
     argv = ("-m", "leakfree", "demo", "--steps", "4", "--out", str(png))
-    status, stdout, stderr = run_python(*argv, cwd=tmp_path, env=dict(os.environ), timeout=300)
+    status, stdout, stderr = run_python(*argv, cwd=tmp_path, timeout=300)
     assert status == 0, stderr
     assert "\r" not in stderr and "\r" not in stdout  # no bar in a redirected log
     assert png.is_file() if "plot: skipped" not in stdout else True
