@@ -140,7 +140,7 @@ def test_small_views_of_big_storage_copy_only_their_span() -> None:
 
 
 def test_in_place_after_save_is_not_deduplicated() -> None:
-    ctx = offload(min_offload_size=1)
+    ctx = offload(min_offload_size=1, batch_bytes=0)  # each copy sent as it is made
     x = torch.randn(128, requires_grad=True)
     with ctx:
         a = x * 1.0
@@ -151,9 +151,38 @@ def test_in_place_after_save_is_not_deduplicated() -> None:
     assert ctx.pool.stats.allocations == 2
     first, second = (ctx._copies.at(seq) for seq in (0, 1))
     assert ctx._copies.next_seq() == 2
-    assert torch.equal(first.typed.view(torch.float32), x.detach())
-    assert torch.equal(second.typed.view(torch.float32), x.detach() + 1.0)
+    assert torch.equal(first.typed, x.detach())
+    assert torch.equal(second.typed, x.detach() + 1.0)
     del graphs
+
+
+def test_in_place_write_before_its_group_is_sent_is_reported_as_pytorch_does() -> None:
+    """A copy waiting in its group still reads the device tensor: written in place before
+    the group is sent, its bytes are not the saved ones, and its unpack says so, as PyTorch
+    says without hooks (which it does not check); the copy saved after the write is fine."""
+    x = torch.randn(128, requires_grad=True)
+
+    def run() -> list[torch.Tensor]:
+        a = x * 1.0
+        graphs = [(a * a).sum()]
+        with torch.no_grad():
+            a.add_(1.0)
+        graphs.append((a * a).sum())
+        return graphs
+
+    plain = run()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        plain[0].backward()
+    plain[1].backward()
+    expected, x.grad = x.grad, None
+    ctx = offload(min_offload_size=1)
+    with ctx:
+        graphs = run()
+    assert ctx.stats.to_host == 2 and ctx.pool.stats.allocations == 1  # one group, sent once
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*version 1"):
+        graphs[0].backward()
+    graphs[1].backward()
+    assert torch.equal(x.grad, expected)
 
 
 # --- lifetimes: the graph owns everything -----------------------------------------------------
@@ -223,7 +252,7 @@ def test_nested_no_offload() -> None:
     one.update_model_params(model)  # the buffer's expand_as view: never offloaded
     with one:
         kept = model(x.clone()).square().mean()
-    per_forward = one.pool.stats.in_use_bytes  # bytes one forward offloads
+    per_forward = one.stats.to_host_bytes  # bytes one forward offloads
     assert per_forward > 0
     del kept
     xa, xb, xc, xd = (x.clone() for _ in range(4))  # distinct storages: no dedup across
@@ -236,9 +265,9 @@ def test_nested_no_offload() -> None:
                 loss_b = model(xb).square().mean()
             with leakfree.NoOffload():
                 loss_c = model(xc).square().mean()
-        assert ctx.pool.stats.in_use_bytes == per_forward  # only loss_b so far
+        assert ctx.stats.to_host_bytes == per_forward  # only loss_b so far
         loss_d = model(xd).square().mean()
-    assert ctx.pool.stats.in_use_bytes == 2 * per_forward  # loss_b and loss_d
+    assert ctx.stats.to_host_bytes == 2 * per_forward  # loss_b and loss_d
     (loss_a + loss_b + loss_c + loss_d).backward()
     assert_equal_grads(grads(model), reference_grads(passes=4))
 
@@ -281,8 +310,9 @@ def test_parameters_buffers_and_small_tensors_stay() -> None:
     out.backward()
     bare = offload(min_offload_size=1)  # no update_model_params: parameter views still stay
     with bare:
-        lin(x).sum()  # saves x (offloaded) and weight.t() (a view of a Parameter: kept)
+        out = lin(x).sum()  # saves x (offloaded) and weight.t() (a view of a Parameter: kept)
     assert bare.pool.stats.allocations == 1
+    del out
 
 
 def test_no_accelerator_no_option_is_a_noop() -> None:
@@ -322,8 +352,9 @@ def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
 
 
 def _handles(n: int) -> tuple[leakfree.OffloadActivations, list[_Offloaded]]:
-    """n real handles from a CPU forward (one per saved activation)."""
-    ctx = offload(min_offload_size=1)
+    """n real handles from a CPU forward (one per saved activation), each copy in a group
+    of its own (``h.copy.group``)."""
+    ctx = offload(min_offload_size=1, batch_bytes=0)
     xs = [torch.randn(16, requires_grad=True) for _ in range(n)]
     out: list[_Offloaded] = []
     for x in xs:
@@ -332,9 +363,10 @@ def _handles(n: int) -> tuple[leakfree.OffloadActivations, list[_Offloaded]]:
 
 
 def _pass_over(copies: list[Any], ctx: Any) -> _Pass:
-    """A pass state following the order ``copies`` were unpacked in (as a pass records)."""
+    """A pass state following the order groups ``copies`` were unpacked in (as a pass
+    records)."""
     state = _Pass()
-    state.order = [(c.seq, c.nbytes) for c in copies]
+    state.order = [(c.seq, c.used) for c in copies]
     follow = _Pass()
     _follow(state.learned(), copies[0], ctx._copies, follow)
     return follow
@@ -342,7 +374,7 @@ def _pass_over(copies: list[Any], ctx: Any) -> _Pass:
 
 def test_prefetch_follows_the_learned_order_within_the_byte_window() -> None:
     ctx, hs = _handles(6)
-    copies = [h.copy for h in hs]  # 64 bytes each
+    copies = [h.copy.group for h in hs]  # 64 bytes each
     order = [copies[i] for i in (5, 3, 4, 1, 2, 0)]  # not pack order: what backward did
     state = _pass_over(order, ctx)
     assert [r() for r in state.plan] == order
@@ -359,15 +391,15 @@ def test_prefetch_follows_the_learned_order_within_the_byte_window() -> None:
 
 def test_prefetch_takes_one_copy_larger_than_the_window() -> None:
     ctx, hs = _handles(3)
-    state = _pass_over([h.copy for h in reversed(hs)], ctx)
-    assert _to_prefetch(state, hs[2].copy, window=1) == [hs[1].copy]
+    state = _pass_over([h.copy.group for h in reversed(hs)], ctx)
+    assert _to_prefetch(state, hs[2].copy.group, window=1) == [hs[1].copy.group]
 
 
 def test_a_learned_order_is_followed_only_where_the_copies_match_it() -> None:
     ctx, hs = _handles(4)
-    copies = [h.copy for h in hs]
+    copies = [h.copy.group for h in hs]
     state = _Pass()
-    state.order = [(c.seq, c.nbytes) for c in reversed(copies)]
+    state.order = [(c.seq, c.used) for c in reversed(copies)]
     order = state.learned()
     assert order == ((0, 64), (-1, 64), (-2, 64), (-3, 64))
     _, more = _handles(1)  # another manager's copy: not in ctx's registry
@@ -381,7 +413,7 @@ def test_a_learned_order_is_followed_only_where_the_copies_match_it() -> None:
     gone = _Pass()
     _follow(order, again.plan[0](), ctx._copies, gone)
     assert gone.plan == []
-    _follow(((0, 32),), more[0].copy, ctx._copies, gone)  # another size
+    _follow(((0, 32),), more[0].copy.group, ctx._copies, gone)  # another size
     assert gone.plan == []
 
 
@@ -476,7 +508,7 @@ def test_offload_model_keeps_head_on_device_and_never_stacks_hooks() -> None:
     assert _head_hooks(model) == 2  # TRL's helper: 6 here, and no way to remove them
     with ctx:
         loss = model(x).square().mean()
-    with_head_guard = ctx.pool.stats.in_use_bytes
+    with_head_guard = ctx.stats.to_host_bytes
     loss.backward()
     assert_equal_grads(grads(model), reference_grads())
     assert remove_offload_hooks(model) == 2
@@ -486,10 +518,10 @@ def test_offload_model_keeps_head_on_device_and_never_stacks_hooks() -> None:
     model.zero_grad()
     with plain:
         loss = model(x).square().mean()
-    without_head_guard = plain.pool.stats.in_use_bytes
+    without_head_guard = plain.stats.to_host_bytes
     loss.backward()
     # exactly the head's input (4x8x32 floats) is offloaded without the guard
-    assert without_head_guard - with_head_guard == _size_class(4 * 8 * 32 * 4)
+    assert without_head_guard - with_head_guard == 4 * 8 * 32 * 4
 
 
 def test_offload_model_explicit_head_and_errors() -> None:

@@ -204,8 +204,9 @@ def test_two_with_blocks_then_one_backward(sim: Any) -> None:
         loss1 = model(x).square().mean()
     with ctx:
         loss2 = model(x * 2).square().mean()
+    assert 2 <= ctx.stats.groups < ctx.stats.to_host  # a group each, of several copies
     (loss1 + loss2).backward()
-    assert ctx.stats.to_device == ctx.stats.to_host  # one pass over both: once each
+    assert ctx.stats.to_device == ctx.stats.groups  # one pass over both: once each
     ref, xr = make()
     (ref(xr).square().mean() + ref(xr * 2).square().mean()).backward()
     assert_equal_grads(sim_grads(model), [p.grad for p in ref.parameters()])
@@ -218,11 +219,11 @@ def test_retain_graph_twice(sim: Any) -> None:
     with ctx:
         loss = model(x).square().mean()
     loss.backward(retain_graph=True)
-    assert ctx.stats.to_device == ctx.stats.to_host  # once each per pass
+    assert ctx.stats.to_device == ctx.stats.groups  # once each per pass
     first = sim_grads(model)
     model.zero_grad()
     loss.backward()
-    assert ctx.stats.to_device == 2 * ctx.stats.to_host
+    assert ctx.stats.to_device == 2 * ctx.stats.groups
     assert_equal_grads(first, sim_grads(model))
     assert_equal_grads(first, reference_grads())
 
@@ -308,7 +309,7 @@ def _watch_prefetch(ctx: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[list[int
     def watched(state: Any, current: Any, window: int) -> list[Any]:
         out = plan(state, current, window)
         outstanding.append(state.outstanding)
-        prefetched.extend(c.nbytes for c in out)
+        prefetched.extend(c.used for c in out)
         return out
 
     monkeypatch.setattr(hooks, "_to_prefetch", watched)
@@ -321,9 +322,10 @@ def test_prefetch_follows_the_order_backward_used_within_a_byte_window(
 ) -> None:
     """The first backward prefetches nothing (nothing learned: nothing is brought back
     that backward will not use); the next one of the same shape follows the order the
-    first used, within ``prefetch_bytes``, and every copy comes back once."""
+    first used, within ``prefetch_bytes``, and every copy comes back once (each copy is
+    a group of its own here: ``batch_bytes=0``)."""
     model, x = deep().to("sim"), torch.randn(32, 64, device="sim")  # 8 KiB activations
-    ctx = offload(max_fwd_stash_size=stash, prefetch_bytes=window)
+    ctx = offload(max_fwd_stash_size=stash, prefetch_bytes=window, batch_bytes=0)
     outstanding, prefetched = _watch_prefetch(ctx, monkeypatch)
     for step in range(3):
         model.zero_grad()
@@ -353,7 +355,7 @@ def test_prefetch_bytes_zero_copies_back_only_on_demand(
         with ctx:
             loss = model(x).square().mean()
         loss.backward()
-    assert prefetched == [] and ctx.stats.to_device == ctx.stats.to_host > 0
+    assert prefetched == [] and ctx.stats.to_device == ctx.stats.groups > 0
     ref = deep()
     ref(x.cpu()).square().mean().backward()
     assert_equal_grads(sim_grads(model), [p.grad for p in ref.parameters()])
@@ -374,22 +376,27 @@ class Views(nn.Module):
         return (h * q.cos()).square().mean()  # cos saves q again, used first in backward
 
 
-def test_views_needed_by_several_nodes_come_back_once_per_pass(sim: Any) -> None:
-    """Each copy out comes back at most once per backward pass: the restored storage is
-    kept until the last node that needs it has unpacked it (before, the first node's
-    restored copy died with its saved tensors and the next node copied the bytes again)."""
+@pytest.mark.parametrize("batch_bytes", [0, 256 << 10], ids=["alone", "grouped"])
+def test_views_needed_by_several_nodes_come_back_once_per_pass(
+    sim: Any, batch_bytes: int
+) -> None:
+    """Each group of copies comes back at most once per backward pass: its restored
+    storage is kept until the last node that needs it has unpacked it (before, the first
+    node's restored copy died with its saved tensors and the next node copied the bytes
+    again). Alone, each copy is a group; grouped, all of them are one."""
     torch.manual_seed(0)
     model, x = Views().to("sim"), torch.randn(32, 64, device="sim")
-    ctx = offload()
+    ctx = offload(batch_bytes=batch_bytes)
     sim.reset_copies()  # the model's and the input's uploads are not the offloader's
     with ctx:
         loss = model(x)
-    out = sim.copies["to_host"]
+    out, groups = sim.copies["to_host"], ctx.stats.groups
+    assert groups == (out if batch_bytes == 0 else 1)
     loss.backward(retain_graph=True)
-    assert sim.copies["to_device"] == out  # the qkv storage: once, not once per node
+    assert sim.copies["to_device"] == groups  # the qkv storage: once, not once per node
     loss.backward()
-    assert sim.copies["to_device"] == 2 * out  # a second pass: once more, each
-    assert (ctx.stats.to_host, ctx.stats.to_device) == (out, 2 * out)
+    assert sim.copies["to_device"] == 2 * groups  # a second pass: once more, each
+    assert (ctx.stats.to_host, ctx.stats.to_device) == (out, 2 * groups)
     torch.manual_seed(0)
     ref, xc = Views(), x.cpu()
     ref(xc).backward(retain_graph=True)
@@ -605,7 +612,9 @@ def test_a_partial_pass_frees_what_it_kept_when_it_ends(sim: Any) -> None:
         inner = q * k  # saves q and k: views of the qkv storage
         loss = (model.out(inner + v.sin()) * q.cos()).square().mean()
     torch.autograd.grad(inner.sum(), x, retain_graph=True)  # reaches mul only, not sin/cos
-    kept = [c for r in ctx._copies.refs if (c := r()) is not None and c.keep is not None]
+    groups = {id(c.group): c.group for r in ctx._copies.refs if (c := r()) and c.group}
+    assert groups  # the qkv storage's group, at least
+    kept = [g for g in groups.values() if g.keep is not None]
     assert kept == []  # the pass ended: its keep is gone, though sin and cos never ran
     assert not ctx._passes
     loss.backward()
@@ -743,10 +752,10 @@ def test_the_in_flight_window_records_a_stream_only_for_copies_still_running(
     the handle, holds it, so a graph dropped mid-forward cannot free what a copy reads."""
     model, x = deep(depth=8).to("sim"), torch.randn(32, 64, device="sim")
     sim.lazy = lazy
-    ctx = offload(max_fwd_stash_size=2)
+    ctx = offload(max_fwd_stash_size=2, batch_bytes=0)  # each copy sent as it is made
     with ctx:
         loss = model(x).square().mean()
-        held = [weakref.ref(t) for _, t, _ in ctx._in_flight]
+        held = [weakref.ref(t) for t, _ in ctx._in_flight]
         del loss  # the graph dies mid-forward: its handles go, the window's tensors stay
         assert len(held) == 2 and all(r() is not None for r in held)
     recorded = [e for e in sim.log if e[0] == "record_stream"]

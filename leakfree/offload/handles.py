@@ -17,12 +17,12 @@ from typing import Any, Protocol
 
 import torch
 
-from leakfree.offload.pool import HostBlockPool
+from leakfree.offload.pool import HostBlock, HostBlockPool
 
 
 class _Restorer(Protocol):
     """What a handle asks of the manager that packed it (``OffloadActivations``), which it
-    holds weakly: bring its bytes back (and look ahead)."""
+    holds weakly: bring its group's bytes back (and look ahead)."""
 
     def _restore(self, handle: _Offloaded) -> torch.Tensor: ...
 
@@ -97,98 +97,143 @@ class _Session:
         self.shared: dict[tuple[int, int], weakref.ref[_HostCopy]] = {}
 
 
-class _HostCopy:
-    """The bytes of (a span of) one device storage, shared by the handles that use them.
+#: where each host copy starts in its group's block: a multiple of every dtype's size, so a
+#: member comes back as a strided view of the group's device tensor
+_ALIGN = 64
 
-    Two states. *Held on the device* (a device budget keeps it there): ``pending`` is the
-    detached device tensor and nothing is copied. *On the host*: ``block`` is a pool block
-    holding the bytes, returned to the pool when the last handle using it dies. Moving from
-    the first state to the second is the copy out; there is no way back.
 
-    During a backward pass the storage restored from it is kept (``keep``) until the last
-    handle using it has been unpacked in that pass, so views of one storage needed by
-    several backward nodes are copied back once per pass; the pass's end drops whatever is
-    left (handles a partial pass never reached).
+class _Group:
+    """Host copies made one after another in one forward, sent to the host together into
+    one host block, and brought back to the device together by one transfer.
+
+    Small copies cost more in fixed overhead (a transfer, its stream switches and events, a
+    device allocation, a pool block, the bookkeeping) than in bytes; grouped, they cost
+    one of each per group. A group holds copies of one dtype and one device, up to its
+    capacity (``batch_bytes``); a copy as large as that has a group of its own. Members are
+    saved one after another in forward, so backward needs them one after another too.
+
+    Two states. *Open*: copies join it (``unsent``: each with the device tensor it reads,
+    held until sent); *sent*: ``block`` (exactly the size its copies need) holds their
+    bytes, and nothing joins any more. The graph owns it through its copies: the block goes
+    back to the pool when the last of them dies. In a backward pass the group's device
+    tensor is kept (``keep``) until every handle of its copies has been unpacked in that
+    pass, so it comes back once per pass; the pass's end drops whatever is left (handles
+    a partial pass never reached).
     """
 
     __slots__ = (
         "__weakref__",
         "block",
-        "byte_start",
+        "capacity",
         "device",
         "dtype",
         "keep",
         "lent",
         "like",
-        "nbytes",
-        "pending",
         "pool",
         "prefetched",
         "remaining",
         "restored",
         "seq",
-        "source",
         "task",
-        "typed",
+        "unsent",
+        "used",
         "users",
-        "version",
         "written",
     )
 
-    def __init__(self, nbytes: int, byte_start: int, device: torch.device) -> None:
-        self.block: Any = None
-        self.typed: torch.Tensor | None = None  # the block's bytes, as copied (see attach)
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.block: HostBlock | None = None  # taken when sent
         self.pool: Any = None  # weak reference to the pool the block returns to
-        self.nbytes = nbytes
-        self.byte_start = byte_start  # where the copied bytes start in the source storage
+        self.capacity = capacity
+        self.dtype = dtype
         self.device = device
-        self.dtype = torch.uint8  # what it is copied back as: its first tensor's, if whole
-        self.seq = 0  # creation order, across every forward of the manager (set when kept)
-        self.users = 0  # handles made for it
-        #: (dtype, shape) when its first handle's tensor is exactly these bytes (contiguous,
-        #: from the start): it is then copied back as that tensor, which every handle of
-        #: that very geometry returns as it is (no view: one device op fewer each)
+        self.used = 0  # bytes of the block its copies use, padding included
+        #: the copies waiting to be sent (weakly: one whose graph died needs no bytes), with
+        #: the device tensors they read and the saved tensor's version counter (a
+        #: tensor sharing it, without grad_fn: see _Kept)
+        self.unsent: list[tuple[weakref.ref[_HostCopy], torch.Tensor, torch.Tensor]] = []
+        #: (dtype, shape) while its one copy is exactly these bytes (``_HostCopy.like``):
+        #: it then comes back as that copy's tensor, which its handles of that geometry
+        #: return as it is (no view: one device op fewer each)
         self.like: tuple[torch.dtype, torch.Size] | None = None
-        self.version = 0  # the source's version counter when saved
+        self.seq = 0  # its first copy's creation number
+        self.users = 0  # handles made for its copies
         self.lent = False  # restored tensors view the block itself (CPU): never reuse it
-        self.source: Any = None  # weak reference to the source storage (dedup validity)
-        self.pending: torch.Tensor | None = None  # held on the device: the saved tensor
         #: (weak reference to the restored storage, the event its copy-in recorded): the
         #: storage, since what autograd keeps of an unpacked tensor may be another tensor
         #: object over it (a double-backward graph)
         self.restored: tuple[Any, Any] | None = None
         self.prefetched: tuple[torch.Tensor, Any] | None = None  # (device bytes, event)
-        self.written: Any = None  # the event the copy out recorded (None: synchronous)
-        #: the backward pass (graph task id) that last unpacked it, the storage kept for
-        #: that pass's other handles, with its event, and how many are still to unpack
+        self.written: Any = None  # the event its copies out recorded (None: synchronous)
+        #: the backward pass (graph task id) that last unpacked it, the device tensor kept
+        #: for that pass's other handles, and how many are still to unpack
         self.task = -1
-        self.keep: tuple[torch.Tensor, Any] | None = None
+        self.keep: torch.Tensor | None = None
         self.remaining = 0
 
-    def attach(self, pool: HostBlockPool) -> torch.Tensor:
-        """Take a host block for the bytes; returns them as they are copied (``typed``):
-        the one handle's own tensor (``like``), or a flat tensor of ``dtype``."""
+    def fits(self, copy: _HostCopy) -> bool:
+        """Whether ``copy`` may join: not sent, same dtype and device, room left."""
+        return (
+            self.block is None
+            and copy.dtype is self.dtype
+            and copy.device == self.device
+            and _aligned(self.used) + copy.nbytes <= self.capacity
+        )
+
+    def add(self, copy: _HostCopy, src: torch.Tensor, saved: torch.Tensor) -> None:
+        """Place ``copy``, whose bytes ``src`` reads (``saved``: a tensor sharing the
+        version counter of the one saved), at the next aligned offset."""
+        offset = _aligned(self.used)
+        copy.group = self
+        copy.offset = offset
+        if offset == 0:
+            self.seq = copy.seq
+        self.like = copy.like if offset == 0 else None
+        self.used = offset + copy.nbytes
+        self.users += copy.users
+        self.unsent.append((weakref.ref(copy), src, saved))
+
+    def take_block(
+        self, pool: HostBlockPool
+    ) -> tuple[HostBlock, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Take a host block for the bytes (the group is sent: nothing joins any more);
+        returns it, and (host bytes as they are copied: ``typed``, what they are copied
+        from) for each copy still alive. A copy whose saved tensor was written in place
+        since it was saved is marked ``stale`` (its unpack reports it)."""
         # Weak: a graph keeps its own host bytes, not the pool and its free blocks.
         self.pool = weakref.ref(pool)
-        block = self.block = pool.acquire(self.nbytes)
-        like = self.like
-        if like is not None:
-            typed = block.view(self.nbytes, like[0], like[1])
-        else:
-            typed = block.view(self.nbytes, self.dtype)
-        self.typed = typed
-        return typed
+        block = self.block = pool.acquire(self.used)
+        pairs = []
+        for ref, src, saved in self.unsent:
+            copy = ref()
+            if copy is None:
+                continue
+            if saved._version != copy.version:
+                copy.stale = saved._version  # these are not the bytes that were saved
+            like = copy.like
+            if like is not None:  # its own shape: src is the whole tensor as it is
+                typed = block.view(copy.nbytes, like[0], like[1], copy.offset)
+            else:
+                typed = block.view(copy.nbytes, copy.dtype, None, copy.offset)
+            copy.typed = typed
+            pairs.append((typed, src))
+        self.unsent = []
+        return block, pairs
 
     def on_host(self) -> torch.Tensor:
-        """The host bytes as they are copied back (``typed``); only for a copy that was
-        moved (a copy held on the device has none)."""
-        typed = self.typed
-        if typed is None:
+        """The host bytes its copies use, as they are copied back: its one copy's tensor
+        (``like``), or flat of ``dtype``; only once sent."""
+        block = self.block
+        if block is None:
             raise RuntimeError(
-                "leakfree: a host copy was read back before it was moved to the host "
-                "(held on the device by a device budget); please report this"
+                "leakfree: a group of host copies was read back before it was sent; "
+                "please report this"
             )
-        return typed
+        like = self.like
+        if like is not None:
+            return block.view(self.used, like[0], like[1])
+        return block.view(self.used, self.dtype)
 
     def to_device(self, non_blocking: bool = False) -> torch.Tensor:
         """A new device tensor holding these bytes, copied on the current stream."""
@@ -197,16 +242,16 @@ class _HostCopy:
         return dev.copy_(host, non_blocking=non_blocking)
 
     def live_restored(self) -> tuple[torch.Tensor, Any] | None:
-        """The bytes a sibling handle restored, if their storage is still alive (as they
-        were copied back: ``typed``'s dtype and shape), and the event of that copy-in."""
+        """The device tensor a sibling handle restored, if its storage is still alive (as
+        it was copied back: ``on_host``'s dtype and shape), and the event of that copy-in."""
         if self.restored is None:
             return None
         storage = self.restored[0]()
         if storage is None:
             return None
-        typed = self.on_host()  # restored: so it was moved
-        dev = torch.empty(0, dtype=typed.dtype, device=self.device)
-        return dev.set_(storage, 0, typed.shape, typed.stride()), self.restored[1]
+        host = self.on_host()
+        dev = torch.empty(0, dtype=host.dtype, device=self.device)
+        return dev.set_(storage, 0, host.shape, host.stride()), self.restored[1]
 
     def __del__(self) -> None:
         block = getattr(self, "block", None)
@@ -217,6 +262,61 @@ class _HostCopy:
         # (pool gone: the block's memory is freed with it)
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class _HostCopy:
+    """The bytes of (a span of) one device storage, shared by the handles that use them.
+
+    Two states. *Held on the device* (a device budget keeps it there): ``pending`` is the
+    detached device tensor and nothing is copied. *Moved*: its bytes go to a
+    :class:`_Group`'s block, from ``offset`` on (``typed``), and come back with the group.
+    Moving from the first state to the second is the copy out; there is no way back.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "byte_start",
+        "device",
+        "dtype",
+        "group",
+        "like",
+        "nbytes",
+        "offset",
+        "pending",
+        "seq",
+        "source",
+        "stale",
+        "task",
+        "typed",
+        "users",
+        "version",
+    )
+
+    def __init__(self, nbytes: int, byte_start: int, device: torch.device) -> None:
+        self.group: _Group | None = None  # where its bytes went (None: not moved)
+        self.offset = 0  # where they start in the group's block (and its restored tensor)
+        self.typed: torch.Tensor | None = None  # the host bytes, as copied (see _Group.add)
+        self.nbytes = nbytes
+        self.byte_start = byte_start  # where the copied bytes start in the source storage
+        self.device = device
+        self.dtype = torch.uint8  # what it is copied back as: its first tensor's, if whole
+        self.users = 0  # handles made for it
+        self.seq = 0  # creation order, across every forward of the manager
+        #: the backward pass that last unpacked it while a device budget held it
+        self.task = -1
+        #: (dtype, shape) when its first handle's tensor is exactly these bytes (contiguous,
+        #: from the start): copied as that tensor, and, alone in its group, brought back as it
+        self.like: tuple[torch.dtype, torch.Size] | None = None
+        self.version = 0  # the source's version counter when saved
+        self.source: Any = None  # weak reference to the source storage (dedup validity)
+        self.pending: torch.Tensor | None = None  # held on the device: the saved tensor
+        #: the source's version counter when sent, if a write in place came in between
+        #: (its unpack reports it, as PyTorch would have): its bytes were not the saved ones
+        self.stale: int | None = None
+
+
 class _Offloaded:
     """The packed form of one saved tensor: the graph owns it, and it owns everything."""
 
@@ -225,7 +325,6 @@ class _Offloaded:
         "copy",
         "dtype",
         "element_offset",
-        "in_flight",
         "manager",
         "same",
         "shape",
@@ -245,11 +344,15 @@ class _Offloaded:
         self.manager = manager
         self.copy = copy
         copy.users += 1
+        group = copy.group
+        if group is not None:
+            group.users += 1
         self.dtype = t.dtype
         self.shape = t.shape
         self.stride = t.stride()
         like = copy.like
-        #: the restored tensor is this handle's as it is (``like``): no view to make
+        #: the copy's tensor (``like``) is this handle's as it is: no view to make of the
+        #: held tensor, or of the restored one while the copy is alone in its group
         self.same = (
             like is not None
             and like[0] is t.dtype
@@ -259,18 +362,9 @@ class _Offloaded:
         )
         self.version = t._version
         self.element_offset = element_offset  # storage offset within the copied bytes
-        #: the device tensor while its device-to-host copy is in flight: held as it is (a
-        #: saved output's grad_fn then holds this handle back, a cycle the window's end
-        #: breaks, at the latest at ``__exit__``), detached only if unpacked meanwhile
-        self.in_flight: torch.Tensor | None = None
         self.task = -1  # the backward pass that last unpacked it
 
     def unpack(self) -> torch.Tensor:
-        t = self.in_flight
-        if t is not None:  # never left the device: its copy has not even retired
-            if t._version != self.version:
-                raise _version_error(t._version, self.version, t.shape)
-            return t.detach()
         copy = self.copy
         held = copy.pending
         if held is not None:  # a device budget kept it: a view of the saved tensor
@@ -279,19 +373,27 @@ class _Offloaded:
             manager = self.manager()
             if manager is not None:
                 manager._note(copy)  # its place in the pass's order, for later prefetch
-            return self.view_of(held, copy.byte_start)  # the saved tensor, or a view of it
+            return self.view_of(held, copy.byte_start, self.same)
+        if copy.stale is not None:
+            raise _version_error(copy.stale, self.version, self.shape)
         manager = self.manager()
         if manager is not None:
             return manager._restore(self)
         # dropped while its graph lives on: a plain synchronous copy back
-        return self.view_of(_restore_without_manager(copy))
+        return self.restored_from(_restore_without_manager(copy.group))
 
-    def view_of(self, base: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def restored_from(self, base: torch.Tensor) -> torch.Tensor:
+        """This handle's tensor over ``base``, its group's tensor brought back."""
+        copy = self.copy
+        group = copy.group
+        return self.view_of(base, copy.offset, self.same and group is not None and group.like)
+
+    def view_of(self, base: torch.Tensor, start: int, same: Any) -> torch.Tensor:
         """This handle's tensor over ``base``, a device tensor whose storage holds the
-        copy's bytes from byte ``start`` on (0: restored; ``byte_start``: held on the
-        device): ``base`` itself when it is exactly the handle's tensor (``same``), else
-        a view of it."""
-        if self.same:
+        copy's bytes from byte ``start`` on (its place in the group restored; or
+        ``byte_start``, held on the device): ``base`` itself when it is exactly the
+        handle's tensor (``same``), else a view of it."""
+        if same:
             return base
         offset = self.element_offset + start // self.dtype.itemsize
         if base.dtype is self.dtype:
@@ -303,14 +405,19 @@ class _Offloaded:
 _orphan_lock = threading.Lock()
 
 
-def _restore_without_manager(copy: _HostCopy) -> torch.Tensor:
-    """The context manager was dropped while its graph lived on: bring the bytes back with
-    a plain synchronous copy on the current stream (its copies out all completed by its
-    ``__exit__``; no prefetch is left to use)."""
+def _restore_without_manager(group: _Group | None) -> torch.Tensor:
+    """The context manager was dropped while its graph lived on: bring the group's bytes
+    back with a plain synchronous copy on the current stream (its copies out all completed
+    by its ``__exit__``; no prefetch is left to use)."""
+    if group is None or group.block is None:  # its manager's __exit__ sent every group
+        raise RuntimeError(
+            "leakfree: a saved tensor was unpacked before it was moved to the host or "
+            "held on the device; please report this"
+        )
     with _orphan_lock:
-        sibling = copy.live_restored()
+        sibling = group.live_restored()
         if sibling is not None:
             return sibling[0]
-        restored = copy.to_device()
-        copy.restored = (weakref.ref(restored.untyped_storage()), None)
+        restored = group.to_device()
+        group.restored = (weakref.ref(restored.untyped_storage()), None)
         return restored

@@ -23,6 +23,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from leakfree._device import accelerator, device_index, device_module
 from leakfree.offload.handles import (
+    _Group,
     _HostCopy,
     _Kept,
     _Offloaded,
@@ -52,11 +53,13 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 @dataclass
 class OffloadStats:
-    """What a manager moved, since it was made: copies to the host (``to_host``) and back
-    (``to_device``), their bytes, and the most bytes a device budget held on the device
-    at once (``peak_held_bytes``)."""
+    """What a manager moved, since it was made: copies to the host (``to_host``, one per
+    saved storage moved), the groups they were sent in (``groups``), copies back to the
+    device (``to_device``, one per group brought back), their bytes, and the most bytes
+    a device budget held on the device at once (``peak_held_bytes``)."""
 
     to_host: int = 0
+    groups: int = 0
     to_host_bytes: int = 0
     to_device: int = 0
     to_device_bytes: int = 0
@@ -67,6 +70,10 @@ def _end_pass(manager_ref: weakref.ref[OffloadActivations], task: int) -> None:
     manager = manager_ref()
     if manager is not None:
         manager._end_pass(task)
+
+
+def _none() -> None:
+    return None
 
 
 def _is_count(value: object) -> TypeGuard[int]:
@@ -111,6 +118,12 @@ class OffloadActivations(saved_tensors_hooks):
             copy the pass will bring back, so about two copies ahead. Backward prefetches
             in the order the previous backward of the same shape used, so only what it will
             use; the first one copies on demand. 0 turns prefetch off.
+        batch_bytes: copies out smaller than this share a host block with the ones saved
+            just before and after them, up to this many bytes, and come back to the device
+            with them in one transfer (one device allocation, one prefetch): small copies
+            cost more in fixed overhead than in bytes. A copy this large or larger goes
+            alone; 0 sends every copy alone. Backward holds a group on the device from its
+            first use to its last, so this also bounds what that costs. Default 256 KiB.
         device_budget: bytes of saved activations to keep on the device (None: move
             every one). The ones backward needs first (the last saved) stay, within the
             budget; the earlier ones move. The first forward holds its saved tensors and
@@ -159,6 +172,7 @@ class OffloadActivations(saved_tensors_hooks):
         pin_memory_budget: int | None = None,
         prefetch_bytes: int | None = None,
         device_budget: int | None = None,
+        batch_bytes: int = 256 << 10,
     ) -> None:
         if not _is_count(max_fwd_stash_size) or max_fwd_stash_size < 1:
             raise ValueError(
@@ -169,6 +183,11 @@ class OffloadActivations(saved_tensors_hooks):
             raise ValueError(
                 f"OffloadActivations(prefetch_bytes={prefetch_bytes!r}): must be None or an "
                 "int >= 0 (bytes backward may bring back ahead of use; 0: none)"
+            )
+        if not _is_count(batch_bytes) or batch_bytes < 0:
+            raise ValueError(
+                f"OffloadActivations(batch_bytes={batch_bytes!r}): must be an int >= 0 "
+                "(bytes of small copies sent to the host and back together; 0: none)"
             )
         if device_budget is not None and (not _is_count(device_budget) or device_budget < 0):
             raise ValueError(
@@ -192,6 +211,7 @@ class OffloadActivations(saved_tensors_hooks):
         self.max_fwd_stash_size = max_fwd_stash_size
         self.prefetch_bytes = prefetch_bytes
         self.device_budget = device_budget
+        self.batch_bytes = batch_bytes
         #: whether moved tensors stay on the device while their copies are in flight
         self._window = self.use_streams and device_budget is None
         self._device_type = target.type if target is not None else None  # for the pack hook
@@ -208,6 +228,7 @@ class OffloadActivations(saved_tensors_hooks):
         self._lock = threading.RLock()  # backward may unpack on several device threads
         self._ref = weakref.ref(self)  # what handles hold
         self._copies = _Copies()
+        self._open: Callable[[], _Group | None] = _none  # the group copies join (weakly)
         #: backward passes under way (graph task id -> its state), and the order the last
         #: finished pass used, which the next pass of the same shape prefetches in
         self._passes: dict[int, _Pass] = {}
@@ -307,6 +328,7 @@ class OffloadActivations(saved_tensors_hooks):
                     total if whole else span_bytes, 0 if whole else first * elem, t.device
                 )
                 copy.version = version
+                self._copies.add(copy)  # numbers it
                 if whole:
                     if total % elem == 0:
                         copy.dtype = t.dtype
@@ -314,35 +336,26 @@ class OffloadActivations(saved_tensors_hooks):
                             copy.like = (t.dtype, t.shape)
                     copy.source = weakref.ref(storage)
                     shared[(ptr, version)] = weakref.ref(copy)
-                self._copies.add(copy)  # numbers it
                 self._sizes.append(copy.nbytes)  # this forward's copies, for the plan
                 if self._budget_plan is None and self.device_budget is None:
                     self._copy_out(t, copy)  # a first forward with no budget: all move
                 else:
                     self._budgeted(copy, t)
             offset = int(t.storage_offset()) - copy.byte_start // elem
-            handle = _Offloaded(self._ref, copy, t, offset)  # type: ignore[arg-type]
-            if self._window and copy.pending is None and copy.block.pinned:
-                # The device tensor stays alive until its copy retires (pageable copies are
-                # synchronous already; under a device budget the window would hold bytes
-                # the budget moved).
-                handle.in_flight = t
-                window = self._in_flight
-                window.append((weakref.ref(handle), t, copy.written))
-                if len(window) > self.max_fwd_stash_size:  # the oldest retires
-                    self._let_go(window.popleft(), done=False)
-        return handle
+            return _Offloaded(self._ref, copy, t, offset)  # type: ignore[arg-type]
 
     # -- a device budget ------------------------------------------------------------------
 
     def _budgeted(self, copy: _HostCopy, t: torch.Tensor) -> None:
         """Keep ``copy`` on the device or move it, as the plan says; then move the oldest
-        held copies until the held bytes fit the budget again."""
+        held copies until the held bytes fit the budget again, and send the open group if
+        its bytes, still on the device, do not fit beside them."""
         plan = self._budget_plan
         i = len(self._sizes) - 1  # this copy's place in the forward
         if self._on_plan and plan is not None and i < len(plan[0]) and plan[0][i] == copy.nbytes:
             if i < plan[1]:  # the plan moves it: at once, as the forward goes
                 self._copy_out(t, copy)
+                self._within_budget()
                 return
         else:
             self._on_plan = False  # another shape: hold, and move the oldest as needed
@@ -361,7 +374,19 @@ class OffloadActivations(saved_tensors_hooks):
                 continue  # written in place since: its unpack reports it, as PyTorch would
             old.pending = None
             self._copy_out(held, old)
+        self._within_budget()
+
+    def _within_budget(self) -> None:
+        """Under a device budget, send the open group if its bytes (still on the device)
+        and the held and kept ones pass it. (Without one, what the plan keeps is only
+        what prefetch would bring back anyway: a group is sent when full.)"""
         total = self._held_bytes + self._kept_bytes
+        group = self._open()
+        if group is not None and self.device_budget is not None:
+            if total + group.used > self.device_budget:
+                self._send(group)
+            else:
+                total += group.used
         self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, total)
 
     def _keep(self, t: torch.Tensor) -> Any:
@@ -430,91 +455,131 @@ class OffloadActivations(saved_tensors_hooks):
     # -- copies -----------------------------------------------------------------------------
 
     def _copy_out(self, t: torch.Tensor, copy: _HostCopy) -> None:
-        """Copy ``copy``'s bytes of ``t``'s storage into a host block."""
-        device = copy.device
-        dst = copy.attach(self.pool)  # as the bytes are copied back
+        """Move ``copy``'s bytes of ``t``'s storage to the host: it joins the open group
+        (sent once full, or at ``__exit__``), or goes at once in a group of its own."""
+        # Until sent, the group holds what it reads: never t with its grad_fn (a saved
+        # output's is the node holding this copy, a cycle through C++; see _Kept). A
+        # detached tensor shares t's storage and version counter.
+        saved = t if t.grad_fn is None else t.detach()
         if copy.like is not None:
             # t is its whole storage: copied as it is, host side viewed to match (one op on
             # the device, where a byte view of the storage costs two more)
-            src = t
+            src = saved
         elif copy.dtype is t.dtype:  # the bytes, seen flat through t's dtype
             elem = t.element_size()
-            src = t.as_strided((copy.nbytes // elem,), (1,), copy.byte_start // elem)
+            src = saved.as_strided((copy.nbytes // elem,), (1,), copy.byte_start // elem)
         else:
-            src = _bytes_of(t.untyped_storage(), device, copy.byte_start, copy.nbytes)
-            dst = copy.block.view(copy.nbytes, torch.uint8)  # bytes, whatever the dtype
+            src = _bytes_of(t.untyped_storage(), copy.device, copy.byte_start, copy.nbytes)
         stats = self.stats
         stats.to_host += 1
         stats.to_host_bytes += copy.nbytes
-        if self._on_host:
-            dst.copy_(src)
+        group = self._open()
+        if group is not None and group.fits(copy):
+            group.add(copy, src, saved)
             return
+        if copy.nbytes >= self.batch_bytes:  # alone, at once; the open group stays open
+            group = _Group(copy.nbytes, copy.dtype, copy.device)
+            group.add(copy, src, saved)
+            self._send(group)
+            return
+        if group is not None:
+            self._send(group)  # full: off it goes
+        group = _Group(self.batch_bytes, copy.dtype, copy.device)
+        group.add(copy, src, saved)
+        # weakly: a graph dropped mid-forward frees its group, and the bytes it would send
+        self._open = weakref.ref(group)
+
+    def _send(self, group: _Group) -> None:
+        """Copy the group's bytes to a host block of their size, on the side stream where
+        there is one (after the compute stream, which made them), with one event for all."""
+        if self._open() is group:
+            self._open = _none
+        block, pairs = group.take_block(self.pool)
+        self.stats.groups += 1
+        if self._on_host:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return
+        device = group.device
+        module = self._device_module
         side = (self._side_streams.get(device) or self._side(device)) if self.use_streams else None
         if side is not None:
-            compute = self._device_module.current_stream(device)
-            side.wait_stream(compute)  # the activation is complete before we read it
-        with self._device_module.stream(side):  # stream(None): stay on the current one
-            dst.copy_(src, non_blocking=copy.block.pinned)
-            # the pool hands the block out again only once this copy has completed
-            event = self._device_module.current_stream(device).record_event()
-            copy.block.event = copy.written = event
-        if side is not None and copy.block.pinned and not self._window:
-            # Let go of at once (a device budget): the allocator must not hand this memory
-            # to anyone before the copy ran. In the window, `_let_go` decides at retirement.
-            src.record_stream(side)
+            side.wait_stream(module.current_stream(device))  # the activations are complete
+        with module.stream(side):  # stream(None): stay on the current one
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=block.pinned)
+            # the pool hands the block out again only once these copies have completed
+            block.event = group.written = module.current_stream(device).record_event()
+        if side is None or not block.pinned:
+            return  # on the current stream, or synchronous: nothing to keep
+        if self._window:
+            # The device tensors stay alive until their copies retire.
+            window = self._in_flight
+            for _, src in pairs:
+                window.append((src, group.written))
+            while len(window) > self.max_fwd_stash_size:  # the oldest retire
+                self._let_go(window.popleft(), done=False)
+        else:
+            # Let go of at once (a device budget, which counts them no more): the allocator
+            # must not hand this memory to anyone before the copies ran.
+            for _, src in pairs:
+                src.record_stream(side)
 
     def _restore(self, handle: _Offloaded) -> torch.Tensor:
-        """``handle``'s tensor on the device, viewing the storage this pass keeps for the
-        copy's handles, a live restored sibling, the prefetched one, or a new copy in.
+        """``handle``'s tensor on the device, viewing its group's device tensor: the one
+        this pass keeps, a live restored one, the prefetched one, or a new copy in.
 
         Runs for every unpacked handle: the pass's bookkeeping is written out here rather
-        than in helpers. In a pass (``task`` >= 0) the first unpack of a copy records its
-        place in the order; the restored tensor is kept (``copy.keep``) until the copy's
-        last handle has been unpacked."""
-        copy = handle.copy
+        than in helpers. In a pass (``task`` >= 0) the first unpack of a group records its
+        place in the order; the restored tensor is kept (``group.keep``) until the last
+        handle of the group's copies has been unpacked."""
+        group = handle.copy.group
+        if group is None:  # unreachable: a handle without a group is held on the device
+            raise RuntimeError("leakfree: an offloaded tensor has no host copy; please report this")
         task = _graph_task()
         with self._lock:
-            state = self._pass(task, copy) if task >= 0 else None
-            kept = copy.keep if copy.task == task else None
+            if group.block is None:  # needed before its forward ended: send it now
+                self._send(group)
+            state = self._pass(task, group) if task >= 0 else None
+            kept = group.keep if group.task == task else None
             if kept is not None:
-                dev = kept[0]
+                dev = kept
             else:
-                sibling = copy.live_restored() if copy.restored is not None else None
+                sibling = group.live_restored() if group.restored is not None else None
                 if sibling is not None:  # a sibling's, from another pass: maybe another stream
                     dev, event = sibling
                     if event is not None:
                         self._use_here(dev, event)
                 else:
-                    if copy.prefetched is not None:
-                        dev, event = copy.prefetched
-                        copy.prefetched = None
+                    if group.prefetched is not None:
+                        dev, event = group.prefetched
+                        group.prefetched = None
                         if state is not None:
-                            state.outstanding -= copy.nbytes
+                            state.outstanding -= group.used
                         self._device_module.current_stream(dev.device).wait_event(event)
                     else:
-                        dev, event = self._copy_in(copy)
+                        dev, event = self._copy_in(group)
                     # a later pass may find it alive (a double-backward graph keeps it)
-                    copy.restored = (weakref.ref(dev.untyped_storage()), event)
-                kept = (dev, None)  # what this pass's other handles use: already waited for
+                    group.restored = (weakref.ref(dev.untyped_storage()), event)
             if state is not None:
-                if copy.task != task:  # the first unpack of this copy in this pass
-                    copy.task = task
-                    copy.remaining = copy.users
-                    state.order.append((copy.seq, copy.nbytes))
-                    state.held.append(weakref.ref(copy))
+                if group.task != task:  # the first unpack of this group in this pass
+                    group.task = task
+                    group.remaining = group.users
+                    state.order.append((group.seq, group.used))
+                    state.held.append(weakref.ref(group))
                 if handle.task != task:
                     handle.task = task
-                    copy.remaining -= 1
-                copy.keep = kept if copy.remaining > 0 else None
+                    group.remaining -= 1
+                group.keep = dev if group.remaining > 0 else None
                 if state.plan and self.use_streams:
                     window = self.prefetch_bytes
                     if window is None:
                         window = state.window
                     if window:
-                        for ahead in _to_prefetch(state, copy, window):
+                        for ahead in _to_prefetch(state, group, window):
                             ahead.prefetched = self._copy_in(ahead, prefetch=True)
                             state.prefetched.append(weakref.ref(ahead))
-        return handle.view_of(dev)
+        return handle.restored_from(dev)
 
     def _note(self, copy: _HostCopy) -> None:
         """A copy held on the device was unpacked: its place in this pass's order (so the
@@ -527,8 +592,8 @@ class OffloadActivations(saved_tensors_hooks):
             copy.task = task
             state.order.append((copy.seq, copy.nbytes))
 
-    def _pass(self, task: int, first: _HostCopy) -> _Pass:
-        """The state of backward pass ``task`` (lock held); begun by its first unpack,
+    def _pass(self, task: int, first: _Group | _HostCopy) -> _Pass:
+        """The state of backward pass ``task`` (lock held); begun by its first unpack, of
         ``first``: it follows the order learned last time, and ends in a callback."""
         state = self._passes.get(task)
         if state is None:
@@ -544,49 +609,52 @@ class OffloadActivations(saved_tensors_hooks):
             if state is None:
                 return
             for ref in state.held:
-                copy = ref()
-                if copy is not None and copy.task == task:
-                    copy.keep = None
+                group = ref()
+                if group is not None and group.task == task:
+                    group.keep = None
             for ref in state.prefetched:
-                copy = ref()
-                if copy is not None and copy.prefetched is not None:
+                group = ref()
+                if group is not None and group.prefetched is not None:
                     # brought back and never used: free it, once the current stream (whose
                     # memory it is) waits for the copy writing it
-                    dev, event = copy.prefetched
+                    dev, event = group.prefetched
                     self._device_module.current_stream(dev.device).wait_event(event)
-                    copy.prefetched = None
+                    group.prefetched = None
             if state.order:
                 self._order = state.learned()
 
-    def _copy_in(self, copy: _HostCopy, *, prefetch: bool = False) -> tuple[torch.Tensor, Any]:
-        """Bring ``copy``'s bytes back: needed now, on the current stream (after the copy
+    def _copy_in(self, group: _Group, *, prefetch: bool = False) -> tuple[torch.Tensor, Any]:
+        """Bring ``group``'s bytes back: needed now, on the current stream (after the copies
         out); ahead of use, on the side stream, into memory of the current stream (the
         side waits for the current stream first, as that memory may be its own; the
-        consumer then waits for the copy's event: nothing to record on either stream)."""
-        host = copy.on_host()
+        consumer then waits for the copy's event: nothing to record on either stream).
+        """
+        host = group.on_host()
         if self._on_host:
             # the host bytes are already where the tensor lives, so restored tensors view
             # them (no copy back); the block then stays theirs and is never handed out again
-            copy.lent = True
+            group.lent = True
             return host, None
         stats = self.stats
         stats.to_device += 1
-        stats.to_device_bytes += copy.nbytes
+        stats.to_device_bytes += group.used
         module = self._device_module
-        current = module.current_stream(copy.device)
-        dev = torch.empty(host.shape, dtype=host.dtype, device=copy.device)
+        current = module.current_stream(group.device)
+        dev = torch.empty(host.shape, dtype=host.dtype, device=group.device)
+        pinned = group.block is not None and group.block.pinned
         if prefetch and self.use_streams:
-            side = self._side_streams.get(copy.device) or self._side(copy.device)
+            side = self._side_streams.get(group.device) or self._side(group.device)
             side.wait_stream(current)
             with module.stream(side):
-                dev.copy_(host, non_blocking=copy.block.pinned)
+                dev.copy_(host, non_blocking=pinned)
                 event = side.record_event()
         else:
-            if copy.written is not None:
-                current.wait_event(copy.written)
-            dev.copy_(host, non_blocking=copy.block.pinned)
+            if group.written is not None:
+                current.wait_event(group.written)
+            dev.copy_(host, non_blocking=pinned)
             event = current.record_event()
-        copy.block.event = event  # the host block is read until this completes
+        if group.block is not None:
+            group.block.event = event  # the host block is read until this completes
         return dev, event
 
     def _let_go(self, flight: Flight, *, done: bool) -> None:
@@ -594,12 +662,9 @@ class OffloadActivations(saved_tensors_hooks):
         ``event``. If the copy is done (``done``: the compute stream already waits for the
         side stream; or the event says so, the common case) the tensor is let go as it is;
         else ``record_stream`` makes the allocator wait for the side stream first."""
-        ref, t, event = flight
+        t, event = flight
         if not done and not event.query():
             t.record_stream(self._side(t.device))
-        handle = ref()
-        if handle is not None:
-            handle.in_flight = None
 
     def _use_here(self, dev: torch.Tensor, event: Any) -> None:
         """Make ``dev``, written on another stream up to ``event``, usable on the current
@@ -642,6 +707,9 @@ class OffloadActivations(saved_tensors_hooks):
             with self._lock:
                 self._depth -= 1
                 if self._depth == 0:
+                    group = self._open()  # a group holds one forward's copies
+                    if group is not None:
+                        self._send(group)
                     self._end_forward()
                     held = self._held_bytes + self._kept_bytes
                     self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, held)

@@ -108,18 +108,21 @@ class HostBlock:
         self.budget = budget  # the budget this block's bytes are reserved in, if any
         self.data = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
         self.event: Any = None
-        #: typed views of the first bytes, as host copies used them: a block is reused step
-        #: after step by a copy of the same size and dtype, so each is made once
-        self.views: dict[tuple[int, torch.dtype, Any], torch.Tensor] = {}
+        #: typed views of its bytes, as host copies used them: a block is reused step after
+        #: step by copies of the same sizes and dtypes, so each is made once
+        self.views: dict[tuple[int, int, torch.dtype, Any], torch.Tensor] = {}
 
-    def view(self, nbytes: int, dtype: torch.dtype, shape: Any = None) -> torch.Tensor:
-        """The first ``nbytes`` as a flat ``dtype`` tensor, or of ``shape`` (cached)."""
-        key = (nbytes, dtype, shape)
+    def view(
+        self, nbytes: int, dtype: torch.dtype, shape: Any = None, offset: int = 0
+    ) -> torch.Tensor:
+        """Bytes ``[offset, offset + nbytes)`` as a flat ``dtype`` tensor, or of ``shape``
+        (cached)."""
+        key = (offset, nbytes, dtype, shape)
         out = self.views.get(key)
         if out is None:
-            data = self.data if nbytes == self.size else self.data[:nbytes]
+            data = self.data if nbytes == self.size else self.data[offset : offset + nbytes]
             out = data.view(dtype) if shape is None else data.view(dtype).view(shape)
-            if len(self.views) >= 8:  # a block reused for many shapes: keep the newest
+            if len(self.views) >= 64:  # a block reused for many layouts: keep the newest
                 self.views.clear()
             self.views[key] = out
         return out

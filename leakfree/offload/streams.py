@@ -5,10 +5,12 @@ Everything here is plain Python over weak references, tested on CPU: it owns no 
 so dropping a graph is never delayed by it.
 
 Prefetch follows the order backward actually used: a pass records the order in which it
-first unpacked each copy (by creation number, with sizes); the next pass over a forward
-of the same shape (every recorded creation number, relative to the first, names a live
-copy of the same size) prefetches in that order, within a byte window. A pass with no
-matching record prefetches nothing: nothing is brought back that backward will not use.
+first unpacked each group of host copies, and each copy a device budget held (by the
+creation number of the copy, or of a group's first copy, with sizes); the next pass over
+a forward of the same shape (every recorded creation number, relative to the first,
+names a live group, or held copy, of the same size) prefetches its groups in that order,
+within a byte window. A pass with no matching record prefetches nothing: nothing is
+brought back that backward will not use.
 """
 
 from __future__ import annotations
@@ -20,15 +22,15 @@ from typing import Any
 
 import torch
 
-from leakfree.offload.handles import _HostCopy, _Offloaded
+from leakfree.offload.handles import _Group, _HostCopy
 
-#: one device-to-host copy in flight: its handle (weakly), the device tensor it reads
-#: (held here, so it outlives even a graph dropped mid-forward) and the copy's event
-Flight = tuple[weakref.ref[_Offloaded], torch.Tensor, Any]
+#: one device-to-host copy in flight: the device tensor it reads (held here, so it outlives
+#: even a graph dropped mid-forward) and the event of its group's copies
+Flight = tuple[torch.Tensor, Any]
 
 
 class _Copies:
-    """Every copy a manager made, weakly, by creation number (``copy.seq``); the dead
+    """Every host copy a manager made, weakly, by creation number (``copy.seq``); the dead
     prefix is dropped as it grows, so a long run stays cheap."""
 
     __slots__ = ("base", "refs")
@@ -54,13 +56,20 @@ class _Copies:
         return self.refs[i]() if 0 <= i < len(self.refs) else None
 
 
-#: the order one pass first unpacked its copies: (creation number relative to the first
-#: one unpacked, size in bytes), in unpack order
+#: the order one pass first unpacked its groups and held copies: (creation number relative
+#: to the first one unpacked, size in bytes), in unpack order
 Order = tuple[tuple[int, int], ...]
+
+#: what a pass unpacks: a group brought back, or a copy a device budget held
+Unit = _Group | _HostCopy
+
+
+def _size(unit: Unit) -> int:
+    return unit.used if isinstance(unit, _Group) else unit.nbytes
 
 
 class _Pass:
-    """One backward pass (one graph task) through a manager's copies."""
+    """One backward pass (one graph task) through a manager's groups of host copies."""
 
     __slots__ = (
         "held",
@@ -75,68 +84,72 @@ class _Pass:
 
     def __init__(self) -> None:
         self.order: list[tuple[int, int]] = []  # (seq, nbytes), in first-unpack order
-        self.held: list[weakref.ref[_HostCopy]] = []  # copies given a `keep` in this pass
-        self.prefetched: list[weakref.ref[_HostCopy]] = []
+        self.held: list[weakref.ref[_Group]] = []  # groups given a `keep` in this pass
+        self.prefetched: list[weakref.ref[_Group]] = []
         self.outstanding = 0  # bytes prefetched and not consumed yet
-        self.plan: list[weakref.ref[_HostCopy]] = []  # the learned order, as copies
+        self.plan: list[weakref.ref[Unit]] = []  # the learned order
         self.position: dict[int, int] = {}  # seq -> index in plan
         self.next = 0  # the first plan index not yet considered for prefetch
-        self.window = 0  # the default prefetch window: twice the plan's largest copy
+        self.window = 0  # the default prefetch window: twice the plan's largest group
 
     def learned(self) -> Order:
-        """This pass's order, relative to its first unpacked copy (empty if none)."""
+        """This pass's order, relative to its first unpacked unit (empty if none)."""
         if not self.order:
             return ()
         first = self.order[0][0]
         return tuple([(seq - first, nbytes) for seq, nbytes in self.order])
 
 
-def _follow(order: Order, first: _HostCopy, copies: _Copies, state: _Pass) -> None:
-    """Set ``state``'s plan from ``order`` if this pass's copies match it: ``first`` (the
-    first copy unpacked) stands where the recorded first one did, and every recorded copy
-    is alive with the recorded size."""
-    if not order or order[0][1] != first.nbytes:
+def _follow(order: Order, first: Unit, copies: _Copies, state: _Pass) -> None:
+    """Set ``state``'s plan from ``order`` if this pass's groups and held copies match it:
+    ``first`` (the first one unpacked) stands where the recorded first one did, and every
+    recorded one is alive with the recorded size (a group, named by its first copy)."""
+    if not order or order[0][1] != _size(first):
         return
     base = first.seq - order[0][0]  # the creation number of relative 0
-    plan: list[weakref.ref[_HostCopy]] = []
+    plan: list[weakref.ref[Unit]] = []
     largest = 0
     for rel, nbytes in order:
         copy = copies.at(base + rel)
-        if copy is None or copy.nbytes != nbytes:
+        if copy is None:
             return
-        plan.append(weakref.ref(copy))
+        group = copy.group
+        unit: Unit = copy if group is None else group
+        if (group is not None and group.seq != copy.seq) or _size(unit) != nbytes:
+            return
+        plan.append(weakref.ref(unit))
         largest = max(largest, nbytes)
     state.plan = plan
     state.position = {base + rel: i for i, (rel, _) in enumerate(order)}
     state.window = 2 * largest
 
 
-def _to_prefetch(state: _Pass, current: _HostCopy, window: int) -> list[_HostCopy]:
-    """The copies to bring back now, after ``current``: the next ones in the plan that are
-    on the host and not restored, prefetched or kept, while the bytes outstanding stay
-    within ``window`` (one at least, so a copy larger than the window still comes early).
-    Adds them to ``state.outstanding``."""
+def _to_prefetch(state: _Pass, current: _Group, window: int) -> list[_Group]:
+    """The groups to bring back now, after ``current``: the next ones in the plan that are
+    sent and not restored, prefetched or kept, while the bytes outstanding stay within
+    ``window`` (one at least, so a group larger than the window still comes early). Adds
+    them to ``state.outstanding``. Held copies in the plan are passed over."""
     i = state.position.get(current.seq)
     if i is None:
         return []
-    out: list[_HostCopy] = []
+    out: list[_Group] = []
     j = max(i + 1, state.next)
     plan = state.plan
     while j < len(plan):
-        copy = plan[j]()
+        group = plan[j]()
         if (
-            copy is None
-            or copy.block is None
-            or copy.prefetched is not None
-            or (copy.keep is not None and copy.task == current.task)
-            or (copy.restored is not None and copy.restored[0]() is not None)
+            not isinstance(group, _Group)
+            or group.block is None
+            or group.prefetched is not None
+            or (group.keep is not None and group.task == current.task)
+            or (group.restored is not None and group.restored[0]() is not None)
         ):
             j += 1
             continue
-        if state.outstanding and state.outstanding + copy.nbytes > window:
+        if state.outstanding and state.outstanding + group.used > window:
             break
-        state.outstanding += copy.nbytes
-        out.append(copy)
+        state.outstanding += group.used
+        out.append(group)
         j += 1
     state.next = j
     return out
