@@ -139,6 +139,7 @@ class _Group:
         "unsent",
         "used",
         "users",
+        "views",
         "written",
     )
 
@@ -150,8 +151,7 @@ class _Group:
         self.device = device
         self.used = 0  # bytes of the block its copies use, padding included
         #: the copies waiting to be sent (weakly: one whose graph died needs no bytes), with
-        #: the device tensors they read and the saved tensor's version counter (a
-        #: tensor sharing it, without grad_fn: see _Kept)
+        #: the device tensors they read and the saved tensor (for its version counter)
         self.unsent: list[tuple[weakref.ref[_HostCopy], torch.Tensor, torch.Tensor]] = []
         #: (dtype, shape) while its one copy is exactly these bytes (``_HostCopy.like``):
         #: it then comes back as that copy's tensor, which its handles of that geometry
@@ -171,6 +171,8 @@ class _Group:
         self.task = -1
         self.keep: torch.Tensor | None = None
         self.remaining = 0
+        #: the views of ``keep`` handed out in that pass, by geometry (dropped with it)
+        self.views: dict[Any, torch.Tensor] | None = None
 
     def fits(self, copy: _HostCopy) -> bool:
         """Whether ``copy`` may join: not sent, same dtype and device, room left."""
@@ -181,9 +183,15 @@ class _Group:
             and _aligned(self.used) + copy.nbytes <= self.capacity
         )
 
-    def add(self, copy: _HostCopy, src: torch.Tensor, saved: torch.Tensor) -> None:
-        """Place ``copy``, whose bytes ``src`` reads (``saved``: a tensor sharing the
-        version counter of the one saved), at the next aligned offset."""
+    def add(
+        self,
+        copy: _HostCopy,
+        ref: weakref.ref[_HostCopy],
+        src: torch.Tensor,
+        saved: torch.Tensor,
+    ) -> None:
+        """Place ``copy`` (``ref``: a weak reference to it), whose bytes ``src`` reads (of
+        ``saved``, the tensor saved), at the next aligned offset."""
         offset = _aligned(self.used)
         copy.group = self
         copy.offset = offset
@@ -192,7 +200,7 @@ class _Group:
         self.like = copy.like if offset == 0 else None
         self.used = offset + copy.nbytes
         self.users += copy.users
-        self.unsent.append((weakref.ref(copy), src, saved))
+        self.unsent.append((ref, src, saved))
 
     def take_block(
         self, pool: HostBlockPool
@@ -339,6 +347,7 @@ class _Offloaded:
         copy: _HostCopy,
         t: torch.Tensor,
         element_offset: int,
+        same: bool,
     ) -> None:
         # Weak, like the hooks: a graph keeps its payloads, never the context manager.
         self.manager = manager
@@ -350,16 +359,10 @@ class _Offloaded:
         self.dtype = t.dtype
         self.shape = t.shape
         self.stride = t.stride()
-        like = copy.like
-        #: the copy's tensor (``like``) is this handle's as it is: no view to make of the
-        #: held tensor, or of the restored one while the copy is alone in its group
-        self.same = (
-            like is not None
-            and like[0] is t.dtype
-            and like[1] == t.shape
-            and element_offset == 0
-            and t.is_contiguous()
-        )
+        #: the copy's tensor (``like``) is this handle's as it is (contiguous, from the
+        #: start, of its dtype and shape): no view to make of the held tensor, or of the
+        #: restored one while the copy is alone in its group
+        self.same = same
         self.version = t._version
         self.element_offset = element_offset  # storage offset within the copied bytes
         self.task = -1  # the backward pass that last unpacked it
@@ -380,15 +383,12 @@ class _Offloaded:
         if manager is not None:
             return manager._restore(self)
         # dropped while its graph lives on: a plain synchronous copy back
-        return self.restored_from(_restore_without_manager(copy.group))
-
-    def restored_from(self, base: torch.Tensor) -> torch.Tensor:
-        """This handle's tensor over ``base``, its group's tensor brought back."""
-        copy = self.copy
         group = copy.group
-        return self.view_of(base, copy.offset, self.same and group is not None and group.like)
+        base = _restore_without_manager(group)
+        alone = group is not None and group.like is not None  # as _restore decides
+        return self.view_of(base, copy.offset, self.same and alone)
 
-    def view_of(self, base: torch.Tensor, start: int, same: Any) -> torch.Tensor:
+    def view_of(self, base: torch.Tensor, start: int, same: bool) -> torch.Tensor:
         """This handle's tensor over ``base``, a device tensor whose storage holds the
         copy's bytes from byte ``start`` on (its place in the group restored; or
         ``byte_start``, held on the device): ``base`` itself when it is exactly the

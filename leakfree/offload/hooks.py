@@ -296,9 +296,11 @@ class OffloadActivations(saved_tensors_hooks):
             or t.is_quantized
             or t.is_conj()  # lazy bits
             or t.is_neg()
-            or isinstance(t._base, nn.Parameter)  # weight.t() and other parameter views
         ):
             return _Kept(t)  # stays where it is, as plain PyTorch would keep it
+        base = t._base  # (isinstance against Parameter runs Python: only for views)
+        if base is not None and isinstance(base, nn.Parameter):  # weight.t() and the like
+            return _Kept(t)
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in self._param_storages:
@@ -306,8 +308,9 @@ class OffloadActivations(saved_tensors_hooks):
         if self._keep_all:  # the plan moves nothing: kept as it is, its bytes counted
             return self._keep(t)
         elem = t.element_size()
-        if t.is_contiguous():  # the common case, without a walk over the strides
-            first = int(t.storage_offset())
+        first = int(t.storage_offset())
+        contiguous = t.is_contiguous()
+        if contiguous:  # the common case, without a walk over the strides
             end = first + t.numel()
         else:
             first, end = _span(t)
@@ -323,30 +326,41 @@ class OffloadActivations(saved_tensors_hooks):
                 copy = ref() if ref is not None else None
                 if copy is not None and (copy.source is None or copy.source() is None):
                     copy = None  # its storage died: the address was reused
+            same = False  # t is exactly the copy's bytes: see _Offloaded.same
             if copy is None:
                 copy = _HostCopy(
                     total if whole else span_bytes, 0 if whole else first * elem, t.device
                 )
                 copy.version = version
-                self._copies.add(copy)  # numbers it
+                ref = self._copies.add(copy)  # numbers it
                 if whole:
                     if total % elem == 0:
                         copy.dtype = t.dtype
-                        if first == 0 and t.nbytes == total and t.is_contiguous():
+                        if first == 0 and contiguous and span_bytes == total:
                             copy.like = (t.dtype, t.shape)
+                            same = True
                     copy.source = weakref.ref(storage)
-                    shared[(ptr, version)] = weakref.ref(copy)
+                    shared[(ptr, version)] = ref
                 self._sizes.append(copy.nbytes)  # this forward's copies, for the plan
                 if self._budget_plan is None and self.device_budget is None:
-                    self._copy_out(t, copy)  # a first forward with no budget: all move
+                    self._copy_out(t, copy, ref)  # a first forward with no budget: all move
                 else:
-                    self._budgeted(copy, t)
-            offset = int(t.storage_offset()) - copy.byte_start // elem
-            return _Offloaded(self._ref, copy, t, offset)  # type: ignore[arg-type]
+                    self._budgeted(copy, t, ref)
+            else:  # a copy made for an earlier save: is t exactly its bytes too?
+                like = copy.like
+                same = (
+                    like is not None
+                    and first == 0
+                    and contiguous
+                    and like[0] is t.dtype
+                    and like[1] == t.shape
+                )
+            offset = first - copy.byte_start // elem
+            return _Offloaded(self._ref, copy, t, offset, same)  # type: ignore[arg-type]
 
     # -- a device budget ------------------------------------------------------------------
 
-    def _budgeted(self, copy: _HostCopy, t: torch.Tensor) -> None:
+    def _budgeted(self, copy: _HostCopy, t: torch.Tensor, ref: weakref.ref[_HostCopy]) -> None:
         """Keep ``copy`` on the device or move it, as the plan says; then move the oldest
         held copies until the held bytes fit the budget again, and send the open group if
         its bytes, still on the device, do not fit beside them."""
@@ -354,26 +368,27 @@ class OffloadActivations(saved_tensors_hooks):
         i = len(self._sizes) - 1  # this copy's place in the forward
         if self._on_plan and plan is not None and i < len(plan[0]) and plan[0][i] == copy.nbytes:
             if i < plan[1]:  # the plan moves it: at once, as the forward goes
-                self._copy_out(t, copy)
-                self._within_budget()
+                self._copy_out(t, copy, ref)
+                if self.device_budget is not None:
+                    self._within_budget()
                 return
         else:
             self._on_plan = False  # another shape: hold, and move the oldest as needed
         copy.pending = t.detach()
-        self._held.append((weakref.ref(copy), copy.nbytes))
+        self._held.append((ref, copy.nbytes))
         self._held_bytes += copy.nbytes
         budget = self._budget() - self._kept_bytes
         while self._held_bytes > budget and self._held:
-            ref, nbytes = self._held.popleft()
+            old_ref, nbytes = self._held.popleft()
             self._held_bytes -= nbytes
-            old = ref()
+            old = old_ref()
             if old is None or old.pending is None:
                 continue
             held = old.pending
             if held._version != old.version:
                 continue  # written in place since: its unpack reports it, as PyTorch would
             old.pending = None
-            self._copy_out(held, old)
+            self._copy_out(held, old, old_ref)
         self._within_budget()
 
     def _within_budget(self) -> None:
@@ -454,20 +469,20 @@ class OffloadActivations(saved_tensors_hooks):
 
     # -- copies -----------------------------------------------------------------------------
 
-    def _copy_out(self, t: torch.Tensor, copy: _HostCopy) -> None:
-        """Move ``copy``'s bytes of ``t``'s storage to the host: it joins the open group
-        (sent once full, or at ``__exit__``), or goes at once in a group of its own."""
-        # Until sent, the group holds what it reads: never t with its grad_fn (a saved
-        # output's is the node holding this copy, a cycle through C++; see _Kept). A
-        # detached tensor shares t's storage and version counter.
-        saved = t if t.grad_fn is None else t.detach()
+    def _copy_out(self, t: torch.Tensor, copy: _HostCopy, ref: weakref.ref[_HostCopy]) -> None:
+        """Move ``copy`` (``ref``: a weak reference to it) of ``t``'s storage to the host:
+        it joins the open group (sent once full, or at ``__exit__``), or goes at once in a
+        group of its own."""
+        # Until sent, the group holds t as it is (a saved output's grad_fn then holds the
+        # group back, through this copy's handle: a cycle that sending breaks, at the
+        # latest at __exit__, which sends the open group).
         if copy.like is not None:
             # t is its whole storage: copied as it is, host side viewed to match (one op on
             # the device, where a byte view of the storage costs two more)
-            src = saved
+            src = t
         elif copy.dtype is t.dtype:  # the bytes, seen flat through t's dtype
             elem = t.element_size()
-            src = saved.as_strided((copy.nbytes // elem,), (1,), copy.byte_start // elem)
+            src = t.as_strided((copy.nbytes // elem,), (1,), copy.byte_start // elem)
         else:
             src = _bytes_of(t.untyped_storage(), copy.device, copy.byte_start, copy.nbytes)
         stats = self.stats
@@ -475,17 +490,17 @@ class OffloadActivations(saved_tensors_hooks):
         stats.to_host_bytes += copy.nbytes
         group = self._open()
         if group is not None and group.fits(copy):
-            group.add(copy, src, saved)
+            group.add(copy, ref, src, t)
             return
         if copy.nbytes >= self.batch_bytes:  # alone, at once; the open group stays open
             group = _Group(copy.nbytes, copy.dtype, copy.device)
-            group.add(copy, src, saved)
+            group.add(copy, ref, src, t)
             self._send(group)
             return
         if group is not None:
             self._send(group)  # full: off it goes
         group = _Group(self.batch_bytes, copy.dtype, copy.device)
-        group.add(copy, src, saved)
+        group.add(copy, ref, src, t)
         # weakly: a graph dropped mid-forward frees its group, and the bytes it would send
         self._open = weakref.ref(group)
 
@@ -496,29 +511,40 @@ class OffloadActivations(saved_tensors_hooks):
             self._open = _none
         block, pairs = group.take_block(self.pool)
         self.stats.groups += 1
-        if self._on_host:
-            for dst, src in pairs:
-                dst.copy_(src)
-            return
-        device = group.device
-        module = self._device_module
-        side = (self._side_streams.get(device) or self._side(device)) if self.use_streams else None
-        if side is not None:
-            side.wait_stream(module.current_stream(device))  # the activations are complete
-        with module.stream(side):  # stream(None): stay on the current one
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=block.pinned)
-            # the pool hands the block out again only once these copies have completed
-            block.event = group.written = module.current_stream(device).record_event()
+        # Outside the pack hook (a full group, __exit__) autograd would record a copy
+        # from t: grad mode off, as torch.no_grad() does, in two calls.
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            if self._on_host:
+                for dst, src in pairs:
+                    dst.copy_(src)
+                return
+            device = group.device
+            module = self._device_module
+            side = None
+            if self.use_streams:
+                side = self._side_streams.get(device) or self._side(device)
+            if side is not None:
+                side.wait_stream(module.current_stream(device))  # the activations are made
+            with module.stream(side):  # stream(None): stay on the current one
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=block.pinned)
+                # the pool hands the block out again only once these copies have completed
+                block.event = group.written = module.current_stream(device).record_event()
+        finally:
+            torch._C._set_grad_enabled(grad)
         if side is None or not block.pinned:
             return  # on the current stream, or synchronous: nothing to keep
         if self._window:
             # The device tensors stay alive until their copies retire.
             window = self._in_flight
+            event = group.written
             for _, src in pairs:
-                window.append((src, group.written))
-            while len(window) > self.max_fwd_stash_size:  # the oldest retire
-                self._let_go(window.popleft(), done=False)
+                window.append((src, event))
+            excess = len(window) - self.max_fwd_stash_size
+            if excess > 0:  # the oldest retire
+                self._let_go([window.popleft() for _ in range(excess)])
         else:
             # Let go of at once (a device budget, which counts them no more): the allocator
             # must not hand this memory to anyone before the copies ran.
@@ -532,15 +558,19 @@ class OffloadActivations(saved_tensors_hooks):
         Runs for every unpacked handle: the pass's bookkeeping is written out here rather
         than in helpers. In a pass (``task`` >= 0) the first unpack of a group records its
         place in the order; the restored tensor is kept (``group.keep``) until the last
-        handle of the group's copies has been unpacked."""
-        group = handle.copy.group
+        handle of the group's copies has been unpacked, and the groups the learned order
+        needs next are prefetched."""
+        copy = handle.copy
+        group = copy.group
         if group is None:  # unreachable: a handle without a group is held on the device
             raise RuntimeError("leakfree: an offloaded tensor has no host copy; please report this")
         task = _graph_task()
         with self._lock:
             if group.block is None:  # needed before its forward ended: send it now
                 self._send(group)
-            state = self._pass(task, group) if task >= 0 else None
+            state = None
+            if task >= 0:
+                state = self._passes.get(task) or self._pass(task, group)
             kept = group.keep if group.task == task else None
             if kept is not None:
                 dev = kept
@@ -564,22 +594,39 @@ class OffloadActivations(saved_tensors_hooks):
             if state is not None:
                 if group.task != task:  # the first unpack of this group in this pass
                     group.task = task
+                    group.views = None
                     group.remaining = group.users
                     state.order.append((group.seq, group.used))
                     state.held.append(weakref.ref(group))
+                    if state.plan and self.use_streams:  # what the order needs next
+                        window = self.prefetch_bytes
+                        if window is None:
+                            window = state.window
+                        if window:
+                            for ahead in _to_prefetch(state, group, window):
+                                ahead.prefetched = self._copy_in(ahead, prefetch=True)
+                                state.prefetched.append(weakref.ref(ahead))
                 if handle.task != task:
                     handle.task = task
                     group.remaining -= 1
-                group.keep = dev if group.remaining > 0 else None
-                if state.plan and self.use_streams:
-                    window = self.prefetch_bytes
-                    if window is None:
-                        window = state.window
-                    if window:
-                        for ahead in _to_prefetch(state, group, window):
-                            ahead.prefetched = self._copy_in(ahead, prefetch=True)
-                            state.prefetched.append(weakref.ref(ahead))
-        return handle.restored_from(dev)
+                if group.remaining > 0:
+                    group.keep = dev
+                else:
+                    group.keep = group.views = None
+            if handle.same and group.like is not None:  # the group's tensor is the handle's
+                return dev
+            if state is None or group.keep is None:
+                return handle.view_of(dev, copy.offset, False)
+            # One view per geometry while the pass keeps the group (the same tensor saved
+            # by several nodes: a view op, and its Python, for the first one only)
+            key = (copy.offset, handle.element_offset, handle.shape, handle.stride, handle.dtype)
+            views = group.views
+            if views is None:
+                views = group.views = {}
+            out = views.get(key)
+            if out is None:
+                out = views[key] = handle.view_of(dev, copy.offset, False)
+            return out
 
     def _note(self, copy: _HostCopy) -> None:
         """A copy held on the device was unpacked: its place in this pass's order (so the
@@ -611,7 +658,7 @@ class OffloadActivations(saved_tensors_hooks):
             for ref in state.held:
                 group = ref()
                 if group is not None and group.task == task:
-                    group.keep = None
+                    group.keep = group.views = None
             for ref in state.prefetched:
                 group = ref()
                 if group is not None and group.prefetched is not None:
@@ -657,14 +704,17 @@ class OffloadActivations(saved_tensors_hooks):
             group.block.event = event  # the host block is read until this completes
         return dev, event
 
-    def _let_go(self, flight: Flight, *, done: bool) -> None:
-        """End the in-flight window's hold of a device tensor whose copy out recorded
-        ``event``. If the copy is done (``done``: the compute stream already waits for the
-        side stream; or the event says so, the common case) the tensor is let go as it is;
-        else ``record_stream`` makes the allocator wait for the side stream first."""
-        t, event = flight
-        if not done and not event.query():
-            t.record_stream(self._side(t.device))
+    def _let_go(self, flights: list[Flight]) -> None:
+        """End the in-flight window's hold of device tensors whose copies out recorded
+        their events, before the compute stream waits for them. A tensor whose copy is
+        done (its event says so: the common case) is let go as it is; else
+        ``record_stream`` makes the allocator wait for the side stream first."""
+        seen, running = None, False  # the last event asked (a group's copies share one)
+        for t, event in flights:
+            if event is not seen:
+                seen, running = event, not event.query()
+            if running:
+                t.record_stream(self._side(t.device))
 
     def _use_here(self, dev: torch.Tensor, event: Any) -> None:
         """Make ``dev``, written on another stream up to ``event``, usable on the current
@@ -715,8 +765,7 @@ class OffloadActivations(saved_tensors_hooks):
                     self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, held)
                 for device, side in self._side_streams.items():
                     self._device_module.current_stream(device).wait_stream(side)
-                while self._in_flight:  # the compute streams now wait for the copies
-                    self._let_go(self._in_flight.popleft(), done=True)
+                self._in_flight.clear()  # the compute streams now wait for the copies
         finally:
             super().__exit__(*exc)
 

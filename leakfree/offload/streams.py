@@ -42,14 +42,17 @@ class _Copies:
     def next_seq(self) -> int:
         return self.base + len(self.refs)
 
-    def add(self, copy: _HostCopy) -> None:
-        """Number ``copy`` (``copy.seq``) and keep it, weakly."""
+    def add(self, copy: _HostCopy) -> weakref.ref[_HostCopy]:
+        """Number ``copy`` (``copy.seq``) and keep it, weakly; returns the weak reference
+        (the one a copy needs: it serves every other holder too)."""
         copy.seq = self.base + len(self.refs)
-        self.refs.append(weakref.ref(copy))
+        ref = weakref.ref(copy)
+        self.refs.append(ref)
         if len(self.refs) >= 4096 and self.refs[0]() is None:
             while self.refs and self.refs[0]() is None:
                 self.refs.popleft()
                 self.base += 1
+        return ref
 
     def at(self, seq: int) -> _HostCopy | None:
         i = seq - self.base
