@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import leakfree
 from leakfree.offload import OffloadWarning, offload_model, remove_offload_hooks
@@ -185,6 +186,96 @@ def test_in_place_write_before_its_group_is_sent_is_reported_as_pytorch_does() -
     assert torch.equal(x.grad, expected)
 
 
+def test_small_copies_share_a_group_and_a_large_one_goes_alone() -> None:
+    """Copies saved one after another share one host block, up to batch_bytes; a copy that
+    large goes at once in a group of its own, and the smalls around it still share theirs
+    (so small copies between large ones are not each given a block)."""
+    ctx = offload(min_offload_size=1, batch_bytes=4096)
+    w, wide = torch.randn(256, requires_grad=True), torch.randn(2048, requires_grad=True)
+    small = [torch.randn(256) for _ in range(3)]  # 1 KiB each
+    big = torch.randn(2048)  # 8 KiB: alone
+    with ctx:
+        losses = [(small[0] * w).sum(), (small[1] * w).sum()]  # mul saves small[i] only
+        losses.append((big * wide).sum())
+        assert ctx.stats.groups == 1  # the large copy went at once; the smalls wait
+        losses.append((small[2] * w).sum())
+    assert ctx.stats.groups == 2 and ctx.stats.to_host == 4
+    copies = [r() for r in ctx._copies.refs]
+    groups = [c.group for c in copies if c is not None]
+    assert groups[0] is groups[1] is groups[3] and groups[2] is not groups[0]
+    assert groups[2].used == big.nbytes and groups[0].used == 3 * 1024
+    assert ctx.pool.stats.in_use_bytes == _size_class(3 * 1024) + _size_class(big.nbytes)
+    del copies, groups
+    sum(losses).backward()
+    got = (w.grad, wide.grad)
+    w.grad = wide.grad = None
+    plain = [(small[0] * w).sum(), (small[1] * w).sum(), (big * wide).sum()]
+    sum([*plain, (small[2] * w).sum()]).backward()
+    assert torch.equal(got[0], w.grad) and torch.equal(got[1], wide.grad)
+    assert ctx.pool.stats.in_use_bytes == 0
+
+
+def test_a_group_dropped_before_it_is_sent_copies_nothing(no_gc: None) -> None:
+    """A graph dropped inside the block takes its open group with it: nothing is sent and
+    no host block is taken. A saved output (sigmoid's) holds its group through its
+    grad_fn until the group is sent: __exit__ sends it, and everything is freed then."""
+    ctx = offload(min_offload_size=1)
+    x = torch.randn(256, requires_grad=True)
+    with ctx:
+        e = (x * 2.0).exp()  # exp saves its output: a cycle through its grad_fn
+        out_storage = StorageWeakRef(e.untyped_storage())
+        loss = e.sum()
+        del e, loss
+        assert ctx.stats.groups == 0 and not out_storage.expired()  # held by the cycle
+    assert ctx.stats.groups == 1 and out_storage.expired()  # sent, and the cycle broken
+    assert ctx.pool.stats.in_use_bytes == 0
+    with ctx:
+        loss = (x * 2.0).sum() * x.sum()  # mul saves inputs only: no cycle
+        del loss
+    assert ctx.stats.groups == 1 and ctx.pool.stats.allocations == 1  # nothing new
+
+
+def test_backward_inside_the_block_sends_the_open_group_first() -> None:
+    """A backward before the forward's with-block ends (the open group not sent yet):
+    the group is sent, then brought back; the forward then goes on in a new group."""
+    model, x = make()
+    ctx = offload()
+    with ctx:
+        model(x).square().mean().backward()
+        assert ctx.stats.groups >= 1
+        sent = ctx.stats.groups
+        loss = model(x).square().mean()
+    loss.backward()
+    assert ctx.stats.groups > sent
+    assert_equal_grads(grads(model), reference_grads(passes=2))
+
+
+def test_a_tensor_saved_by_several_nodes_gets_one_view_per_pass() -> None:
+    """While a pass keeps a group, a geometry asked for again (one tensor saved by two
+    nodes) gets the view made the first time: one view op, not one per node."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Views(TorchDispatchMode):
+        made = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):  # type: ignore[no-untyped-def]
+            Views.made += func is torch.ops.aten.as_strided.default
+            return func(*args, **(kwargs or {}))
+
+    ctx = offload(min_offload_size=1)
+    w = torch.randn(64, requires_grad=True)
+    a, b = torch.randn(64), torch.randn(64)
+    with ctx:  # a and b in one group: each comes back as a view of it
+        loss = (a * w).sum() + (a * w * 2.0).sum() + (b * w).sum()  # a saved twice
+    assert ctx.stats.to_host == 2 and ctx.stats.groups == 1
+    with Views():
+        loss.backward()
+    assert Views.made == 2  # a's view, once; b's
+    got, w.grad = w.grad, None
+    ((a * w).sum() + (a * w * 2.0).sum() + (b * w).sum()).backward()
+    assert torch.equal(got, w.grad)
+
+
 # --- lifetimes: the graph owns everything -----------------------------------------------------
 
 
@@ -338,6 +429,8 @@ def test_no_accelerator_no_option_is_a_noop() -> None:
         ({"prefetch_bytes": 2.0}, "prefetch_bytes=2.0"),
         ({"device_budget": -1}, "device_budget=-1"),
         ({"device_budget": "1GB"}, "device_budget='1GB'"),
+        ({"batch_bytes": -1}, "batch_bytes=-1"),
+        ({"batch_bytes": None}, "batch_bytes=None"),
         ({"min_offload_size": -1}, "min_offload_size=-1"),
         ({"device": "cpu"}, "force_host_copy=True"),
         ({"pin_memory_budget": -5, "force_host_copy": True}, "budget=-5"),

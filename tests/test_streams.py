@@ -361,6 +361,81 @@ def test_prefetch_bytes_zero_copies_back_only_on_demand(
     assert_equal_grads(sim_grads(model), [p.grad for p in ref.parameters()])
 
 
+def _group_sizes(ctx: Any) -> list[int]:
+    """The bytes each live group of ``ctx``'s copies holds."""
+    groups = {}
+    for ref in ctx._copies.refs:
+        copy = ref()
+        if copy is not None and copy.group is not None:
+            groups[id(copy.group)] = copy.group.used
+    return list(groups.values())
+
+
+@pytest.mark.parametrize("batch_bytes", [0, 64 * 1024, 256 * 1024])
+def test_small_copies_go_out_and_come_back_in_groups(
+    sim: Any, monkeypatch: pytest.MonkeyPatch, batch_bytes: int
+) -> None:
+    """Each copy out is one copy on the side stream into its group's block; each group
+    comes back in one copy to one device allocation, prefetched or not; a block is the
+    size class of what its group holds. 0: every copy is a group of its own."""
+    model, x = deep().to("sim"), torch.randn(32, 64, device="sim")  # 8 KiB activations
+    ctx = offload(batch_bytes=batch_bytes)
+    _, prefetched = _watch_prefetch(ctx, monkeypatch)
+    # the third backward prefetches, whole groups (the second follows the order the first
+    # used only if the plan made after the first forward left its groups as they were)
+    for step in range(3):
+        model.zero_grad()
+        sim.reset_copies()
+        before = dataclasses.replace(ctx.stats)
+        with ctx:
+            loss = model(x).square().mean()
+        out, groups = ctx.stats.to_host - before.to_host, ctx.stats.groups - before.groups
+        assert sum(map(_size_class, _group_sizes(ctx))) == ctx.pool.stats.in_use_bytes
+        assert sim.copies["to_host"] == out > 0
+        if batch_bytes == 0:
+            assert groups == out
+        else:  # as few as fit: every group but the last is too full for the next copy
+            assert groups == -(-out * 8 * 1024 // batch_bytes) < out
+        loss.backward()
+        assert sim.copies["to_device"] == ctx.stats.to_device - before.to_device == groups
+        if step == 2:
+            assert bool(prefetched) == (groups > 1)
+        assert set(prefetched) <= set(_group_sizes(ctx)) | {batch_bytes, 8 * 1024}
+        ref = deep()
+        ref(x.cpu()).square().mean().backward()
+        assert_equal_grads(sim_grads(model), [p.grad for p in ref.parameters()])
+    assert ctx.pool.stats.in_use_bytes == 0
+
+
+def test_a_group_leaves_the_device_when_its_last_handle_is_unpacked(sim: Any) -> None:
+    """Within a pass, a group's device tensor (and the views of it handed out) is let go
+    as soon as the last handle of its copies has been unpacked, not when the pass ends:
+    when the input's gradient is reached, every group has been used for the last time."""
+    model = deep(depth=6).to("sim")
+    x = torch.randn(32, 64, device="sim", requires_grad=True)
+    ctx = offload(batch_bytes=24 * 1024)  # three 8 KiB copies a group
+    with ctx:
+        loss = model(x).square().mean()
+    groups = {id(c.group): c.group for c in (r() for r in ctx._copies.refs) if c and c.group}
+    assert len(groups) >= 3
+    alive: list[int] = []
+
+    def at_the_input(grad: torch.Tensor) -> None:  # still inside the pass
+        alive.extend(
+            i for i, g in enumerate(groups.values()) if g.keep is not None or g.views
+        )
+        alive.extend(
+            100 + i
+            for i, g in enumerate(groups.values())
+            if g.restored is not None and g.restored[0]() is not None
+        )
+
+    x.register_hook(at_the_input)
+    loss.backward()
+    assert alive == []
+    assert ctx.stats.to_device == len(groups)
+
+
 class Views(nn.Module):
     """Saved views of one storage needed by several backward nodes, at different times (a
     fused projection split into q, k, v, as attention does)."""
@@ -377,9 +452,7 @@ class Views(nn.Module):
 
 
 @pytest.mark.parametrize("batch_bytes", [0, 256 << 10], ids=["alone", "grouped"])
-def test_views_needed_by_several_nodes_come_back_once_per_pass(
-    sim: Any, batch_bytes: int
-) -> None:
+def test_views_needed_by_several_nodes_come_back_once_per_pass(sim: Any, batch_bytes: int) -> None:
     """Each group of copies comes back at most once per backward pass: its restored
     storage is kept until the last node that needs it has unpacked it (before, the first
     node's restored copy died with its saved tensors and the next node copied the bytes
@@ -612,9 +685,11 @@ def test_a_partial_pass_frees_what_it_kept_when_it_ends(sim: Any) -> None:
         inner = q * k  # saves q and k: views of the qkv storage
         loss = (model.out(inner + v.sin()) * q.cos()).square().mean()
     torch.autograd.grad(inner.sum(), x, retain_graph=True)  # reaches mul only, not sin/cos
-    groups = {id(c.group): c.group for r in ctx._copies.refs if (c := r()) and c.group}
-    assert groups  # the qkv storage's group, at least
-    kept = [g for g in groups.values() if g.keep is not None]
+    copies = [r() for r in ctx._copies.refs]
+    kept = [c.group.keep for c in copies if c is not None and c.group is not None]
+    assert kept  # the qkv storage's group, at least
+    kept = [k for k in kept if k is not None]
+    del copies
     assert kept == []  # the pass ended: its keep is gone, though sin and cos never ran
     assert not ctx._passes
     loss.backward()

@@ -594,7 +594,6 @@ class OffloadActivations(saved_tensors_hooks):
             if state is not None:
                 if group.task != task:  # the first unpack of this group in this pass
                     group.task = task
-                    group.views = None
                     group.remaining = group.users
                     state.order.append((group.seq, group.used))
                     state.held.append(weakref.ref(group))
@@ -609,20 +608,22 @@ class OffloadActivations(saved_tensors_hooks):
                 if handle.task != task:
                     handle.task = task
                     group.remaining -= 1
+                # One view per geometry while the pass keeps the group (a tensor saved by
+                # several nodes: a view op, and its Python, for the first one only)
+                views = group.views
                 if group.remaining > 0:
                     group.keep = dev
-                else:
+                    if views is None:
+                        views = group.views = {}
+                else:  # its last handle: what it kept goes (after this last look)
                     group.keep = group.views = None
+            else:
+                views = None
             if handle.same and group.like is not None:  # the group's tensor is the handle's
                 return dev
-            if state is None or group.keep is None:
-                return handle.view_of(dev, copy.offset, False)
-            # One view per geometry while the pass keeps the group (the same tensor saved
-            # by several nodes: a view op, and its Python, for the first one only)
-            key = (copy.offset, handle.element_offset, handle.shape, handle.stride, handle.dtype)
-            views = group.views
             if views is None:
-                views = group.views = {}
+                return handle.view_of(dev, copy.offset, False)
+            key = (copy.offset, handle.element_offset, handle.shape, handle.stride, handle.dtype)
             out = views.get(key)
             if out is None:
                 out = views[key] = handle.view_of(dev, copy.offset, False)
