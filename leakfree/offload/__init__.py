@@ -4,7 +4,8 @@
 forward and brings them back in backward, optionally on a side stream. It is a drop-in for
 TRL's / torchtune's class of the same name (same constructor, ``update_model_params``),
 built the other way round: the pack hook returns a handle object, and that handle owns
-the host copy. The autograd graph owns the handle. So:
+the host copy (and, through it, the group of copies whose host block holds its bytes).
+The autograd graph owns the handle. So:
 
 * a graph that is dropped without backward frees its payloads with it;
 * two forwards under separate ``with`` blocks, then one backward, just work (nothing is
@@ -18,17 +19,18 @@ Lifetime contract
 -----------------
 *A handle* lives exactly as long as autograd keeps the saved tensor: until the node's
 backward has run in a pass that does not keep the graph, or until the graph is dropped.
-Its host block returns to the pool then.
-*The device tensor* of an offloaded activation is kept, by the in-flight window, only
-while its device-to-host copy is in flight: at most ``max_fwd_stash_size`` of them per
-context, and none after ``__exit__``. One a device budget keeps on the device is held by
-its host copy (detached) until its handles die or the budget moves it.
-*A restored (device) copy* belongs to autograd, which drops it after the node's backward;
-the host copy keeps it for the copy's other handles until the last is unpacked in that
-backward pass, or the pass ends; one a sibling restored earlier and that is still alive
-is shared.
-*What a graph keeps*: its handles and their host copies (the pool blocks holding its
-bytes). Never the context manager nor its pool: both are
+Its group's host block returns to the pool when the last copy of the group has died.
+*The device tensor* of an offloaded activation is kept by its group until the group is
+sent (full, needed by a backward, or at ``__exit__``), then by the in-flight window while
+its copy is in flight: at most ``max_fwd_stash_size`` of them per context, and none after
+``__exit__``. One a device budget keeps on the device is held by its host copy (detached)
+until its handles die or the budget moves it.
+*A restored (device) group* belongs to autograd (the views unpacked from it), which drops
+them after the nodes' backward; the group keeps it for its other handles until the last is
+unpacked in that backward pass, or the pass ends; one a sibling restored earlier and that
+is still alive is shared.
+*What a graph keeps*: its handles, their host copies and groups (the pool blocks holding
+its bytes). Never the context manager nor its pool: both are
 referenced weakly. Drop the manager while a graph lives and that graph's backward still
 restores its bytes (a synchronous copy, without prefetch); the blocks are freed rather
 than returned to a pool that is gone.
@@ -36,7 +38,7 @@ than returned to a pool that is gone.
 Layout
 ------
 ``hooks`` (the context managers and the copies they make), ``handles`` (what the graph
-owns: handles, host copies, pack order and dedup map), ``pool`` (host blocks and their
+owns: handles, host copies, their groups, and the dedup map), ``pool`` (host blocks and their
 budget), ``streams`` (in-flight window, prefetch), ``models`` (``offload_model`` and head
 discovery). Imports go one way: hooks -> streams -> handles -> pool.
 """

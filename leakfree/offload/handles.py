@@ -1,11 +1,12 @@
-"""What the graph owns: the handles the pack hook returns, the host copies they share, and
-their ``with`` block's pack order.
+"""What the graph owns: the handles the pack hook returns, the host copies they share, the
+groups those travel in, and their ``with`` block's dedup map.
 
 The pack hook returns a handle (:class:`_Offloaded`, or :class:`_Kept` for what stays on
-the device); the graph owns it, and it owns everything else: its :class:`_HostCopy` (a pool
-block holding the bytes, returned when the last handle using it dies) and its
-:class:`_Session` (the pack order and dedup map, held weakly). Nothing here refers to the
-context manager strongly; see :mod:`leakfree.offload` for the lifetime contract.
+the device); the graph owns it, and it owns everything else: its :class:`_HostCopy` (the
+bytes of one storage), whose :class:`_Group` holds a pool block with the bytes of the
+copies saved one after another (returned when the last of them dies). The
+:class:`_Session` (the dedup map) holds copies weakly. Nothing here refers to the context
+manager strongly; see :mod:`leakfree.offload` for the lifetime contract.
 """
 
 from __future__ import annotations

@@ -109,13 +109,15 @@ class OffloadActivations(saved_tensors_hooks):
         use_streams: on an accelerator, copy on a side stream that overlaps with compute:
             device-to-host in forward, host-to-device prefetch in backward.
         min_offload_size: tensors smaller than this many bytes stay where they are.
-        max_fwd_stash_size: how many device-to-host copies may be in flight at once (their
-            device tensors are kept alive until then), as TRL's. At least 1. Without a
-            ``device_budget`` only: under one, a moved tensor is let go as soon as its copy
-            is issued (``record_stream`` keeps its memory safe), so the budget holds.
+        max_fwd_stash_size: how many device-to-host copies may be in flight at once after
+            their group is sent (their device tensors are kept alive until then), as TRL's.
+            At least 1. (A group not sent yet holds its copies' tensors too: at most
+            ``batch_bytes``.) Without a ``device_budget`` only: under one, a moved tensor is
+            let go as soon as its copy is issued (``record_stream`` keeps its memory safe),
+            and a group waiting to be sent counts against the budget.
         prefetch_bytes: how many bytes backward may have brought back ahead of their use
-            (with ``use_streams``; at least one copy). Default (None): twice the largest
-            copy the pass will bring back, so about two copies ahead. Backward prefetches
+            (with ``use_streams``; at least one group). Default (None): twice the largest
+            group the pass will bring back, so about two groups ahead. Backward prefetches
             in the order the previous backward of the same shape used, so only what it will
             use; the first one copies on demand. 0 turns prefetch off.
         batch_bytes: copies out smaller than this share a host block with the ones saved
@@ -144,9 +146,12 @@ class OffloadActivations(saved_tensors_hooks):
             whole process, a quarter of RAM, shared by every manager that does not set
             its own (``leakfree.offload.pool.PROCESS_BUDGET``).
 
-    In one backward pass each host copy comes back to the device at most once: the
-    restored storage is kept until the last handle that uses it (views of one storage
-    saved by several nodes) has been unpacked, and let go when the pass ends at the latest.
+    Copies out travel in groups (``batch_bytes``): a group is sent to one host block when
+    it is full, when backward needs it, or at ``__exit__``, and comes back in one copy. In
+    one backward pass each group comes back to the device at most once: its restored
+    tensor is kept until the last handle of its copies (views of one storage saved by
+    several nodes among them) has been unpacked, and let go when the pass ends at the
+    latest.
 
     Parameters, views of parameters, what ``update_model_params`` registered (matched by
     storage address: call it again after moving the model), tensor subclasses, non-strided
@@ -156,8 +161,9 @@ class OffloadActivations(saved_tensors_hooks):
     gradients are bit-identical. In-place changes to a saved tensor are reported as PyTorch
     reports them while the tensor is still on the device (kept, or its copy in flight).
 
-    ``__exit__`` makes each compute stream wait for its side stream and drops every device
-    tensor kept for an in-flight copy, in ``finally``, so the hooks are always popped.
+    ``__exit__`` sends the open group, makes each compute stream wait for its side stream
+    and drops every device tensor kept for an in-flight copy; the hooks are popped in
+    ``finally``, always.
     """
 
     def __init__(
