@@ -7,6 +7,7 @@ an accelerator, or on the test suite's simulated one (``tests/simdev``) without 
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
@@ -79,6 +80,14 @@ def offload(**kw: Any) -> leakfree.OffloadActivations:
     kw.setdefault("force_host_copy", True)
     kw.setdefault("min_offload_size", 256)
     return leakfree.OffloadActivations(**kw)
+
+
+def grouping(ctx: leakfree.OffloadActivations) -> leakfree.OffloadActivations:
+    """``ctx`` as after a first forward that moved enough for groups of ``batch_bytes``
+    (a first forward sends every copy alone; then a group holds at most an eighth of what
+    a forward moved, which the few bytes of a unit test would make nothing)."""
+    ctx._capacity = ctx.batch_bytes
+    return ctx
 
 
 # --- offloading really happens, and gradients are bit-identical -------------------------------
@@ -176,7 +185,7 @@ def test_in_place_write_before_its_group_is_sent_is_reported_as_pytorch_does() -
         plain[0].backward()
     plain[1].backward()
     expected, x.grad = x.grad, None
-    ctx = offload(min_offload_size=1)
+    ctx = grouping(offload(min_offload_size=1))
     with ctx:
         graphs = run()
     assert ctx.stats.to_host == 2 and ctx.pool.stats.allocations == 1  # one group, sent once
@@ -190,7 +199,7 @@ def test_small_copies_share_a_group_and_a_large_one_goes_alone() -> None:
     """Copies saved one after another share one host block, up to batch_bytes; a copy that
     large goes at once in a group of its own, and the smalls around it still share theirs
     (so small copies between large ones are not each given a block)."""
-    ctx = offload(min_offload_size=1, batch_bytes=4096)
+    ctx = grouping(offload(min_offload_size=1, batch_bytes=4096))
     w, wide = torch.randn(256, requires_grad=True), torch.randn(2048, requires_grad=True)
     small = [torch.randn(256) for _ in range(3)]  # 1 KiB each
     big = torch.randn(2048)  # 8 KiB: alone
@@ -215,11 +224,36 @@ def test_small_copies_share_a_group_and_a_large_one_goes_alone() -> None:
     assert ctx.pool.stats.in_use_bytes == 0
 
 
+def test_groups_hold_at_most_an_eighth_of_what_a_forward_moves() -> None:
+    """A first forward sends every copy alone (nothing says yet how much a forward moves);
+    after it, a group holds up to batch_bytes, at most an eighth of what the last planned
+    forward moved: a group is on the device twice (until sent, and in backward until its
+    last use), so grouping adds at most about that much to the device peak."""
+    model, x = make()  # activations of 4 KiB
+    ctx = offload()
+    ctx.update_model_params(model)
+    for step in range(2):
+        before, capacity = dataclasses.replace(ctx.stats), ctx._capacity
+        with ctx:
+            loss = model(x).square().mean()
+        copies, groups = ctx.stats.to_host - before.to_host, ctx.stats.groups - before.groups
+        sizes = [c.group.used for c in (r() for r in ctx._copies.refs) if c and c.group]
+        if step == 0:
+            assert capacity == 0 and groups == copies
+        else:
+            plan = ctx.plan
+            assert plan is not None and 0 < capacity == plan.moved_bytes // 8
+            assert capacity < ctx.batch_bytes  # the small model's eighth decides
+            assert groups < copies and max(sizes) <= capacity
+        loss.backward()
+    assert_equal_grads(grads(model), reference_grads(passes=2))
+
+
 def test_a_group_dropped_before_it_is_sent_copies_nothing(no_gc: None) -> None:
     """A graph dropped inside the block takes its open group with it: nothing is sent and
     no host block is taken. A saved output (sigmoid's) holds its group through its
     grad_fn until the group is sent: __exit__ sends it, and everything is freed then."""
-    ctx = offload(min_offload_size=1)
+    ctx = grouping(offload(min_offload_size=1))
     x = torch.randn(256, requires_grad=True)
     with ctx:
         e = (x * 2.0).exp()  # exp saves its output: a cycle through its grad_fn
@@ -262,7 +296,7 @@ def test_a_tensor_saved_by_several_nodes_gets_one_view_per_pass() -> None:
             Views.made += func is torch.ops.aten.as_strided.default
             return func(*args, **(kwargs or {}))
 
-    ctx = offload(min_offload_size=1)
+    ctx = grouping(offload(min_offload_size=1))
     w = torch.randn(64, requires_grad=True)
     a, b = torch.randn(64), torch.randn(64)
     with ctx:  # a and b in one group: each comes back as a view of it

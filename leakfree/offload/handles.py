@@ -129,6 +129,7 @@ class _Group:
         "device",
         "dtype",
         "keep",
+        "largest",
         "lent",
         "like",
         "pool",
@@ -151,6 +152,7 @@ class _Group:
         self.dtype = dtype
         self.device = device
         self.used = 0  # bytes of the block its copies use, padding included
+        self.largest = 0  # its largest copy's bytes
         #: the copies waiting to be sent (weakly: one whose graph died needs no bytes), with
         #: the device tensors they read and the saved tensor (for its version counter)
         self.unsent: list[tuple[weakref.ref[_HostCopy], torch.Tensor, torch.Tensor]] = []
@@ -200,6 +202,7 @@ class _Group:
             self.seq = copy.seq
         self.like = copy.like if offset == 0 else None
         self.used = offset + copy.nbytes
+        self.largest = max(self.largest, copy.nbytes)
         self.users += copy.users
         self.unsent.append((ref, src, saved))
 

@@ -72,6 +72,10 @@ def _end_pass(manager_ref: weakref.ref[OffloadActivations], task: int) -> None:
         manager._end_pass(task)
 
 
+#: a group holds at most this fraction (1 / _GROUP_SHARE) of the bytes a forward moves
+_GROUP_SHARE = 8
+
+
 def _none() -> None:
     return None
 
@@ -117,15 +121,18 @@ class OffloadActivations(saved_tensors_hooks):
             and a group waiting to be sent counts against the budget.
         prefetch_bytes: how many bytes backward may have brought back ahead of their use
             (with ``use_streams``; at least one group). Default (None): twice the largest
-            group the pass will bring back, so about two groups ahead. Backward prefetches
-            in the order the previous backward of the same shape used, so only what it will
-            use; the first one copies on demand. 0 turns prefetch off.
+            copy the pass will bring back, so about two copies ahead, in whole groups.
+            Backward prefetches in the order the previous backward of the same shape used,
+            so only what it will use; the first one copies on demand. 0 turns prefetch off.
         batch_bytes: copies out smaller than this share a host block with the ones saved
             just before and after them, up to this many bytes, and come back to the device
             with them in one transfer (one device allocation, one prefetch): small copies
             cost more in fixed overhead than in bytes. A copy this large or larger goes
-            alone; 0 sends every copy alone. Backward holds a group on the device from its
-            first use to its last, so this also bounds what that costs. Default 256 KiB.
+            alone; 0 sends every copy alone. A group is on the device until it is sent and
+            again in backward from its first use to its last, so a group also holds at most
+            an eighth of what the previous forward moved (the first forward sends every
+            copy alone): grouping adds at most about that to the device peak. Default
+            256 KiB.
         device_budget: bytes of saved activations to keep on the device (None: move
             every one). The ones backward needs first (the last saved) stay, within the
             budget; the earlier ones move. The first forward holds its saved tensors and
@@ -218,6 +225,9 @@ class OffloadActivations(saved_tensors_hooks):
         self.prefetch_bytes = prefetch_bytes
         self.device_budget = device_budget
         self.batch_bytes = batch_bytes
+        #: what a group may hold: batch_bytes, at most an eighth of what the last planned
+        #: forward moved; 0 (every copy alone) until a forward has been planned
+        self._capacity = 0
         #: whether moved tensors stay on the device while their copies are in flight
         self._window = self.use_streams and device_budget is None
         self._device_type = target.type if target is not None else None  # for the pack hook
@@ -453,8 +463,13 @@ class OffloadActivations(saved_tensors_hooks):
         plan = self._budget_plan
         if plan is not None and tuple(sizes) == plan[0]:
             return
-        self._budget_plan = (tuple(sizes), _plan(sizes, self._budget(sizes)))
+        moved = _plan(sizes, self._budget(sizes))
+        self._budget_plan = (tuple(sizes), moved)
         self._replans += 1
+        # A group is on the device twice (waiting to be sent, and brought back until its
+        # last use): bounded by an eighth of what a forward moves, grouping adds at most
+        # about that to the device peak, however small the model.
+        self._capacity = min(self.batch_bytes, sum(sizes[:moved]) // _GROUP_SHARE)
 
     @property
     def plan(self) -> OffloadPlan | None:
@@ -498,14 +513,15 @@ class OffloadActivations(saved_tensors_hooks):
         if group is not None and group.fits(copy):
             group.add(copy, ref, src, t)
             return
-        if copy.nbytes >= self.batch_bytes:  # alone, at once; the open group stays open
+        capacity = self._capacity
+        if copy.nbytes >= capacity:  # alone, at once; the open group stays open
             group = _Group(copy.nbytes, copy.dtype, copy.device)
             group.add(copy, ref, src, t)
             self._send(group)
             return
         if group is not None:
             self._send(group)  # full: off it goes
-        group = _Group(self.batch_bytes, copy.dtype, copy.device)
+        group = _Group(capacity, copy.dtype, copy.device)
         group.add(copy, ref, src, t)
         # weakly: a graph dropped mid-forward frees its group, and the bytes it would send
         self._open = weakref.ref(group)

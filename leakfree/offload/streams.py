@@ -93,7 +93,9 @@ class _Pass:
         self.plan: list[weakref.ref[Unit]] = []  # the learned order
         self.position: dict[int, int] = {}  # seq -> index in plan
         self.next = 0  # the first plan index not yet considered for prefetch
-        self.window = 0  # the default prefetch window: twice the plan's largest group
+        #: the default prefetch window: twice the plan's largest copy (so about two copies
+        #: ahead, as many as fit in whole groups; one group at least)
+        self.window = 0
 
     def learned(self) -> Order:
         """This pass's order, relative to its first unpacked unit (empty if none)."""
@@ -121,7 +123,7 @@ def _follow(order: Order, first: Unit, copies: _Copies, state: _Pass) -> None:
         if (group is not None and group.seq != copy.seq) or _size(unit) != nbytes:
             return
         plan.append(weakref.ref(unit))
-        largest = max(largest, nbytes)
+        largest = max(largest, unit.largest if isinstance(unit, _Group) else nbytes)
     state.plan = plan
     state.position = {base + rel: i for i, (rel, _) in enumerate(order)}
     state.window = 2 * largest
