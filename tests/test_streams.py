@@ -427,9 +427,7 @@ def test_a_group_leaves_the_device_when_its_last_handle_is_unpacked(sim: Any) ->
     alive: list[int] = []
 
     def at_the_input(grad: torch.Tensor) -> None:  # still inside the pass
-        alive.extend(
-            i for i, g in enumerate(groups.values()) if g.keep is not None or g.views
-        )
+        alive.extend(i for i, g in enumerate(groups.values()) if g.keep is not None or g.views)
         alive.extend(
             100 + i
             for i, g in enumerate(groups.values())
