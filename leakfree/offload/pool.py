@@ -213,10 +213,7 @@ class HostBlockPool:
                 self._drain()
             same = self._by_size.get(size)
             if same:
-                for b in same.values():
-                    if b.event is None or b.event.query():  # its last copy has completed
-                        block = b
-                        break
+                block = next((b for b in same.values() if b.ready()), None)
             if block is None and same and self.host_budget.used + size > self.budget:
                 block = wait = next(iter(same.values()))  # all busy, no room: wait for one
             if block is not None:
