@@ -224,6 +224,28 @@ def test_small_copies_share_a_group_and_a_large_one_goes_alone() -> None:
     assert ctx.pool.stats.in_use_bytes == 0
 
 
+def test_copies_of_two_dtypes_saved_in_turn_fill_one_group_each() -> None:
+    """A mixed-precision layer saves float32 statistics between bfloat16 activations: one
+    open group per dtype, so neither closes the other's (one group would have been sent
+    at every change of dtype)."""
+    ctx = grouping(offload(min_offload_size=1))
+    w16 = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
+    w32 = torch.randn(64, requires_grad=True)
+    xs = [torch.randn(64, dtype=torch.bfloat16) if i % 2 else torch.randn(64) for i in range(8)]
+
+    def forward() -> torch.Tensor:
+        return sum((x * (w16 if x.dtype is torch.bfloat16 else w32)).float().sum() for x in xs)
+
+    with ctx:
+        loss = forward()
+    assert ctx.stats.to_host == 8 and ctx.stats.groups == 2
+    loss.backward()
+    got = (w16.grad, w32.grad)
+    w16.grad = w32.grad = None
+    forward().backward()
+    assert torch.equal(got[0], w16.grad) and torch.equal(got[1], w32.grad)
+
+
 def test_groups_hold_at_most_an_eighth_of_what_a_forward_moves() -> None:
     """A first forward sends every copy alone (nothing says yet how much a forward moves);
     after it, a group holds up to batch_bytes, at most an eighth of what the last planned

@@ -178,13 +178,9 @@ class _Group:
         self.views: dict[Any, torch.Tensor] | None = None
 
     def fits(self, copy: _HostCopy) -> bool:
-        """Whether ``copy`` may join: not sent, same dtype and device, room left."""
-        return (
-            self.block is None
-            and copy.dtype is self.dtype
-            and copy.device == self.device
-            and _aligned(self.used) + copy.nbytes <= self.capacity
-        )
+        """Whether ``copy`` (of the group's dtype and device) may join: not sent, and
+        room left."""
+        return self.block is None and _aligned(self.used) + copy.nbytes <= self.capacity
 
     def add(
         self,

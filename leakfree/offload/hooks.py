@@ -76,10 +76,6 @@ def _end_pass(manager_ref: weakref.ref[OffloadActivations], task: int) -> None:
 _GROUP_SHARE = 8
 
 
-def _none() -> None:
-    return None
-
-
 def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -124,15 +120,15 @@ class OffloadActivations(saved_tensors_hooks):
             copy the pass will bring back, so about two copies ahead, in whole groups.
             Backward prefetches in the order the previous backward of the same shape used,
             so only what it will use; the first one copies on demand. 0 turns prefetch off.
-        batch_bytes: copies out smaller than this share a host block with the ones saved
-            just before and after them, up to this many bytes, and come back to the device
-            with them in one transfer (one device allocation, one prefetch): small copies
-            cost more in fixed overhead than in bytes. A copy this large or larger goes
-            alone; 0 sends every copy alone. A group is on the device until it is sent and
-            again in backward from its first use to its last, so a group also holds at most
-            an eighth of what the previous forward moved (the first forward sends every
-            copy alone): grouping adds at most about that to the device peak. Default
-            256 KiB.
+        batch_bytes: copies out smaller than this share a host block with the ones of
+            their dtype saved just before and after them, up to this many bytes, and come
+            back to the device with them in one transfer (one device allocation, one
+            prefetch): small copies cost more in fixed overhead than in bytes. A copy this
+            large or larger goes alone; 0 sends every copy alone. A group is on the device
+            until it is sent and again in backward from its first use to its last, so a
+            group also holds at most an eighth of what the previous forward moved (the
+            first forward sends every copy alone): grouping adds at most about that to the
+            device peak. Default 256 KiB.
         device_budget: bytes of saved activations to keep on the device (None: move
             every one). The ones backward needs first (the last saved) stay, within the
             budget; the earlier ones move. The first forward holds its saved tensors and
@@ -244,7 +240,9 @@ class OffloadActivations(saved_tensors_hooks):
         self._lock = threading.RLock()  # backward may unpack on several device threads
         self._ref = weakref.ref(self)  # what handles hold
         self._copies = _Copies()
-        self._open: Callable[[], _Group | None] = _none  # the group copies join (weakly)
+        #: the groups copies join, one per dtype and device (weakly: a graph dropped
+        #: mid-forward frees its group, and the bytes it would send)
+        self._open: dict[tuple[torch.dtype, torch.device], weakref.ref[_Group]] = {}
         #: backward passes under way (graph task id -> its state), and the order the last
         #: finished pass used, which the next pass of the same shape prefetches in
         self._passes: dict[int, _Pass] = {}
@@ -412,13 +410,24 @@ class OffloadActivations(saved_tensors_hooks):
         and the held and kept ones pass it. (Without one, what the plan keeps is only
         what prefetch would bring back anyway: a group is sent when full.)"""
         total = self._held_bytes + self._kept_bytes
-        group = self._open()
-        if group is not None and self.device_budget is not None:
-            if total + group.used > self.device_budget:
-                self._send(group)
+        if self.device_budget is not None:
+            groups = self._open_groups()
+            unsent = sum(group.used for group in groups)
+            if total + unsent > self.device_budget:
+                for group in groups:
+                    self._send(group)
             else:
-                total += group.used
+                total += unsent
         self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, total)
+
+    def _open_groups(self) -> list[_Group]:
+        """The groups waiting to be sent, oldest first (lock held)."""
+        groups = []
+        for ref in self._open.values():
+            group = ref()
+            if group is not None:
+                groups.append(group)
+        return groups
 
     def _keep(self, t: torch.Tensor) -> Any:
         """A forward whose plan moves nothing: ``t`` stays as any kept tensor does, with no
@@ -509,7 +518,11 @@ class OffloadActivations(saved_tensors_hooks):
         stats = self.stats
         stats.to_host += 1
         stats.to_host_bytes += copy.nbytes
-        group = self._open()
+        # One open group per dtype and device: the float32 statistics a mixed-precision
+        # layer saves between its bfloat16 activations do not close each other's groups.
+        key = (copy.dtype, copy.device)
+        opened = self._open.get(key)
+        group = opened() if opened is not None else None
         if group is not None and group.fits(copy):
             group.add(copy, ref, src, t)
             return
@@ -523,14 +536,15 @@ class OffloadActivations(saved_tensors_hooks):
             self._send(group)  # full: off it goes
         group = _Group(capacity, copy.dtype, copy.device)
         group.add(copy, ref, src, t)
-        # weakly: a graph dropped mid-forward frees its group, and the bytes it would send
-        self._open = weakref.ref(group)
+        self._open[key] = weakref.ref(group)
 
     def _send(self, group: _Group) -> None:
         """Copy the group's bytes to a host block of their size, on the side stream where
         there is one (after the compute stream, which made them), with one event for all."""
-        if self._open() is group:
-            self._open = _none
+        key = (group.dtype, group.device)
+        opened = self._open.get(key)
+        if opened is not None and opened() is group:
+            del self._open[key]
         block, pairs = group.take_block(self.pool)
         self.stats.groups += 1
         # Outside the pack hook (a full group, __exit__) autograd would record a copy
@@ -780,9 +794,9 @@ class OffloadActivations(saved_tensors_hooks):
             with self._lock:
                 self._depth -= 1
                 if self._depth == 0:
-                    group = self._open()  # a group holds one forward's copies
-                    if group is not None:
+                    for group in self._open_groups():  # a group holds one forward's copies
                         self._send(group)
+                    self._open.clear()
                     self._end_forward()
                     held = self._held_bytes + self._kept_bytes
                     self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, held)
