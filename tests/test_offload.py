@@ -161,8 +161,8 @@ def test_in_place_after_save_is_not_deduplicated() -> None:
     assert ctx.pool.stats.allocations == 2
     first, second = (ctx._copies.at(seq) for seq in (0, 1))
     assert ctx._copies.next_seq() == 2
-    assert torch.equal(first.typed, x.detach())
-    assert torch.equal(second.typed, x.detach() + 1.0)
+    assert torch.equal(first.group.on_host(), x.detach())  # each copy is a group here
+    assert torch.equal(second.group.on_host(), x.detach() + 1.0)
     del graphs
 
 

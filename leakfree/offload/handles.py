@@ -194,9 +194,11 @@ class _Group:
         offset = _aligned(self.used)
         copy.group = self
         copy.offset = offset
-        if offset == 0:
+        if offset == 0:  # its first copy names it, and may be its whole tensor
             self.seq = copy.seq
-        self.like = copy.like if offset == 0 else None
+            self.like = copy.like
+        else:
+            self.like = None
         self.used = offset + copy.nbytes
         self.largest = max(self.largest, copy.nbytes)
         self.users += copy.users
@@ -206,7 +208,7 @@ class _Group:
         self, pool: HostBlockPool
     ) -> tuple[HostBlock, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Take a host block for the bytes (the group is sent: nothing joins any more);
-        returns it, and (host bytes as they are copied: ``typed``, what they are copied
+        returns it, and (host bytes as they are copied, what they are copied
         from) for each copy still alive. A copy whose saved tensor was written in place
         since it was saved is marked ``stale`` (its unpack reports it)."""
         # Weak: a graph keeps its own host bytes, not the pool and its free blocks.
@@ -224,7 +226,6 @@ class _Group:
                 typed = block.view(copy.nbytes, like[0], like[1], copy.offset)
             else:
                 typed = block.view(copy.nbytes, copy.dtype, None, copy.offset)
-            copy.typed = typed
             pairs.append((typed, src))
         self.unsent = []
         return block, pairs
@@ -279,7 +280,7 @@ class _HostCopy:
 
     Two states. *Held on the device* (a device budget keeps it there): ``pending`` is the
     detached device tensor and nothing is copied. *Moved*: its bytes go to a
-    :class:`_Group`'s block, from ``offset`` on (``typed``), and come back with the group.
+    :class:`_Group`'s block, from ``offset`` on, and come back with the group.
     Moving from the first state to the second is the copy out; there is no way back.
     """
 
@@ -297,7 +298,6 @@ class _HostCopy:
         "source",
         "stale",
         "task",
-        "typed",
         "users",
         "version",
     )
@@ -305,7 +305,6 @@ class _HostCopy:
     def __init__(self, nbytes: int, byte_start: int, device: torch.device) -> None:
         self.group: _Group | None = None  # where its bytes went (None: not moved)
         self.offset = 0  # where they start in the group's block (and its restored tensor)
-        self.typed: torch.Tensor | None = None  # the host bytes, as copied (see _Group.add)
         self.nbytes = nbytes
         self.byte_start = byte_start  # where the copied bytes start in the source storage
         self.device = device

@@ -15,7 +15,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from leakfree.offload.handles import (
     _Session,
     _span,
 )
-from leakfree.offload.pool import HostBlockPool
+from leakfree.offload.pool import HostBlock, HostBlockPool
 from leakfree.offload.streams import (
     Flight,
     OffloadPlan,
@@ -162,7 +162,7 @@ class OffloadActivations(saved_tensors_hooks):
     storage are copied once and restored as views of one storage again. Restored tensors
     have the original shape and strides (and storage offset, for whole-storage copies), so
     gradients are bit-identical. In-place changes to a saved tensor are reported as PyTorch
-    reports them while the tensor is still on the device (kept, or its copy in flight).
+    reports them while the tensor is still on the device (kept, or its group not sent).
 
     ``__exit__`` sends the open group, makes each compute stream wait for its side stream
     and drops every device tensor kept for an in-flight copy; the hooks are popped in
@@ -376,8 +376,8 @@ class OffloadActivations(saved_tensors_hooks):
 
     def _budgeted(self, copy: _HostCopy, t: torch.Tensor, ref: weakref.ref[_HostCopy]) -> None:
         """Keep ``copy`` on the device or move it, as the plan says; then move the oldest
-        held copies until the held bytes fit the budget again, and send the open group if
-        its bytes, still on the device, do not fit beside them."""
+        held copies until the held bytes fit the budget again, and send the open groups if
+        their bytes, still on the device, do not fit beside them."""
         plan = self._budget_plan
         i = len(self._sizes) - 1  # this copy's place in the forward
         if self._on_plan and plan is not None and i < len(plan[0]) and plan[0][i] == copy.nbytes:
@@ -406,7 +406,7 @@ class OffloadActivations(saved_tensors_hooks):
         self._within_budget()
 
     def _within_budget(self) -> None:
-        """Under a device budget, send the open group if its bytes (still on the device)
+        """Under a device budget, send the open groups if their bytes (still on the device)
         and the held and kept ones pass it. (Without one, what the plan keeps is only
         what prefetch would bring back anyway: a group is sent when full.)"""
         total = self._held_bytes + self._kept_bytes
@@ -713,7 +713,8 @@ class OffloadActivations(saved_tensors_hooks):
         side waits for the current stream first, as that memory may be its own; the
         consumer then waits for the copy's event: nothing to record on either stream).
         """
-        host = group.on_host()
+        host = group.on_host()  # raises unless the group was sent: it has its block
+        block = cast(HostBlock, group.block)
         if self._on_host:
             # the host bytes are already where the tensor lives, so restored tensors view
             # them (no copy back); the block then stays theirs and is never handed out again
@@ -725,20 +726,18 @@ class OffloadActivations(saved_tensors_hooks):
         module = self._device_module
         current = module.current_stream(group.device)
         dev = torch.empty(host.shape, dtype=host.dtype, device=group.device)
-        pinned = group.block is not None and group.block.pinned
         if prefetch and self.use_streams:
             side = self._side_streams.get(group.device) or self._side(group.device)
             side.wait_stream(current)
             with module.stream(side):
-                dev.copy_(host, non_blocking=pinned)
+                dev.copy_(host, non_blocking=block.pinned)
                 event = side.record_event()
         else:
             if group.written is not None:
                 current.wait_event(group.written)
-            dev.copy_(host, non_blocking=pinned)
+            dev.copy_(host, non_blocking=block.pinned)
             event = current.record_event()
-        if group.block is not None:
-            group.block.event = event  # the host block is read until this completes
+        block.event = event  # the host block is read until this completes
         return dev, event
 
     def _let_go(self, flights: list[Flight]) -> None:
