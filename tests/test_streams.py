@@ -23,7 +23,7 @@ import leakfree
 from leakfree.diagnostics import count_host_syncs
 from leakfree.offload import OffloadWarning
 from leakfree.offload.pool import _size_class
-from tests.test_offload import Model, assert_equal_grads, make, reference_grads
+from tests.test_offload import Model, assert_equal_grads, grouping, make, reference_grads
 
 
 def on_sim(seed: int = 0) -> tuple[Model, torch.Tensor]:
@@ -464,8 +464,7 @@ def test_views_needed_by_several_nodes_come_back_once_per_pass(sim: Any, batch_b
     again). Alone, each copy is a group; grouped, all of them are one."""
     torch.manual_seed(0)
     model, x = Views().to("sim"), torch.randn(32, 64, device="sim")
-    ctx = offload(batch_bytes=batch_bytes)
-    ctx._capacity = batch_bytes  # as after a large first forward (see test_offload.grouping)
+    ctx = grouping(offload(batch_bytes=batch_bytes))
     sim.reset_copies()  # the model's and the input's uploads are not the offloader's
     with ctx:
         loss = model(x)
