@@ -20,7 +20,7 @@ import leakfree
 from leakfree.offload import OffloadWarning, offload_model, remove_offload_hooks
 from leakfree.offload.handles import _Offloaded
 from leakfree.offload.pool import HostBlockPool, _size_class
-from leakfree.offload.streams import _follow, _Pass, _plan, _to_prefetch
+from leakfree.offload.streams import _follow, _Pass, _plan, _small_below, _to_prefetch
 
 
 class Block(nn.Module):
@@ -271,6 +271,103 @@ def test_groups_hold_at_most_an_eighth_of_what_a_forward_moves() -> None:
     assert_equal_grads(grads(model), reference_grads(passes=2))
 
 
+class Normed(nn.Module):
+    """Linear layers each followed by a LayerNorm, then an RMS scale and a look at the
+    first row: per layer two activations of batch x width floats and the norm's two per-row
+    statistics (batch floats each: the small storages), the scale's statistic (saved by
+    two nodes), and a small view (the first row) of a large storage."""
+
+    def __init__(self, width: int = 256, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            *(m for _ in range(layers) for m in (nn.Linear(width, width), nn.LayerNorm(width)))
+        )
+        self.gate = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.layers(x)
+        r = torch.rsqrt(y.square().mean(-1, keepdim=True) + 1e-6)  # saved by rsqrt
+        z = y * r  # which the mul saves again: one small storage, saved twice
+        return z.square().mean() + (z[:1] * self.gate).sum()  # the mul saves z[:1]
+
+
+def _normed_steps(
+    batches: tuple[int, ...], **kw: Any
+) -> tuple[leakfree.OffloadActivations, list[tuple[int, int]]]:
+    """Steps of ``Normed`` under ``offload(min_offload_size=1, **kw)``: per step, the copies
+    to the host and their bytes; gradients checked against plain PyTorch at every step."""
+    torch.manual_seed(0)
+    model, plain = Normed(), Normed()
+    plain.load_state_dict(model.state_dict())
+    ctx = offload(min_offload_size=1, **kw)
+    ctx.update_model_params(model)
+    moved = []
+    for batch in batches:
+        x = torch.randn(batch, 256)
+        before = dataclasses.replace(ctx.stats)
+        with ctx:
+            loss = model(x)
+        after = ctx.stats
+        moved.append((after.to_host - before.to_host, after.to_host_bytes - before.to_host_bytes))
+        model.zero_grad()
+        plain.zero_grad()
+        loss.backward()
+        plain(x).backward()
+        assert_equal_grads(grads(model), grads(plain))
+    return ctx, moved
+
+
+def test_the_smallest_storages_stay_on_the_device_after_the_first_forward() -> None:
+    """The plan keeps the smallest saved storages where they are, while together they are
+    at most a 64th of what a forward saves: each would cost a handle, a host copy, its
+    share of a transfer each way and a view, for bytes that save next to nothing. A small
+    view of a large storage still moves (keeping it would keep the large storage)."""
+    act = 64 * 256 * 4  # one activation: batch 64 x width 256 floats
+    ctx, moved = _normed_steps((64, 64, 64))
+    _, every = _normed_steps((64, 64, 64), keep_small=False)
+    # 10 activations, 9 statistics of 256 B, the first row: 20 copies in a first forward
+    assert moved[0] == every[0] == (20, 10 * act + 9 * 256 + 1024)
+    # then a tail of twice the largest copy stays (the first row and the last activation,
+    # and the scale's statistic), and the statistics stay with keep_small
+    assert moved[1] == moved[2] == (9, 9 * act)
+    assert every[1] == every[2] == (17, 9 * act + 8 * 256)
+    plan = ctx.plan
+    assert plan is not None and plan.replans == 0  # the same choice every forward
+    assert (plan.small, plan.small_bytes, plan.small_below) == (9, 9 * 256, act)
+    assert "9 small ones (2.2 KiB, each under 64.0 KiB) stay as well" in str(plan)
+    for kw in ({"keep_small": False}, {"device_budget": 64 * 1024}):  # the rule is off
+        other = _normed_steps((64, 64), **kw)[0].plan
+        assert other is not None and other.small == other.small_below == 0
+
+
+def test_small_storages_follow_the_shapes_of_the_forward() -> None:
+    """A forward of other shapes keeps small storages only within the bytes the plan kept
+    for them: activations that shrank under the old mark still move (kept, they would make
+    no copy, so no new plan, and every later forward would keep them all), and the forward
+    makes a new plan that weighs every storage it saved."""
+    ctx, moved = _normed_steps((64, 64, 128, 128, 32, 32, 64))
+    act = 256 * 4  # per row of the batch
+    assert moved[3] == (9, 9 * 128 * act)  # planned at batch 128: its statistics stay
+    assert moved[5] == (9, 9 * 32 * act)  # batch 32, under the mark of batch 128
+    plan = ctx.plan
+    assert plan is not None and plan.replans == 3  # once per change of shapes
+    assert (plan.small, plan.small_bytes, plan.small_below) == (9, 9 * 256, 64 * act)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "below"),
+    [
+        ([1000] * 10 + [10] * 5, 1000),  # the five smalls fit in 1/64 of 10050 bytes
+        ([100] * 63 + [60, 60], 0),  # two of 60 would pass 100: all of one size or none
+        ([1] * 10 + [64] * 100, 64),
+        ([640], 0),
+        ([], 0),
+    ],
+)
+def test_small_storages_are_the_smallest_within_a_64th(sizes: list[int], below: int) -> None:
+    assert _small_below(sizes) == below
+
+
 def test_a_group_dropped_before_it_is_sent_copies_nothing(no_gc: None) -> None:
     """A graph dropped inside the block takes its open group with it: nothing is sent and
     no host block is taken. A saved output (sigmoid's) holds its group through its
@@ -487,6 +584,7 @@ def test_no_accelerator_no_option_is_a_noop() -> None:
         ({"device_budget": "1GB"}, "device_budget='1GB'"),
         ({"batch_bytes": -1}, "batch_bytes=-1"),
         ({"batch_bytes": None}, "batch_bytes=None"),
+        ({"keep_small": 1}, "keep_small=1"),
         ({"min_offload_size": -1}, "min_offload_size=-1"),
         ({"device": "cpu"}, "force_host_copy=True"),
         ({"pin_memory_budget": -5, "force_host_copy": True}, "budget=-5"),

@@ -23,7 +23,14 @@ import leakfree
 from leakfree.diagnostics import count_host_syncs
 from leakfree.offload import OffloadWarning
 from leakfree.offload.pool import _size_class
-from tests.test_offload import Model, assert_equal_grads, grouping, make, reference_grads
+from tests.test_offload import (
+    Model,
+    Normed,
+    assert_equal_grads,
+    grouping,
+    make,
+    reference_grads,
+)
 
 
 def on_sim(seed: int = 0) -> tuple[Model, torch.Tensor]:
@@ -480,6 +487,35 @@ def test_views_needed_by_several_nodes_come_back_once_per_pass(sim: Any, batch_b
     ref(xc).backward(retain_graph=True)
     ref(xc).backward()
     assert_equal_grads(sim_grads(model), [p.grad for p in ref.parameters()])
+
+
+def test_small_storages_stay_on_the_device_and_never_cross(sim: Any) -> None:
+    """After the first step the norms' per-row statistics (256 B each) stay on the device:
+    the device counts the copies each way, and gradients match the CPU bit for bit."""
+    torch.manual_seed(0)
+    model, plain = Normed().to("sim"), Normed()
+    plain.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+    ctx = offload(min_offload_size=1)
+    ctx.update_model_params(model)
+    x = torch.randn(64, 256)
+    on_device = x.to("sim")
+    crossed = []
+    for _ in range(3):
+        sim.reset_copies()
+        with ctx:
+            loss = model(on_device)
+        model.zero_grad()
+        loss.backward()
+        crossed.append((sim.copies["to_host"], sim.copies["to_host_bytes"] % (64 * 1024)))
+        assert sim.copies["to_device_bytes"] == sim.copies["to_host_bytes"]
+        plain.zero_grad()
+        plain(x).backward()
+        assert_equal_grads(sim_grads(model), [p.grad for p in plain.parameters()])
+    plan = ctx.plan
+    assert plan is not None and plan.small == 9
+    # the first step moves the nine statistics and the first row; later steps only whole
+    # activations (the row stays in the tail)
+    assert crossed[0] == (20, 9 * 256 + 1024) and crossed[1] == crossed[2] == (9, 0)
 
 
 def test_in_flight_window_frees_activations_while_their_copies_run(sim: Any) -> None:

@@ -39,6 +39,7 @@ from leakfree.offload.streams import (
     _follow,
     _Pass,
     _plan,
+    _small_below,
     _to_prefetch,
 )
 
@@ -129,8 +130,17 @@ class OffloadActivations(saved_tensors_hooks):
             group also holds at most an eighth of what the previous forward moved (the
             first forward sends every copy alone): grouping adds at most about that to the
             device peak. Default 256 KiB.
-        device_budget: bytes of saved activations to keep on the device (None: move
-            every one). The ones backward needs first (the last saved) stay, within the
+        keep_small: without a ``device_budget``, once a forward has been planned (from
+            the first one on), the smallest saved storages stay on the device, as long as
+            together they are at most 1/64 of what a forward saves (per-row statistics of
+            norms, for instance): each would cost a handle, a host copy, its share of a
+            transfer each way and a view in backward, and its bytes would save next to
+            nothing. A forward of other shapes keeps only as many small bytes as the plan
+            did and makes a new plan. :attr:`plan` reports them. False: every storage of
+            at least ``min_offload_size`` moves (as TRL's).
+        device_budget: bytes of saved activations to keep on the device (None: twice
+            the largest copy, what prefetch would bring back at once anyway; 0: move every
+            one). The ones backward needs first (the last saved) stay, within the
             budget; the earlier ones move. The first forward holds its saved tensors and
             moves the oldest whenever the budget is exceeded, and leaves a plan that the
             next forwards of the same shapes follow (moving as they go); a forward of
@@ -182,6 +192,7 @@ class OffloadActivations(saved_tensors_hooks):
         prefetch_bytes: int | None = None,
         device_budget: int | None = None,
         batch_bytes: int = 256 << 10,
+        keep_small: bool = True,
     ) -> None:
         if not _is_count(max_fwd_stash_size) or max_fwd_stash_size < 1:
             raise ValueError(
@@ -203,6 +214,11 @@ class OffloadActivations(saved_tensors_hooks):
                 f"OffloadActivations(device_budget={device_budget!r}): must be None or an "
                 "int >= 0 (bytes of saved activations to keep on the device)"
             )
+        if not isinstance(keep_small, bool):
+            raise ValueError(
+                f"OffloadActivations(keep_small={keep_small!r}): must be a bool (whether "
+                "the plan keeps the smallest saved storages on the device)"
+            )
         _check_min_offload_size("OffloadActivations(min_offload_size=", min_offload_size)
         target = torch.device(device) if device is not None else accelerator()
         if target is None and force_host_copy:
@@ -221,6 +237,12 @@ class OffloadActivations(saved_tensors_hooks):
         self.prefetch_bytes = prefetch_bytes
         self.device_budget = device_budget
         self.batch_bytes = batch_bytes
+        self.keep_small = keep_small
+        #: storages smaller than this stay where they are (the plan's, without a budget);
+        #: and how many of the planned forward's storages that kept, with their bytes
+        self._small_below = 0
+        self._small_kept = (0, 0)
+        self._small_room = 0  # of those bytes, what this forward has not kept yet
         #: what a group may hold: batch_bytes, at most an eighth of what the last planned
         #: forward moved; 0 (every copy alone) until a forward has been planned
         self._capacity = 0
@@ -258,6 +280,11 @@ class OffloadActivations(saved_tensors_hooks):
         self._kept_bytes = 0
         self._keep_all = False
         self._sizes: list[int] = []
+        #: this forward's copies of part of a storage (their index in _sizes -> the
+        #: storage's bytes), and the storages kept for their size ((address, version) ->
+        #: bytes): what the small-storage rule weighs, besides _sizes
+        self._spans: dict[int, int] = {}
+        self._small: dict[tuple[int, int], int] = {}
         self._budget_plan: tuple[tuple[int, ...], int] | None = None
         self._on_plan = False
         self._replans = -1
@@ -319,6 +346,9 @@ class OffloadActivations(saved_tensors_hooks):
         ptr = storage.data_ptr()
         if ptr in self._param_storages:
             return _Kept(t)
+        total = storage.nbytes()
+        if total < self._small_below and self._keep_small(ptr, t._version, total):
+            return _Kept(t)  # too small to be worth moving: see _end_forward
         if self._keep_all:  # the plan moves nothing: kept as it is, its bytes counted
             return self._keep(t)
         elem = t.element_size()
@@ -329,7 +359,6 @@ class OffloadActivations(saved_tensors_hooks):
         else:
             first, end = _span(t)
         span_bytes = (end - first) * elem
-        total = storage.nbytes()
         whole = total <= 2 * span_bytes
         version = t._version
         with self._lock:
@@ -355,6 +384,8 @@ class OffloadActivations(saved_tensors_hooks):
                             same = True
                     copy.source = weakref.ref(storage)
                     shared[(ptr, version)] = ref
+                if not whole:  # the small-storage rule weighs the storage it keeps
+                    self._spans[len(self._sizes)] = total
                 self._sizes.append(copy.nbytes)  # this forward's copies, for the plan
                 if self._budget_plan is None and self.device_budget is None:
                     self._copy_out(t, copy, ref)  # a first forward with no budget: all move
@@ -371,6 +402,19 @@ class OffloadActivations(saved_tensors_hooks):
                 )
             offset = first - copy.byte_start // elem
             return _Offloaded(self._ref, copy, t, offset, same)  # type: ignore[arg-type]
+
+    def _keep_small(self, ptr: int, version: int, nbytes: int) -> bool:
+        """Whether a storage under the plan's ``_small_below`` stays where it is: while
+        this forward's small storages fit in the bytes the plan kept for them (a forward of
+        other shapes may have more, or its activations may have shrunk under the mark: what
+        does not fit moves, and the forward makes a new plan)."""
+        key = (ptr, version)
+        if key not in self._small:  # saved again (another view, another node): counted once
+            if nbytes > self._small_room:
+                return False
+            self._small_room -= nbytes
+            self._small[key] = nbytes
+        return True
 
     # -- a device budget ------------------------------------------------------------------
 
@@ -465,20 +509,37 @@ class OffloadActivations(saved_tensors_hooks):
         return 2 * max(sizes, default=0)
 
     def _end_forward(self) -> None:
-        """A forward ended: plan the next from its copy sizes, unless it followed the plan."""
+        """A forward ended: plan the next from its copy sizes, unless it followed the plan.
+
+        Without a device budget the plan also keeps the smallest saved storages on the
+        device (``keep_small``), while together they are at most 1/64 of what the forward
+        saves: each costs a handle, a host copy, its part of a transfer each way and a view
+        in backward, whatever its size, and its bytes would save next to nothing. The rule
+        weighs every storage this forward saved (the ones it kept for their size among
+        them), so a forward of the same shapes makes the same choice again."""
         sizes, self._sizes = self._sizes, []
+        spans, self._spans = self._spans, {}
+        small, self._small = self._small, {}
         if not sizes:
             return
         plan = self._budget_plan
         if plan is not None and tuple(sizes) == plan[0]:
             return
-        moved = _plan(sizes, self._budget(sizes))
-        self._budget_plan = (tuple(sizes), moved)
+        storages = [spans.get(i, n) for i, n in enumerate(sizes)]
+        below = 0
+        if self.keep_small and self.device_budget is None:
+            below = _small_below([*storages, *small.values()])
+        kept = [n for n in [*storages, *small.values()] if n < below]
+        planned = [n for n, s in zip(sizes, storages) if s >= below]  # the copies to come
+        moved = _plan(planned, self._budget(planned))
+        self._budget_plan = (tuple(planned), moved)
+        self._small_below = below
+        self._small_kept = (len(kept), sum(kept))
         self._replans += 1
         # A group is on the device twice (waiting to be sent, and brought back until its
         # last use): bounded by an eighth of what a forward moves, grouping adds at most
         # about that to the device peak, however small the model.
-        self._capacity = min(self.batch_bytes, sum(sizes[:moved]) // _GROUP_SHARE)
+        self._capacity = min(self.batch_bytes, sum(planned[:moved]) // _GROUP_SHARE)
 
     @property
     def plan(self) -> OffloadPlan | None:
@@ -488,6 +549,7 @@ class OffloadActivations(saved_tensors_hooks):
         if plan is None:
             return None
         sizes, moved = plan
+        small, small_bytes = self._small_kept
         return OffloadPlan(
             budget=self._budget(),
             kept=len(sizes) - moved,
@@ -495,6 +557,9 @@ class OffloadActivations(saved_tensors_hooks):
             moved=moved,
             moved_bytes=sum(sizes[:moved]),
             replans=max(self._replans, 0),
+            small=small,
+            small_bytes=small_bytes,
+            small_below=self._small_below,
         )
 
     # -- copies -----------------------------------------------------------------------------
@@ -778,7 +843,8 @@ class OffloadActivations(saved_tensors_hooks):
                 # A fresh dedup map for this forward; earlier forwards' handles keep their
                 # own copies. Nested entries of the same instance share it.
                 self._session = _Session()
-                self._sizes = []
+                self._sizes, self._spans, self._small = [], {}, {}
+                self._small_room = self._small_kept[1]
                 self._on_plan = True
                 plan = self._budget_plan
                 self._keep_all = plan is not None and plan[1] == 0

@@ -16,7 +16,7 @@ brought back that backward will not use.
 from __future__ import annotations
 
 import weakref
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,7 +166,9 @@ class OffloadPlan:
     plan made from the last forward whose saved tensors it saw (``budget``: bytes;
     ``kept`` / ``moved``: how many copies, by storage; ``*_bytes``: their sizes, so
     ``moved_bytes`` go to the host in forward and back in backward). ``replans``: how
-    many times a forward of another shape made a new plan."""
+    many times a forward of another shape made a new plan. ``small`` storages
+    (``small_bytes`` in all), each under ``small_below`` bytes, stay on the device besides
+    the budget's: too small to be worth moving (``keep_small``, without a budget)."""
 
     budget: int
     kept: int
@@ -174,14 +176,23 @@ class OffloadPlan:
     moved: int
     moved_bytes: int
     replans: int
+    small: int = 0
+    small_bytes: int = 0
+    small_below: int = 0
 
     def __str__(self) -> str:
         from leakfree._text import format_bytes
 
+        small = ""
+        if self.small:
+            small = (
+                f", and {self.small} small ones ({format_bytes(self.small_bytes)}, each "
+                f"under {format_bytes(self.small_below)}) stay as well"
+            )
         return (
             f"device budget {format_bytes(self.budget)}: {self.kept} saved tensors "
             f"({format_bytes(self.kept_bytes)}) stay on the device, {self.moved} "
-            f"({format_bytes(self.moved_bytes)}) go to the host and back; "
+            f"({format_bytes(self.moved_bytes)}) go to the host and back{small}; "
             f"{self.replans} re-plan(s)"
         )
 
@@ -196,3 +207,21 @@ def _plan(sizes: list[int], budget: int) -> int:
             return i + 1
         kept += sizes[i]
     return 0
+
+
+#: the smallest saved storages stay on the device while they add up to at most this
+#: fraction (1 / _SMALL_SHARE) of the bytes a forward saves
+_SMALL_SHARE = 64
+
+
+def _small_below(sizes: list[int]) -> int:
+    """The size under which saved storages stay on the device: the smallest of ``sizes``
+    (a forward's saved storages, in bytes), as long as together they are at most
+    1 / ``_SMALL_SHARE`` of all of them; all of one size or none. 0: none stays."""
+    allowance = sum(sizes) // _SMALL_SHARE
+    kept = 0
+    for n, count in sorted(Counter(sizes).items()):
+        if kept + n * count > allowance:
+            return n if kept else 0
+        kept += n * count
+    return 0  # only when every size is 0
