@@ -128,6 +128,7 @@ class _Group:
         "capacity",
         "device",
         "dtype",
+        "end",
         "keep",
         "largest",
         "lent",
@@ -152,6 +153,7 @@ class _Group:
         self.dtype = dtype
         self.device = device
         self.used = 0  # bytes of the block its copies use, padding included
+        self.end = 0  # where the next copy would start: ``used`` rounded up to _ALIGN
         self.largest = 0  # its largest copy's bytes
         #: the copies waiting to be sent (weakly: one whose graph died needs no bytes), with
         #: the device tensors they read and the saved tensor (for its version counter)
@@ -180,7 +182,7 @@ class _Group:
     def fits(self, copy: _HostCopy) -> bool:
         """Whether ``copy`` (of the group's dtype and device) may join: not sent, and
         room left."""
-        return self.block is None and _aligned(self.used) + copy.nbytes <= self.capacity
+        return self.block is None and self.end + copy.nbytes <= self.capacity
 
     def add(
         self,
@@ -191,7 +193,8 @@ class _Group:
     ) -> None:
         """Place ``copy`` (``ref``: a weak reference to it), whose bytes ``src`` reads (of
         ``saved``, the tensor saved), at the next aligned offset."""
-        offset = _aligned(self.used)
+        offset = self.end
+        nbytes = copy.nbytes
         copy.group = self
         copy.offset = offset
         if offset == 0:  # its first copy names it, and may be its whole tensor
@@ -199,8 +202,10 @@ class _Group:
             self.like = copy.like
         else:
             self.like = None
-        self.used = offset + copy.nbytes
-        self.largest = max(self.largest, copy.nbytes)
+        used = self.used = offset + nbytes
+        self.end = -(-used // _ALIGN) * _ALIGN
+        if nbytes > self.largest:
+            self.largest = nbytes
         self.users += copy.users
         self.unsent.append((ref, src, saved))
 
@@ -271,10 +276,6 @@ class _Group:
         # (pool gone: the block's memory is freed with it)
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
 class _HostCopy:
     """The bytes of (a span of) one device storage, shared by the handles that use them.
 
@@ -337,7 +338,6 @@ class _Offloaded:
         "shape",
         "stride",
         "task",
-        "version",
     )
 
     def __init__(
@@ -362,7 +362,6 @@ class _Offloaded:
         #: start, of its dtype and shape): no view to make of the held tensor, or of the
         #: restored one while the copy is alone in its group
         self.same = same
-        self.version = t._version
         self.element_offset = element_offset  # storage offset within the copied bytes
         self.task = -1  # the backward pass that last unpacked it
 
@@ -370,14 +369,14 @@ class _Offloaded:
         copy = self.copy
         held = copy.pending
         if held is not None:  # a device budget kept it: a view of the saved tensor
-            if held._version != self.version:
-                raise _version_error(held._version, self.version, self.shape)
+            if held._version != copy.version:  # the version it was saved at, as t's
+                raise _version_error(held._version, copy.version, self.shape)
             manager = self.manager()
             if manager is not None:
                 manager._note(copy)  # its place in the pass's order, for later prefetch
             return self.view_of(held, copy.byte_start, self.same)
         if copy.stale is not None:
-            raise _version_error(copy.stale, self.version, self.shape)
+            raise _version_error(copy.stale, copy.version, self.shape)
         manager = self.manager()
         if manager is not None:
             return manager._restore(self)

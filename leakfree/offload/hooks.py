@@ -339,9 +339,10 @@ class OffloadActivations(saved_tensors_hooks):
             or t.is_neg()
         ):
             return _Kept(t)  # stays where it is, as plain PyTorch would keep it
-        base = t._base  # (isinstance against Parameter runs Python: only for views)
-        if base is not None and isinstance(base, nn.Parameter):  # weight.t() and the like
-            return _Kept(t)
+        base = t._base  # (isinstance against Parameter runs Python: only for views of
+        # something other than a plain tensor, which no Parameter is)
+        if base is not None and type(base) is not torch.Tensor and isinstance(base, nn.Parameter):
+            return _Kept(t)  # weight.t() and the like
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in self._param_storages:
