@@ -24,7 +24,9 @@ Its group's host block returns to the pool when the last copy of the group has d
 sent (full, needed by a backward, or at ``__exit__``), then by the in-flight window while
 its copy is in flight: at most ``max_fwd_stash_size`` of them per context, and none after
 ``__exit__``. One a device budget keeps on the device is held by its host copy (detached)
-until its handles die or the budget moves it.
+until its handles die or the budget moves it. A small storage the plan keeps where it is
+(``keep_small``) is held by its handle, as any tensor that is not offloaded: detached if it
+has a ``grad_fn``, until autograd drops the handle.
 *A restored (device) group* belongs to autograd (the views unpacked from it), which drops
 them after the nodes' backward; the group keeps it for its other handles until the last is
 unpacked in that backward pass, or the pass ends; one a sibling restored earlier and that
