@@ -292,14 +292,15 @@ class Normed(nn.Module):
 
 
 def _normed_steps(
-    batches: tuple[int, ...], **kw: Any
+    batches: tuple[int, ...], ctx: leakfree.OffloadActivations | None = None, **kw: Any
 ) -> tuple[leakfree.OffloadActivations, list[tuple[int, int]]]:
-    """Steps of ``Normed`` under ``offload(min_offload_size=1, **kw)``: per step, the copies
-    to the host and their bytes; gradients checked against plain PyTorch at every step."""
+    """Steps of ``Normed`` under ``ctx`` (by default ``offload(min_offload_size=1, **kw)``):
+    per step, the copies to the host and their bytes; gradients checked against plain
+    PyTorch at every step."""
     torch.manual_seed(0)
     model, plain = Normed(), Normed()
     plain.load_state_dict(model.state_dict())
-    ctx = offload(min_offload_size=1, **kw)
+    ctx = ctx or offload(min_offload_size=1, **kw)
     ctx.update_model_params(model)
     moved = []
     for batch in batches:
@@ -352,6 +353,24 @@ def test_small_storages_follow_the_shapes_of_the_forward() -> None:
     plan = ctx.plan
     assert plan is not None and plan.replans == 3  # once per change of shapes
     assert (plan.small, plan.small_bytes, plan.small_below) == (9, 9 * 256, 64 * act)
+
+
+def test_keep_small_set_later_is_checked_and_plans_again() -> None:
+    """Switching the rule forgets the plan made by the other one: the next forward plans
+    again, as a first forward does (a plan kept as it was would never change while the
+    shapes stay the same)."""
+    ctx, _ = _normed_steps((64, 64))
+    for bad in (1, None, "no"):
+        with pytest.raises(ValueError, match=r"keep_small = \(.*\): must be a bool"):
+            ctx.keep_small = bad  # type: ignore[assignment]
+    assert ctx.keep_small is True and ctx.plan is not None and ctx.plan.small == 9
+    ctx.keep_small = False
+    assert ctx.plan is None
+    _, moved = _normed_steps((64, 64), ctx)
+    assert moved == [(20, 10 * 64 * 1024 + 9 * 256 + 1024), (17, 9 * 64 * 1024 + 8 * 256)]
+    ctx.keep_small = True
+    _, moved = _normed_steps((64, 64), ctx)
+    assert moved[1] == (9, 9 * 64 * 1024) and ctx.plan is not None and ctx.plan.small == 9
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,15 @@ def _check_min_offload_size(where: str, value: object) -> None:
         raise ValueError(f"{where}{value!r}): must be an int >= 0 (bytes)")
 
 
+def _check_keep_small(where: str, value: object) -> None:
+    """The one check of ``keep_small``, at construction and on assignment."""
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"{where}{value!r}): must be a bool (whether the plan keeps the smallest saved "
+            "storages on the device)"
+        )
+
+
 def _pack_hook(manager_ref: weakref.ref[OffloadActivations]) -> Callable[[torch.Tensor], Any]:
     # Module-level closures over a weak reference: hooks bound to the instance would make
     # every OffloadActivations a reference cycle (and its pinned pool gc-only).
@@ -214,11 +223,7 @@ class OffloadActivations(saved_tensors_hooks):
                 f"OffloadActivations(device_budget={device_budget!r}): must be None or an "
                 "int >= 0 (bytes of saved activations to keep on the device)"
             )
-        if not isinstance(keep_small, bool):
-            raise ValueError(
-                f"OffloadActivations(keep_small={keep_small!r}): must be a bool (whether "
-                "the plan keeps the smallest saved storages on the device)"
-            )
+        _check_keep_small("OffloadActivations(keep_small=", keep_small)
         _check_min_offload_size("OffloadActivations(min_offload_size=", min_offload_size)
         target = torch.device(device) if device is not None else accelerator()
         if target is None and force_host_copy:
@@ -237,7 +242,7 @@ class OffloadActivations(saved_tensors_hooks):
         self.prefetch_bytes = prefetch_bytes
         self.device_budget = device_budget
         self.batch_bytes = batch_bytes
-        self.keep_small = keep_small
+        self._keep_small = keep_small
         #: storages smaller than this stay where they are (the plan's, without a budget);
         #: and how many of the planned forward's storages that kept, with their bytes
         self._small_below = 0
@@ -305,6 +310,21 @@ class OffloadActivations(saved_tensors_hooks):
         self._min_offload_size = value
         self._min_bytes = max(value, 1)  # what the pack hook compares, precomputed
 
+    @property
+    def keep_small(self) -> bool:
+        """Whether the plan keeps the smallest saved storages on the device (settable: the
+        next forward then plans again, as a first forward does)."""
+        return self._keep_small
+
+    @keep_small.setter
+    def keep_small(self, value: bool) -> None:
+        _check_keep_small("OffloadActivations.keep_small = (", value)
+        with self._lock:
+            if value != self._keep_small:  # a plan made by the other rule: forget it
+                self._budget_plan = None
+                self._small_below = 0
+            self._keep_small = value
+
     def update_model_params(self, model: nn.Module) -> None:
         """Never offload ``model``'s parameters and buffers (matched by storage address).
 
@@ -348,7 +368,7 @@ class OffloadActivations(saved_tensors_hooks):
         if ptr in self._param_storages:
             return _Kept(t)
         total = storage.nbytes()
-        if total < self._small_below and self._keep_small(ptr, t._version, total):
+        if total < self._small_below and self._small_stays(ptr, t._version, total):
             return _Kept(t)  # too small to be worth moving: see _end_forward
         if self._keep_all:  # the plan moves nothing: kept as it is, its bytes counted
             return self._keep(t)
@@ -404,7 +424,7 @@ class OffloadActivations(saved_tensors_hooks):
             offset = first - copy.byte_start // elem
             return _Offloaded(self._ref, copy, t, offset, same)  # type: ignore[arg-type]
 
-    def _keep_small(self, ptr: int, version: int, nbytes: int) -> bool:
+    def _small_stays(self, ptr: int, version: int, nbytes: int) -> bool:
         """Whether a storage under the plan's ``_small_below`` stays where it is: while
         this forward's small storages fit in the bytes the plan kept for them (a forward of
         other shapes may have more, or its activations may have shrunk under the mark: what
@@ -528,7 +548,7 @@ class OffloadActivations(saved_tensors_hooks):
             return
         storages = [spans.get(i, n) for i, n in enumerate(sizes)]
         below = 0
-        if self.keep_small and self.device_budget is None:
+        if self._keep_small and self.device_budget is None:
             below = _small_below([*storages, *small.values()])
         kept = [n for n in [*storages, *small.values()] if n < below]
         planned = [n for n, s in zip(sizes, storages) if s >= below]  # the copies to come
