@@ -139,14 +139,15 @@ class OffloadActivations(saved_tensors_hooks):
             group also holds at most an eighth of what the previous forward moved (the
             first forward sends every copy alone): grouping adds at most about that to the
             device peak. Default 256 KiB.
-        keep_small: without a ``device_budget``, once a forward has been planned (from
-            the first one on), the smallest saved storages stay on the device, as long as
+        keep_small: without a ``device_budget``, from the second forward on (the first
+            makes the plan), the smallest saved storages stay on the device, as long as
             together they are at most 1/64 of what a forward saves (per-row statistics of
             norms, for instance): each would cost a handle, a host copy, its share of a
             transfer each way and a view in backward, and its bytes would save next to
-            nothing. A forward of other shapes keeps only as many small bytes as the plan
-            did and makes a new plan. :attr:`plan` reports them. False: every storage of
-            at least ``min_offload_size`` moves (as TRL's).
+            nothing. A saved view is weighed by its storage (a small view of a large
+            storage moves). A forward of other shapes keeps only as many small bytes as
+            the plan did and makes a new plan. :attr:`plan` reports them. False: every
+            storage of at least ``min_offload_size`` moves (as TRL's).
         device_budget: bytes of saved activations to keep on the device (None: twice
             the largest copy, what prefetch would bring back at once anyway; 0: move every
             one). The ones backward needs first (the last saved) stay, within the
