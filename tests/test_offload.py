@@ -272,10 +272,10 @@ def test_groups_hold_at_most_an_eighth_of_what_a_forward_moves() -> None:
 
 
 class Normed(nn.Module):
-    """Linear layers each followed by a LayerNorm, then an RMS scale and a look at the
-    first row: per layer two activations of batch x width floats and the norm's two per-row
-    statistics (batch floats each: the small storages), the scale's statistic (saved by
-    two nodes), and a small view (the first row) of a large storage."""
+    """Linear layers each followed by a LayerNorm, a look at the first row after the first
+    layer, then an RMS scale: per layer two activations of batch x width floats and the
+    norm's two per-row statistics (batch floats each: the small storages), a small view
+    (the first row) of a large storage, and the scale's statistic (saved by two nodes)."""
 
     def __init__(self, width: int = 256, layers: int = 4) -> None:
         super().__init__()
@@ -285,10 +285,12 @@ class Normed(nn.Module):
         self.gate = nn.Parameter(torch.ones(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.layers(x)
+        h = self.layers[:2](x)
+        peek = (h[:1] * self.gate).sum()  # the mul saves h[:1]: 1 KiB of a 64 KiB storage
+        y = self.layers[2:](h)
         r = torch.rsqrt(y.square().mean(-1, keepdim=True) + 1e-6)  # saved by rsqrt
         z = y * r  # which the mul saves again: one small storage, saved twice
-        return z.square().mean() + (z[:1] * self.gate).sum()  # the mul saves z[:1]
+        return z.square().mean() + peek
 
 
 def _normed_steps(
@@ -328,10 +330,11 @@ def test_the_smallest_storages_stay_on_the_device_after_the_first_forward() -> N
     _, every = _normed_steps((64, 64, 64), keep_small=False)
     # 10 activations, 9 statistics of 256 B, the first row: 20 copies in a first forward
     assert moved[0] == every[0] == (20, 10 * act + 9 * 256 + 1024)
-    # then a tail of twice the largest copy stays (the first row and the last activation,
-    # and the scale's statistic), and the statistics stay with keep_small
-    assert moved[1] == moved[2] == (9, 9 * act)
-    assert every[1] == every[2] == (17, 9 * act + 8 * 256)
+    # then a tail of twice the largest copy stays (the last two activations; without
+    # keep_small, the last one and the scale's statistic); with keep_small the statistics
+    # stay, and the first row, a small view of a large storage, still moves
+    assert moved[1] == moved[2] == (9, 8 * act + 1024)
+    assert every[1] == every[2] == (18, 9 * act + 1024 + 8 * 256)
     plan = ctx.plan
     assert plan is not None and plan.replans == 0  # the same choice every forward
     assert (plan.small, plan.small_bytes, plan.small_below) == (9, 9 * 256, act)
@@ -347,12 +350,17 @@ def test_small_storages_follow_the_shapes_of_the_forward() -> None:
     no copy, so no new plan, and every later forward would keep them all), and the forward
     makes a new plan that weighs every storage it saved."""
     ctx, moved = _normed_steps((64, 64, 128, 128, 32, 32, 64))
-    act = 256 * 4  # per row of the batch
-    assert moved[3] == (9, 9 * 128 * act)  # planned at batch 128: its statistics stay
-    assert moved[5] == (9, 9 * 32 * act)  # batch 32, under the mark of batch 128
+    row = 256 * 4  # bytes per row of the batch
+    assert moved[3] == (9, 8 * 128 * row + row)  # planned at batch 128: its statistics stay
+    assert moved[5] == (9, 8 * 32 * row + row)  # batch 32, under the mark of batch 128
     plan = ctx.plan
     assert plan is not None and plan.replans == 3  # once per change of shapes
-    assert (plan.small, plan.small_bytes, plan.small_below) == (9, 9 * 256, 64 * act)
+    assert (plan.small, plan.small_bytes, plan.small_below) == (9, 9 * 256, 64 * row)
+    # the first forward at batch 32, under the mark of batch 128 (128 KiB), kept only its
+    # statistics: its ten activations and the row, all under that mark, were copies
+    shrunk = _normed_steps((64, 64, 128, 128, 32))[0].plan
+    assert shrunk is not None and shrunk.kept + shrunk.moved == 11
+    assert (shrunk.small, shrunk.small_below) == (9, 32 * row)
 
 
 def test_keep_small_set_later_is_checked_and_plans_again() -> None:
@@ -367,10 +375,75 @@ def test_keep_small_set_later_is_checked_and_plans_again() -> None:
     ctx.keep_small = False
     assert ctx.plan is None
     _, moved = _normed_steps((64, 64), ctx)
-    assert moved == [(20, 10 * 64 * 1024 + 9 * 256 + 1024), (17, 9 * 64 * 1024 + 8 * 256)]
+    act = 64 * 1024
+    assert moved == [(20, 10 * act + 9 * 256 + 1024), (18, 9 * act + 1024 + 8 * 256)]
     ctx.keep_small = True
     _, moved = _normed_steps((64, 64), ctx)
-    assert moved[1] == (9, 9 * 64 * 1024) and ctx.plan is not None and ctx.plan.small == 9
+    assert moved[1] == (9, 8 * act + 1024) and ctx.plan is not None and ctx.plan.small == 9
+
+
+def test_a_small_model_whose_plan_moves_nothing_keeps_its_choice() -> None:
+    """A plan that moves nothing keeps its saved tensors as they are, counted by storage
+    as the plan counts its copies: counted per saved tensor, the sigmoid's output (saved
+    by the sigmoid and by the square) counted twice, the forward outgrew the plan, made
+    copies of part of what it saved, and planned again from that part, without the
+    norm's statistics (the review's model)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(64), nn.Sigmoid())
+    ctx = offload(min_offload_size=1)
+    ctx.update_model_params(model)
+    x = torch.randn(4, 64, requires_grad=True)
+    moved = []
+    for _ in range(4):
+        before = ctx.stats.to_host
+        with ctx:
+            loss = model(x).square().mean()
+        moved.append(ctx.stats.to_host - before)
+        loss.backward()
+    plan = ctx.plan
+    assert plan is not None and plan.moved == plan.replans == 0 and plan.small == 2
+    assert moved == [4, 0, 0, 0]  # x, mean, rstd, the output; then nothing moves
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["views only", "and the storage whole"])
+def test_a_storage_saved_as_several_views_is_weighed_once(whole: bool) -> None:
+    """The small-storage rule weighs what a forward saves by storage: q, k and v, three
+    views of one 192 KiB storage, saved as three copies of their spans (and the storage
+    itself, copied whole), weigh 192 KiB, once. Weighed per copy, 1/64 of it would have
+    made room for the four 1 KiB storages beside them."""
+    qkv = torch.randn(3, 64, 256)
+    weights = [torch.randn(256, requires_grad=True) for _ in range(5)]
+    smalls = [torch.randn(256) for _ in range(4)]
+
+    def forward() -> torch.Tensor:
+        q, k, v = qkv.unbind(0)
+        loss = sum((t * w).sum() for t, w in zip((q, k, v), weights))
+        if whole:
+            loss = loss + (qkv * weights[3]).sum()
+        return loss + sum((s * weights[4]).sum() for s in smalls)
+
+    ctx = offload(min_offload_size=1)
+    for _ in range(2):
+        with ctx:
+            loss = forward()
+        loss.backward()
+    plan = ctx.plan
+    assert plan is not None and plan.small == plan.small_below == 0
+
+
+def test_device_budget_set_later_is_checked_and_plans_again() -> None:
+    """A plan made without a budget (its tail, its small storages) is forgotten when a
+    budget is set: device_budget=0 moves everything from the next forward on."""
+    ctx, _ = _normed_steps((64, 64))
+    for bad in (-1, 1.5, "1 GB"):
+        with pytest.raises(ValueError, match=r"device_budget = \(.*\): must be None or an int"):
+            ctx.device_budget = bad  # type: ignore[assignment]
+    assert ctx.device_budget is None and ctx.plan is not None and ctx.plan.small == 9
+    ctx.device_budget = 0
+    assert ctx.plan is None
+    _, moved = _normed_steps((64, 64), ctx)
+    assert moved[0] == moved[1] == (20, 10 * 64 * 1024 + 9 * 256 + 1024)
+    assert ctx.plan is not None and ctx.plan.small == ctx.plan.kept == 0
 
 
 @pytest.mark.parametrize(
@@ -601,6 +674,7 @@ def test_no_accelerator_no_option_is_a_noop() -> None:
         ({"prefetch_bytes": 2.0}, "prefetch_bytes=2.0"),
         ({"device_budget": -1}, "device_budget=-1"),
         ({"device_budget": "1GB"}, "device_budget='1GB'"),
+        ({"device_budget": True}, "device_budget=True"),
         ({"batch_bytes": -1}, "batch_bytes=-1"),
         ({"batch_bytes": None}, "batch_bytes=None"),
         ({"keep_small": 1}, "keep_small=1"),

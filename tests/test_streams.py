@@ -513,9 +513,9 @@ def test_small_storages_stay_on_the_device_and_never_cross(sim: Any) -> None:
         assert_equal_grads(sim_grads(model), [p.grad for p in plain.parameters()])
     plan = ctx.plan
     assert plan is not None and plan.small == 9
-    # the first step moves the nine statistics and the first row; later steps only whole
-    # activations (the row stays in the tail)
-    assert crossed[0] == (20, 9 * 256 + 1024) and crossed[1] == crossed[2] == (9, 0)
+    # the first step moves the nine statistics and the first row; later steps the row
+    # and whole activations only
+    assert crossed[0] == (20, 9 * 256 + 1024) and crossed[1] == crossed[2] == (9, 1024)
 
 
 def test_in_flight_window_frees_activations_while_their_copies_run(sim: Any) -> None:
@@ -878,6 +878,29 @@ def test_the_in_flight_window_records_a_stream_only_for_copies_still_running(
     assert bool(recorded) == lazy  # retired mid-forward while the copy was pending
     assert all(r() is None for r in held)  # let go at __exit__, after the compute waited
     sim.lazy = False
+
+
+def test_a_budget_set_later_lets_moved_tensors_go_at_once(sim: Any) -> None:
+    """Without a budget the in-flight window holds a moved tensor until its copy is done;
+    under one, which counts it no more, it is let go at once with ``record_stream``.
+    Setting a budget later switches the window off, as passing it to the constructor
+    does (with the window left on, the budget's moved bytes would stay on the device)."""
+    model, x = deep(depth=8).to("sim"), torch.randn(32, 64, device="sim")
+    ctx = offload(batch_bytes=0)
+    for budget in (None, 0):
+        ctx.device_budget = budget
+        sim.log.clear()
+        before = ctx.stats.to_host
+        with ctx:
+            loss = model(x).square().mean()
+            window = len(ctx._in_flight)
+        moved = ctx.stats.to_host - before
+        loss.backward()
+        recorded = [e for e in sim.log if e[0] == "record_stream"]
+        if budget is None:
+            assert window > 0 and not recorded
+        else:
+            assert window == 0 and len(recorded) == moved > 0
 
 
 def test_a_copy_back_on_a_stream_that_never_saw_the_copies_out_waits_for_them(

@@ -87,6 +87,15 @@ def _check_min_offload_size(where: str, value: object) -> None:
         raise ValueError(f"{where}{value!r}): must be an int >= 0 (bytes)")
 
 
+def _check_device_budget(where: str, value: object) -> None:
+    """The one check of ``device_budget``, at construction and on assignment."""
+    if value is not None and (not _is_count(value) or value < 0):
+        raise ValueError(
+            f"{where}{value!r}): must be None or an int >= 0 (bytes of saved activations "
+            "to keep on the device)"
+        )
+
+
 def _check_keep_small(where: str, value: object) -> None:
     """The one check of ``keep_small``, at construction and on assignment."""
     if not isinstance(value, bool):
@@ -145,9 +154,11 @@ class OffloadActivations(saved_tensors_hooks):
             norms, for instance): each would cost a handle, a host copy, its share of a
             transfer each way and a view in backward, and its bytes would save next to
             nothing. A saved view is weighed by its storage (a small view of a large
-            storage moves). A forward of other shapes keeps only as many small bytes as
-            the plan did and makes a new plan. :attr:`plan` reports them. False: every
-            storage of at least ``min_offload_size`` moves (as TRL's).
+            storage moves). A forward of other shapes keeps at most as many small bytes
+            as the plan did: what does not fit moves, and a new plan follows.
+            :attr:`plan` reports them. False: every storage of at least
+            ``min_offload_size`` moves (as TRL's). Settable: the next forward then plans
+            again, as a first forward does.
         device_budget: bytes of saved activations to keep on the device (None: twice
             the largest copy, what prefetch would bring back at once anyway; 0: move every
             one). The ones backward needs first (the last saved) stay, within the
@@ -155,7 +166,7 @@ class OffloadActivations(saved_tensors_hooks):
             moves the oldest whenever the budget is exceeded, and leaves a plan that the
             next forwards of the same shapes follow (moving as they go); a forward of
             other shapes makes a new plan. :attr:`plan` reports it, :attr:`stats` the
-            bytes each way.
+            bytes each way. Settable, as ``keep_small``.
         device: the device to offload from; by default the current accelerator. Tensors on
             other device types stay put.
         force_host_copy: on a machine without an accelerator, offload CPU tensors to
@@ -219,11 +230,7 @@ class OffloadActivations(saved_tensors_hooks):
                 f"OffloadActivations(batch_bytes={batch_bytes!r}): must be an int >= 0 "
                 "(bytes of small copies sent to the host and back together; 0: none)"
             )
-        if device_budget is not None and (not _is_count(device_budget) or device_budget < 0):
-            raise ValueError(
-                f"OffloadActivations(device_budget={device_budget!r}): must be None or an "
-                "int >= 0 (bytes of saved activations to keep on the device)"
-            )
+        _check_device_budget("OffloadActivations(device_budget=", device_budget)
         _check_keep_small("OffloadActivations(keep_small=", keep_small)
         _check_min_offload_size("OffloadActivations(min_offload_size=", min_offload_size)
         target = torch.device(device) if device is not None else accelerator()
@@ -241,7 +248,7 @@ class OffloadActivations(saved_tensors_hooks):
         self.min_offload_size = min_offload_size
         self.max_fwd_stash_size = max_fwd_stash_size
         self.prefetch_bytes = prefetch_bytes
-        self.device_budget = device_budget
+        self._device_budget = device_budget
         self.batch_bytes = batch_bytes
         self._keep_small = keep_small
         #: storages smaller than this stay where they are (the plan's, without a budget);
@@ -282,15 +289,16 @@ class OffloadActivations(saved_tensors_hooks):
         self._held_bytes = 0
         #: a forward whose plan moves nothing keeps its saved tensors as they are: those
         #: (weakly, with their bytes) and their bytes; and whether it still does
-        self._kept: list[tuple[weakref.ref[_Kept], int]] = []
+        self._kept: list[tuple[list[weakref.ref[_Kept]], int]] = []
+        self._kept_now: dict[tuple[int, int, int], list[weakref.ref[_Kept]]] = {}
         self._kept_bytes = 0
         self._keep_all = False
         self._sizes: list[int] = []
         #: this forward's copies of part of a storage (their index in _sizes -> the
-        #: storage's bytes), and the storages kept for their size ((address, version) ->
-        #: bytes): what the small-storage rule weighs, besides _sizes
-        self._spans: dict[int, int] = {}
-        self._small: dict[tuple[int, int], int] = {}
+        #: storage: address, version, bytes), and the storages kept for their size
+        #: (storage -> bytes): what the small-storage rule weighs, besides _sizes
+        self._spans: dict[int, tuple[int, int, int]] = {}
+        self._small: dict[tuple[int, int, int], int] = {}
         self._budget_plan: tuple[tuple[int, ...], int] | None = None
         self._on_plan = False
         self._replans = -1
@@ -312,6 +320,21 @@ class OffloadActivations(saved_tensors_hooks):
         self._min_bytes = max(value, 1)  # what the pack hook compares, precomputed
 
     @property
+    def device_budget(self) -> int | None:
+        """Bytes of saved activations to keep on the device (settable: the next forward
+        then plans again, as a first forward does)."""
+        return self._device_budget
+
+    @device_budget.setter
+    def device_budget(self, value: int | None) -> None:
+        _check_device_budget("OffloadActivations.device_budget = (", value)
+        with self._lock:
+            if value != self._device_budget:
+                self._forget_plan()
+            self._device_budget = value
+            self._window = self.use_streams and value is None
+
+    @property
     def keep_small(self) -> bool:
         """Whether the plan keeps the smallest saved storages on the device (settable: the
         next forward then plans again, as a first forward does)."""
@@ -321,10 +344,16 @@ class OffloadActivations(saved_tensors_hooks):
     def keep_small(self, value: bool) -> None:
         _check_keep_small("OffloadActivations.keep_small = (", value)
         with self._lock:
-            if value != self._keep_small:  # a plan made by the other rule: forget it
-                self._budget_plan = None
-                self._small_below = 0
+            if value != self._keep_small:
+                self._forget_plan()
             self._keep_small = value
+
+    def _forget_plan(self) -> None:
+        """A plan made under other settings (lock held): the next forward plans again, as a
+        first forward does. (Kept as it was, a plan would not change while the shapes stay
+        the same.)"""
+        self._budget_plan = None
+        self._small_below = 0
 
     def update_model_params(self, model: nn.Module) -> None:
         """Never offload ``model``'s parameters and buffers (matched by storage address).
@@ -369,10 +398,12 @@ class OffloadActivations(saved_tensors_hooks):
         if ptr in self._param_storages:
             return _Kept(t)
         total = storage.nbytes()
-        if total < self._small_below and self._small_stays(ptr, t._version, total):
+        if total < self._small_below and self._small_stays((ptr, t._version, total)):
             return _Kept(t)  # too small to be worth moving: see _end_forward
         if self._keep_all:  # the plan moves nothing: kept as it is, its bytes counted
-            return self._keep(t)
+            kept = self._keep(t, (ptr, t._version, total))
+            if kept is not None:
+                return kept
         elem = t.element_size()
         first = int(t.storage_offset())
         contiguous = t.is_contiguous()
@@ -407,9 +438,9 @@ class OffloadActivations(saved_tensors_hooks):
                     copy.source = weakref.ref(storage)
                     shared[(ptr, version)] = ref
                 if not whole:  # the small-storage rule weighs the storage it keeps
-                    self._spans[len(self._sizes)] = total
+                    self._spans[len(self._sizes)] = (ptr, version, total)
                 self._sizes.append(copy.nbytes)  # this forward's copies, for the plan
-                if self._budget_plan is None and self.device_budget is None:
+                if self._budget_plan is None and self._device_budget is None:
                     self._copy_out(t, copy, ref)  # a first forward with no budget: all move
                 else:
                     self._budgeted(copy, t, ref)
@@ -425,17 +456,18 @@ class OffloadActivations(saved_tensors_hooks):
             offset = first - copy.byte_start // elem
             return _Offloaded(self._ref, copy, t, offset, same)  # type: ignore[arg-type]
 
-    def _small_stays(self, ptr: int, version: int, nbytes: int) -> bool:
-        """Whether a storage under the plan's ``_small_below`` stays where it is: while
-        this forward's small storages fit in the bytes the plan kept for them (a forward of
-        other shapes may have more, or its activations may have shrunk under the mark: what
-        does not fit moves, and the forward makes a new plan)."""
-        key = (ptr, version)
+    def _small_stays(self, key: tuple[int, int, int]) -> bool:
+        """Whether a storage under the plan's ``_small_below`` (``key``: its address,
+        version and bytes) stays where it is: while this forward's small storages fit in
+        the bytes the plan kept for them. A forward of other shapes may save more, or its
+        activations may have shrunk under the mark: what does not fit moves, and the
+        forward's copies then differ from the plan, which makes a new one. (Forward-only
+        state, reset by ``__enter__`` and read by ``_end_forward``.)"""
         if key not in self._small:  # saved again (another view, another node): counted once
-            if nbytes > self._small_room:
+            if key[2] > self._small_room:
                 return False
-            self._small_room -= nbytes
-            self._small[key] = nbytes
+            self._small_room -= key[2]
+            self._small[key] = key[2]
         return True
 
     # -- a device budget ------------------------------------------------------------------
@@ -449,7 +481,7 @@ class OffloadActivations(saved_tensors_hooks):
         if self._on_plan and plan is not None and i < len(plan[0]) and plan[0][i] == copy.nbytes:
             if i < plan[1]:  # the plan moves it: at once, as the forward goes
                 self._copy_out(t, copy, ref)
-                if self.device_budget is not None:
+                if self._device_budget is not None:
                     self._within_budget()
                 return
         else:
@@ -476,10 +508,10 @@ class OffloadActivations(saved_tensors_hooks):
         and the held and kept ones pass it. (Without one, what the plan keeps is only
         what prefetch would bring back anyway: a group is sent when full.)"""
         total = self._held_bytes + self._kept_bytes
-        if self.device_budget is not None:
+        if self._device_budget is not None:
             groups = self._open_groups()
             unsent = sum(group.used for group in groups)
-            if total + unsent > self.device_budget:
+            if total + unsent > self._device_budget:
                 for group in groups:
                     self._send(group)
             else:
@@ -495,27 +527,32 @@ class OffloadActivations(saved_tensors_hooks):
                 groups.append(group)
         return groups
 
-    def _keep(self, t: torch.Tensor) -> Any:
+    def _keep(self, t: torch.Tensor, key: tuple[int, int, int]) -> Any:
         """A forward whose plan moves nothing: ``t`` stays as any kept tensor does, with no
-        copy object, while the bytes kept (counted per saved tensor: views count twice,
-        which only errs on the safe side) fit the budget; past it, the rest of the forward
-        is handled as under any budget, the kept bytes a floor nothing moves."""
-        nbytes = t.nbytes
+        copy object, while the bytes kept fit the budget; past it, the rest of the forward
+        is handled as under any budget, the kept bytes a floor nothing moves. Counted by
+        storage (``key``: address, version, bytes), as the plan counts its copies: a
+        storage saved by several nodes counts once, a view counts its whole storage."""
         with self._lock:
-            if self._kept_bytes + nbytes <= self._budget():
-                self._kept_bytes += nbytes
-                kept = _Kept(t)
-                self._kept.append((weakref.ref(kept), nbytes))
-                return kept
-            self._keep_all = self._on_plan = False  # outgrown: held and moved from here
-        return self._pack(t)
+            refs = self._kept_now.get(key)
+            if refs is None:
+                if self._kept_bytes + key[2] > self._budget():
+                    self._keep_all = self._on_plan = False  # outgrown: held and moved
+                    return None
+                self._kept_bytes += key[2]
+                refs = self._kept_now[key] = []
+                self._kept.append((refs, key[2]))
+            kept = _Kept(t)
+            refs.append(weakref.ref(kept))  # the storage is kept while one of them lives
+            return kept
 
     def _forget_dead_held(self) -> None:
         """Drop the held copies whose graph is gone (used, or dropped) from the count."""
         live = deque(e for e in self._held if (c := e[0]()) is not None and c.pending is not None)
         self._held = live
         self._held_bytes = sum(n for _, n in live)
-        kept = [e for e in self._kept if e[0]() is not None]  # an earlier forward's, alive
+        # an earlier forward's, still kept by its graph
+        kept = [e for e in self._kept if any(r() is not None for r in e[0])]
         self._kept = kept
         self._kept_bytes = sum(n for _, n in kept)
 
@@ -523,8 +560,8 @@ class OffloadActivations(saved_tensors_hooks):
         """The device budget: the one given, or (None) twice the largest copy of a
         forward (``sizes``; by default the planned one): what backward's prefetch would
         bring back at once anyway."""
-        if self.device_budget is not None:
-            return self.device_budget
+        if self._device_budget is not None:
+            return self._device_budget
         if sizes is None:
             plan = self._budget_plan
             sizes = plan[0] if plan is not None else ()
@@ -547,11 +584,18 @@ class OffloadActivations(saved_tensors_hooks):
         plan = self._budget_plan
         if plan is not None and tuple(sizes) == plan[0]:
             return
-        storages = [spans.get(i, n) for i, n in enumerate(sizes)]
+        # each copy's storage bytes (a span's storage may be larger than the span), and
+        # every storage the forward saved, once: whole copies are one per storage (the
+        # dedup map), spans of one storage or of a storage copied whole count once more
+        storages = [spans[i][2] if i in spans else n for i, n in enumerate(sizes)]
+        shared = self._session.shared
+        saved = [n for i, n in enumerate(sizes) if i not in spans]
+        saved += [key[2] for key in set(spans.values()) if key[:2] not in shared]
+        saved += small.values()
         below = 0
-        if self._keep_small and self.device_budget is None:
-            below = _small_below([*storages, *small.values()])
-        kept = [n for n in [*storages, *small.values()] if n < below]
+        if self._keep_small and self._device_budget is None:
+            below = _small_below(saved)
+        kept = [n for n in saved if n < below]
         planned = [n for n, s in zip(sizes, storages) if s >= below]  # the copies to come
         moved = _plan(planned, self._budget(planned))
         self._budget_plan = (tuple(planned), moved)
@@ -865,12 +909,12 @@ class OffloadActivations(saved_tensors_hooks):
                 # A fresh dedup map for this forward; earlier forwards' handles keep their
                 # own copies. Nested entries of the same instance share it.
                 self._session = _Session()
-                self._sizes, self._spans, self._small = [], {}, {}
+                self._sizes, self._spans, self._small, self._kept_now = [], {}, {}, {}
                 self._small_room = self._small_kept[1]
                 self._on_plan = True
                 plan = self._budget_plan
                 self._keep_all = plan is not None and plan[1] == 0
-                if self.device_budget is not None or self._keep_all:
+                if self._device_budget is not None or self._keep_all:
                     self._forget_dead_held()
             self._depth += 1
         super().__enter__()
