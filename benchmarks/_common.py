@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -70,13 +71,22 @@ class Timings(dict[str, float]):
 def compare(
     fns: dict[str, Callable[[], Any]], *, repeat: int, number: int, warmup: int = 5
 ) -> Timings:
-    """Time each function ``number`` calls at a time, ``repeat`` rounds, interleaved."""
+    """Time each function ``number`` calls at a time, ``repeat`` rounds, interleaved.
+
+    Each round runs the functions in a new order (shuffled, seeded: the same orders every
+    run), so none always runs right after the same one: a sample may include some of the
+    previous function's deferred work (frees, garbage collections, a cold cache), which a
+    fixed order would charge to the same function every round (about 1% on the simulated
+    tiny Llama of offload.py, measured by swapping two modes)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {k: [] for k in fns}
+    items = list(fns.items())
+    order = random.Random(0)
     for _ in range(repeat):
-        for name, fn in fns.items():
+        order.shuffle(items)
+        for name, fn in items:
             t0 = time.perf_counter()
             for _ in range(number):
                 fn()
