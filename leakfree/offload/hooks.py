@@ -287,8 +287,10 @@ class OffloadActivations(saved_tensors_hooks):
         #: move) from the last forward, and whether this forward still matches it
         self._held: deque[tuple[weakref.ref[_HostCopy], int]] = deque()
         self._held_bytes = 0
-        #: a forward whose plan moves nothing keeps its saved tensors as they are: those
-        #: (weakly, with their bytes) and their bytes; and whether it still does
+        #: a forward whose plan moves nothing keeps its saved tensors as they are: by
+        #: storage, the tensors kept of it (weakly: the storage is kept while one lives)
+        #: with its bytes, and this forward's storages (address, version, bytes) -> those
+        #: tensors; the bytes kept; and whether it still does
         self._kept: list[tuple[list[weakref.ref[_Kept]], int]] = []
         self._kept_now: dict[tuple[int, int, int], list[weakref.ref[_Kept]]] = {}
         self._kept_bytes = 0
