@@ -400,10 +400,11 @@ class OffloadActivations(saved_tensors_hooks):
         if ptr in self._param_storages:
             return _Kept(t)
         total = storage.nbytes()
-        if total < self._small_below and self._small_stays((ptr, t._version, total)):
+        version = t._version
+        if total < self._small_below and self._small_stays((ptr, version, total)):
             return _Kept(t)  # too small to be worth moving: see _end_forward
         if self._keep_all:  # the plan moves nothing: kept as it is, its bytes counted
-            kept = self._keep(t, (ptr, t._version, total))
+            kept = self._keep(t, (ptr, version, total))
             if kept is not None:
                 return kept
         elem = t.element_size()
@@ -415,7 +416,6 @@ class OffloadActivations(saved_tensors_hooks):
             first, end = _span(t)
         span_bytes = (end - first) * elem
         whole = total <= 2 * span_bytes
-        version = t._version
         with self._lock:
             shared = self._session.shared
             copy = None
@@ -858,8 +858,8 @@ class OffloadActivations(saved_tensors_hooks):
         stats.to_device_bytes += group.used
         module = self._device_module
         current = module.current_stream(group.device)
-        dev = torch.empty(host.shape, dtype=host.dtype, device=group.device)
         if prefetch and self.use_streams:
+            dev = torch.empty(host.shape, dtype=host.dtype, device=group.device)
             side = self._side_streams.get(group.device) or self._side(group.device)
             side.wait_stream(current)
             with module.stream(side):
@@ -868,7 +868,7 @@ class OffloadActivations(saved_tensors_hooks):
         else:
             if group.written is not None:
                 current.wait_event(group.written)
-            dev.copy_(host, non_blocking=block.pinned)
+            dev = group.to_device(non_blocking=block.pinned)
             event = current.record_event()
         block.event = event  # the host block is read until this completes
         return dev, event
