@@ -68,8 +68,6 @@ def run_py(code: str, *paths: Path, timeout: float = 180) -> Any:
 def adopt_environment(env: dict[str, str]) -> None:
     """Make ``env`` this process's environment: a child forked from the server starts with
     the server's, as it was when the server started, not with its caller's."""
-    import os
-
     os.environ.clear()
     os.environ.update(env)
 

@@ -293,15 +293,21 @@ class Normed(nn.Module):
         return z.square().mean() + peek
 
 
+def normed_pair() -> tuple[Normed, Normed]:
+    """A seeded ``Normed`` for the manager under test, and an equal one for plain PyTorch."""
+    torch.manual_seed(0)
+    model, plain = Normed(), Normed()
+    plain.load_state_dict(model.state_dict())
+    return model, plain
+
+
 def _normed_steps(
     batches: tuple[int, ...], ctx: leakfree.OffloadActivations | None = None, **kw: Any
 ) -> tuple[leakfree.OffloadActivations, list[tuple[int, int]]]:
     """Steps of ``Normed`` under ``ctx`` (by default ``offload(min_offload_size=1, **kw)``):
     per step, the copies to the host and their bytes; gradients checked against plain
     PyTorch at every step."""
-    torch.manual_seed(0)
-    model, plain = Normed(), Normed()
-    plain.load_state_dict(model.state_dict())
+    model, plain = normed_pair()
     ctx = ctx or offload(min_offload_size=1, **kw)
     ctx.update_model_params(model)
     moved = []
@@ -450,9 +456,7 @@ def test_small_storages_stay_across_gradient_accumulation() -> None:
     """Two forwards under their own blocks, then one backward: each forward keeps its own
     small storages within the plan's bytes (the room is per forward), the plan stays as it
     is, and gradients match plain PyTorch."""
-    torch.manual_seed(0)
-    model, plain = Normed(), Normed()
-    plain.load_state_dict(model.state_dict())
+    model, plain = normed_pair()
     ctx = offload(min_offload_size=1)
     ctx.update_model_params(model)
     xs = [torch.randn(64, 256) for _ in range(2)]

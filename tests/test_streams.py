@@ -25,10 +25,10 @@ from leakfree.offload import OffloadWarning
 from leakfree.offload.pool import _size_class
 from tests.test_offload import (
     Model,
-    Normed,
     assert_equal_grads,
     grouping,
     make,
+    normed_pair,
     reference_grads,
 )
 
@@ -493,9 +493,8 @@ def test_views_needed_by_several_nodes_come_back_once_per_pass(sim: Any, batch_b
 def test_small_storages_stay_on_the_device_and_never_cross(sim: Any) -> None:
     """After the first step the norms' per-row statistics (256 B each) stay on the device:
     the device counts the copies each way, and gradients match the CPU bit for bit."""
-    torch.manual_seed(0)
-    model, plain = Normed().to("sim"), Normed()
-    plain.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+    model, plain = normed_pair()
+    model.to("sim")
     ctx = offload(min_offload_size=1)
     ctx.update_model_params(model)
     x = torch.randn(64, 256)
