@@ -94,6 +94,10 @@ def assert_no_leak(
         for _ in range(warmup + steps):
             step_fn()
             tracker.step()
+            if tracker.findings:  # found: the steps left would only repeat it
+                break
+        else:
+            tracker.detector.finish()
     growth = tracker.growth(device, skip=warmup)
     findings = tracker.findings
     if findings:

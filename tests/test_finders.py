@@ -304,7 +304,7 @@ def test_graphs_kept_by_retain_graph_count_their_saved_tensors() -> None:
 
     [found] = watch(step, steps=14)
     [held] = found.holders
-    assert held.where == "later[*]" and held.count >= 10
+    assert held.where == "later[*]" and held.count >= 6
     assert "retain_graph=True" in held.detail
     # the saved activations are alive and counted: far more than the 8 x 16 outputs
     assert held.nbytes / held.count > 4 * 8 * 16 * 4
@@ -405,7 +405,7 @@ def test_cycles_under_gc_disable_are_named_with_their_path(no_auto_gc: None) -> 
     assert "cycle: Node.me -> Node; holds it by .out" in found.message
     line = line_of(cycle_step, "out = model(")
     assert f"created at {HERE}:{line} in cycle_step" in found.message
-    assert found.cycles.nbytes >= 10 * 8 * 16 * 4
+    assert found.cycles.nbytes >= 6 * 8 * 16 * 4
     assert watch(lambda: cycle_step(model, opt, collect=True), steps=14) == []
 
 
@@ -540,7 +540,7 @@ def test_hooks_registered_every_step_on_a_graph_node() -> None:
         accumulator.register_prehook(lambda grads: (stats.sum(), None)[1])
 
     [found] = watch(lambda: stats_step(model, opt, keep), steps=14)
-    assert "accumulator<hooks>  12 tensor(s) without a graph" in found.message
+    assert "accumulator<hooks>  8 tensor(s) without a graph" in found.message
     assert f"created at {HERE}:{STATS_LINE} in stats_step" in found.message
 
 
@@ -559,7 +559,7 @@ def test_a_holder_no_walk_can_see_still_gets_the_line_that_made_it() -> None:
     finally:
         for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
             finalizer.detach()
-    assert "no holder found" in found.message and "10 storage(s)" in found.message
+    assert "no holder found" in found.message and "6 storage(s)" in found.message
     assert f"created at {HERE}:{STATS_LINE} in stats_step" in found.message
 
 

@@ -52,7 +52,13 @@ from leakfree._text import format_bytes
 from leakfree._warnings import LeakfreeWarning
 from leakfree.diagnostics.cycles import Cycles, find_cycles
 from leakfree.diagnostics.growth import Growth, fit_growth
-from leakfree.diagnostics.retention import Retained, RetentionReport, find_retained, group
+from leakfree.diagnostics.retention import (
+    _INDEX,
+    Retained,
+    RetentionReport,
+    find_retained,
+    group,
+)
 from leakfree.diagnostics.roots import frame_roots, module_roots
 
 
@@ -126,6 +132,15 @@ class Finding:
         return self.message
 
 
+#: steps of exact (or allocator) values a suspicion is confirmed over
+CONFIRM = 4
+#: bytes per step the C heap may drift in a clean loop (Python objects, caches): a heap
+#: signal below it is not suspected (a leak's tensors and graph nodes are far above it)
+HEAP_SLACK = 256
+#: a microbatch's retention counts above this fraction of what the microbatch allocates
+MICRO_FRACTION = 1 / 1024
+
+
 @dataclass
 class Detector:
     """Judges one tracker's samples by a :class:`Rule`; see the module doc.
@@ -146,92 +161,291 @@ class Detector:
     def __post_init__(self) -> None:
         self.rule.check(self.owner)
         self.steps = 0  #: step boundaries seen
+        self.judged_steps = 0  #: steps after the warm-up with a measure (the verdict's basis)
         self.growth: Growth | None = None  #: the last across-step verdict's growth
         self._micro: list[int] = []  #: live bytes after each backward of this step
+        self._made: list[int | None] = []  #: bytes allocated so far, at each backward
+        self._made_per = 0.0  #: bytes a microbatch allocates, as last measured
         self._micro_searches = 0  #: searches in this step
-        self._values: list[int] = []  #: live bytes per judged step, the last window
+        self._micro_base: RetentionReport | None = None  #: this step's first search
+        self._micro_base_at = 0  #: the backward pass it was made after
+        self._micro_suspect = True  #: search after the next step's first backward
+        #: holders that gained a tensor per microbatch, a finding if they fall back
+        self._pending: tuple[list[Retained], RetentionReport | None, float, int, int] | None = None
+        self._signal: list[int] = []  #: the cheap measure per step, the last window
+        self._values: list[int] = []  #: exact live bytes per tracked step, the last window
         self._at: list[int] = []  #: the step of each value
-        self._next_search = 0  #: the step from which an across-step search may run
+        self._confirm: list[int] | None = None  #: exact values since a suspicion, if one
+        self._base: RetentionReport | None = None  #: the holders when growth was suspected
+        self._suspected_at = 0
+        self._next_search = 0  #: the step from which growth may be suspected again
         self._backoff = 1
         self._next_micro = 1  #: the step from which a microbatch search may run
         self._micro_backoff = 1
-        self._last: RetentionReport | None = None
         self._reported: set[tuple[str, str]] = set()
         self._probed = False
         self._broken = False  #: a search failed once (said once)
 
-    # -- boundaries ------------------------------------------------------------------
+    # -- the verdict -----------------------------------------------------------------
 
-    def backward(self, live: int, frame: FrameType | None) -> None:
-        """A backward pass ended with ``live`` bytes alive (called by the tracker)."""
-        micro = self._micro
-        micro.append(live)
-        step = self.steps + 1
-        if len(micro) < 2 or micro[-1] <= micro[-2] or step < self._next_micro:
-            return
-        if self._micro_searches >= 2:
-            return
-        self._micro_searches += 1
-        report = self._search(frame)
-        # Graphs of several microbatches in one holder, each keeping more through its graph
-        # than ``floor`` beyond its own value: torch's pipelining schedules keep every
-        # microbatch's backpropagated loss until the step ends, a value like a metric.
-        graphs = group([i for i in report.items if i.kind == "graph"])
-        several = [g for g in graphs if g.count > 1 and g.through_graph / g.count > self.rule.floor]
-        if not several:
-            if self._micro_searches >= 2:  # nothing twice this step: search less often
-                self._next_micro = step + self._micro_backoff
-                self._micro_backoff *= 2
-            return
-        per = (micro[-1] - micro[0]) / (len(micro) - 1)
-        kept = [i for i in report.items if i.kind == "ctx attribute"]  # what they pin
-        self._found(
-            "microbatch",
-            several + kept,
-            per,
-            f"{self.owner}: +{format_bytes(per)} kept per backward pass over the "
-            f"{len(micro)} backward passes of step {step}: memory builds up within the step "
-            "(autograd graphs kept for every microbatch), so a step with more microbatches "
-            "runs out of memory although nothing grows from step to step. Held by:",
+    @property
+    def needed_steps(self) -> int:
+        """Steps after the warm-up a run must have measured before it can be called clean."""
+        return self.rule.window
+
+    @property
+    def confirming(self) -> bool:
+        """Growth is suspected and being confirmed: the tracker follows every step exactly."""
+        return self._confirm is not None
+
+    @property
+    def verdict(self) -> str:
+        """``"leak"`` (a finding), ``"clean"`` (judged over enough steps, nothing found) or
+        ``"not judged"`` (the run ended first, or while growth was being confirmed)."""
+        if self.findings:
+            return "leak"
+        if self._confirm is None and self.judged_steps >= self.needed_steps:
+            return "clean"
+        return "not judged"
+
+    def why_not_judged(self) -> str:
+        """What kept a run from a verdict, for the report (empty once judged)."""
+        if self.verdict != "not judged":
+            return ""
+        if self._confirm is not None:
+            return (
+                f"growth suspected at step {self._suspected_at} was still being confirmed "
+                f"when the run ended ({len(self._confirm)} of {CONFIRM} steps)"
+            )
+        return (
+            f"{self.judged_steps} of the {self.needed_steps} {self.unit} after the "
+            f"{self.rule.warmup}-step warm-up a verdict needs were measured"
         )
 
-    def step(self, live: int | None, frame: FrameType | None) -> None:
-        """A step ended with ``live`` bytes alive (None: a step not sampled)."""
+    # -- boundaries ------------------------------------------------------------------
+
+    def backward(
+        self,
+        live: int,
+        frame: FrameType | None,
+        *,
+        made: int | None = None,
+        slack: int = 0,
+    ) -> None:
+        """A backward pass ended with ``live`` bytes alive (called by the tracker).
+
+        ``made``: bytes allocated so far (a running total), where the tracker can tell, so
+        a retention is weighed against what a microbatch allocates; ``slack``: growth
+        between two backward passes that the measure's noise explains.
+        """
+        micro = self._micro
+        micro.append(live)
+        self._made.append(made)
+        step = self.steps + 1
+        if len(micro) == 1 and self._pending is not None:
+            self._fell_back(frame, last=True)
+        if step < self._next_micro or self._micro_searches >= 3:
+            return
+        if len(micro) == 1:
+            # The baseline a later backward of this step is compared with: in the first
+            # step, and after a step whose memory built up with nothing found.
+            if self._micro_suspect:
+                self._micro_suspect = False
+                self._micro_searches += 1
+                self._micro_base, self._micro_base_at = self._search(frame, everything=True), 1
+            return
+        if micro[-1] - micro[-2] <= slack:
+            return
+        self._micro_searches += 1
+        report = self._search(frame, everything=True)
+        base, at = self._micro_base, self._micro_base_at
+        if base is None:
+            self._micro_base, self._micro_base_at = report, len(micro)
+        graphs, candidates = self._per_microbatch(report, base, len(micro) - at)
+        per = (micro[-1] - micro[0]) / (len(micro) - 1)
+        if graphs:
+            kept = [i for i in report.items if i.kind == "ctx attribute"]  # what they pin
+            self._micro_found(graphs + kept, per, len(micro), step)
+        elif candidates:  # a finding once they fall back: a cache that fills stays
+            self._pending = (candidates, base, per, len(micro), step)
+        elif self._micro_searches >= 2:  # nothing twice this step: search less often
+            self._next_micro = step + self._micro_backoff
+            self._micro_backoff *= 2
+            self._micro_suspect = True
+
+    def _micro_found(self, holders: list[Retained], per: float, passes: int, step: int) -> None:
+        self._found(
+            "microbatch",
+            holders,
+            per,
+            f"{self.owner}: +{format_bytes(per)} kept per backward pass over the "
+            f"{passes} backward passes of step {step}: memory builds up within the step "
+            "(tensors kept for every microbatch until the step ends), so a step with more "
+            "microbatches runs out of memory although nothing grows from step to step. "
+            "Held by:",
+        )
+
+    def _fell_back(self, frame: FrameType | None, last: bool) -> None:
+        """Are the pending holders of a step's microbatches let go now that it ended? Those
+        that are were kept per microbatch: a finding. Looked at when the step ends and, for
+        a holder emptied by a step-end callback that runs after ours, at the next step's
+        first backward (``last``); then forgotten."""
+        pending = self._pending
+        if pending is None:
+            return
+        candidates, base, per, passes, step = pending
+        report = self._search(frame, everything=True)
+        now = _by_holder(report.items + report.all_detached)
+        before = _by_holder(base.items + base.all_detached) if base is not None else {}
+        fallen, waiting = [], []
+        for held in candidates:
+            key = _holder_key(held)
+            was = before.get(key)
+            still = now.get(key)
+            if still is None or still.nbytes <= (was.nbytes if was is not None else 0):
+                fallen.append(held)
+            else:
+                waiting.append(held)
+        self._pending = (waiting, base, per, passes, step) if waiting and not last else None
+        if fallen:
+            self._micro_found(fallen, per, passes, step)
+
+    def _per_microbatch(
+        self, report: RetentionReport, base: RetentionReport | None, passes: int
+    ) -> tuple[list[Retained], list[Retained]]:
+        """Holders that gained a tensor on every backward pass since ``base`` (``passes``
+        ago), each tensor worth more than a floor relative to what a microbatch allocates.
+
+        Returns two lists. First, several backpropagated graphs in one holder, each keeping
+        more than ``floor`` through its graph: a finding at once, without a baseline (the
+        first step's second backward). Then candidates, found by comparison with ``base``:
+        tensors with or without a graph (outputs, logits, losses kept with their value)
+        that are a finding if they fall back when the step ends (:meth:`_fell_back`).
+        Backpropagated losses kept only for their value (torch's pipelining schedules keep
+        each microbatch's loss until the step ends), detached scalars and the step's own
+        inputs (integer ids and masks, or fetched before its first backward) are neither.
+        """
+        floor = self._micro_floor()
+        graphs = group([i for i in report.items if i.kind == "graph"])
+        out = [g for g in graphs if g.count > 1 and g.through_graph / g.count > self.rule.floor]
+        if base is None or passes < 1:
+            return out, []
+        named = {h.where for h in out}
+        candidates = []
+        before = _by_holder(base.items + base.all_detached)
+        for now in graphs + group(report.all_detached):
+            if now.where in named:
+                continue
+            old = before.get(_holder_key(now))
+            gained = _tensors(now) - (_tensors(old) if old is not None else 0)
+            more = now.nbytes - (old.nbytes if old is not None else 0)
+            if gained >= passes and more / gained > floor:
+                candidates.append(now)
+        return out, candidates
+
+    def _micro_floor(self) -> float:
+        """Bytes per kept tensor below which a microbatch's retention is a metric: the
+        rule's floor, or a fraction of what one microbatch allocates, the larger."""
+        made = [m for m in self._made if m is not None]
+        if len(made) >= 2:  # else what an earlier step's microbatches allocated
+            self._made_per = (made[-1] - made[0]) / (len(made) - 1)
+        return max(float(self.rule.floor), self._made_per * MICRO_FRACTION)
+
+    def step(self, live: int | None, frame: FrameType | None, signal: int | None = None) -> None:
+        """A step ended with ``live`` exact (or allocator) bytes alive (None: not sampled)
+        and ``signal`` bytes by a cheap measure read at every step (the C heap), if any."""
+        self._fell_back(frame, last=False)
         self.steps += 1
-        self._micro, self._micro_searches = [], 0
+        grew = len(self._micro) > 1 and self._micro[-1] > self._micro[0]
+        if grew and self._micro_searches and not self.findings:
+            self._micro_suspect = True
+        self._micro, self._made, self._micro_searches = [], [], 0
+        self._micro_base = None
         if self.steps <= self.rule.warmup:
             return
         if not self._probed and gc.isenabled():  # at the first step after the warm-up,
             self._probed = True  # tracked or not: a one-off cost at a known place
             self._cycles()
-        if live is None:
+        primary = signal if signal is not None else live
+        if primary is not None:
+            self.judged_steps += 1
+        if live is not None:
+            self._values.append(live)
+            self._at.append(self.steps)
+            del self._values[: -self.rule.window], self._at[: -self.rule.window]
+        if self._confirm is not None:
+            if live is not None:
+                self._confirm.append(live)
+            # Exact values every step need only a later search to see what grew; a heap's
+            # suspicion needs exact values to confirm it.
+            if len(self._confirm) >= (CONFIRM if signal is not None else 2):
+                self._conclude(frame)
             return
-        self._values.append(live)
-        self._at.append(self.steps)
-        del self._values[: -self.rule.window], self._at[: -self.rule.window]
-        if len(self._values) >= self.rule.window:
+        if self.steps < self._next_search:
+            return
+        if signal is not None:
+            # Judged at every step from four of them on: a heap that grows steadily, beyond
+            # its noise and its drift, is suspected; the storages then say what grew.
+            self._signal.append(signal)
+            del self._signal[: -self.rule.window]
+            if len(self._signal) >= 4:
+                heap = fit_growth(self._signal)
+                if heap.exceeds(max(self.rule.tolerance, HEAP_SLACK)):
+                    self._suspect(frame)
+                    return
+            # The sampled exact series still judges what the heap's noise hides.
+            if len(self._values) >= self.rule.window:
+                self.judge(frame)
+        elif live is not None and len(self._values) >= 4:
             self.judge(frame)
 
     def judge(self, frame: FrameType | None = None) -> None:
-        """Judge the recent steps now; any finding goes to ``findings``."""
+        """Judge the recent exact values now: growth noise cannot explain is suspected and
+        confirmed over the next steps (see :meth:`step`)."""
         if len(self._values) < 4:
             return
         growth = fit_growth(self._values)
         self.growth = growth
-        if not growth.exceeds(self.rule.tolerance) or self.steps < self._next_search:
-            return
-        found = self._across(growth, frame)
-        if found:
-            self._backoff = 1
-        else:
-            self._next_search = self.steps + self._backoff
-            self._backoff *= 2
+        if growth.exceeds(self.rule.tolerance) and self.steps >= self._next_search:
+            self._suspect(frame)
+
+    def _suspect(self, frame: FrameType | None) -> None:
+        """Growth is suspected: note who holds what now, and follow the next
+        :data:`CONFIRM` steps exactly (the tracker reads :attr:`confirming`)."""
+        self._suspected_at = self.steps
+        self._confirm = []
+        self._base = self._search(frame, everything=True)
+
+    def _conclude(self, frame: FrameType | None) -> None:
+        """The confirmation's steps are in: a finding if they grew, then back off either
+        way, so a leak that keeps growing is searched a few times per run, not per step."""
+        self._confirm = None
+        base, self._base = self._base, None
+        growth = fit_growth(self._values)
+        self.growth = growth
+        if growth.exceeds(self.rule.tolerance):
+            self._across(growth, frame, base)
+        self._next_search = self.steps + self._backoff
+        self._backoff *= 2
+
+    def finish(self, frame: FrameType | None = None) -> None:
+        """The run ended: holders pending since the last step are looked at once more, and
+        growth being confirmed is judged over the exact values there are (at least four),
+        else the verdict stays "not judged"."""
+        self._fell_back(frame, last=True)
+        if not self._confirm or len(self._values) < 4:
+            return  # nothing measured since the suspicion: nothing to attribute it to
+        self._conclude(frame)
 
     # -- verdicts --------------------------------------------------------------------
 
-    def _across(self, growth: Growth, frame: FrameType | None) -> bool:
-        report = self._search(frame, since=self._last)
-        self._last = report
+    def _across(
+        self, growth: Growth, frame: FrameType | None, base: RetentionReport | None
+    ) -> bool:
+        report = self._search(frame, since=base)
+        # Only what grew since the suspicion is named: a constant retained graph elsewhere
+        # (last step's loss kept with retain_graph=True) is not the holder of this growth.
+        items = _grew(report.items, base.items if base is not None else None)
         first = self._at[-growth.steps] if len(self._at) >= growth.steps else 1
         span = self.steps - first + 1
         sampled = f", {growth.steps} of them tracked" if span > growth.steps else ""
@@ -240,10 +454,8 @@ class Detector:
             f"{self.unit} {first}-{self.steps} ({span} steps after a {self.rule.warmup}-step "
             f"warm-up{sampled}; {format_bytes(growth.first)} -> {format_bytes(growth.last)})"
         )
-        if report.items:
-            return self._found(
-                "growth", report.items, growth.bytes_per_step, f"{lead}, held by:", growth
-            )
+        if items:
+            return self._found("growth", items, growth.bytes_per_step, f"{lead}, held by:", growth)
         if self._cycles(growth):
             return True
         if growth.bytes_per_step <= max(self.rule.floor, self.rule.tolerance):
@@ -251,7 +463,9 @@ class Detector:
         seen = report.detached
         if not seen:  # what a clean loop holds too: graphs before backward, detached tensors
             full = self._search(frame, everything=True)
-            seen = [i for i in full.items if i.kind == "graph"] + full.detached
+            every = [i for i in full.items if i.kind == "graph"] + full.all_detached
+            before = (base.items + base.all_detached) if base is not None else None
+            seen = _grew(every, before)
         if seen:
             return self._found(
                 "growth",
@@ -264,7 +478,7 @@ class Detector:
         made = ""
         storages = self.tracker._storages
         if storages is not None:  # no holder: at least the lines that made what grew
-            grown = storages.alive_by_site(first - 1)  # epoch k-1: made in step k
+            grown = storages.alive_by_site(self.rule.warmup)  # epoch k-1: made in step k
             made = "".join(
                 f"\n  created at {site}: {count} storage(s), {format_bytes(nbytes)}"
                 for site, count, nbytes in grown[:5]
@@ -276,7 +490,7 @@ class Detector:
             f"{lead}; no holder found among the module globals, the stack and the roots "
             "given: it is held where a walk cannot see (C++: hooks on graph nodes, an "
             "extension's objects) or by an object you can pass as roots=...; what grew "
-            f"since step {first}, by the line that made it:{made or ' unknown'}",
+            f"after the warm-up, by the line that made it:{made or ' unknown'}",
             growth,
         )
 
@@ -320,10 +534,10 @@ class Detector:
         growth: Growth | None = None,
     ) -> bool:
         grouped = group(holders)
-        fresh = [h for h in grouped if (kind, h.where) not in self._reported]
+        fresh = [h for h in grouped if (kind, _holder_key(h)[1]) not in self._reported]
         if (holders and not fresh) or (not holders and (kind, "") in self._reported):
             return True  # reported already: once per run
-        self._reported.update((kind, h.where) for h in fresh)
+        self._reported.update((kind, _holder_key(h)[1]) for h in fresh)
         if not holders:
             self._reported.add((kind, ""))
         lines = "".join(f"\n  {_line(h)}" for h in fresh[:8])
@@ -380,6 +594,35 @@ class Detector:
             everything=everything,
             sites=storages.site if storages is not None else None,
         )
+
+
+def _holder_key(item: Retained) -> tuple[str, str]:
+    """A holder's identity across searches: its kind and its path, indices as ``[*]``."""
+    return item.kind, _INDEX.sub("[*]", item.where)
+
+
+def _by_holder(items: list[Retained]) -> dict[tuple[str, str], Retained]:
+    return {_holder_key(h): h for h in group(items)}
+
+
+def _tensors(item: Retained) -> int:
+    """How many tensors a (grouped) entry holds that a forward computed: graphs, and the
+    floating-point tensors of a detached holder (not integer ids or masks)."""
+    return item.floating if item.kind == "detached" else max(item.count, 1)
+
+
+def _grew(now: list[Retained], before: list[Retained] | None) -> list[Retained]:
+    """The holders of ``now`` (grouped) that are new or hold more than in ``before``: what
+    grew, not what merely stayed alive. All of ``now`` without a ``before``."""
+    if before is None:
+        return now
+    old = _by_holder(before)
+    out = []
+    for h in group(now):
+        was = old.get(_holder_key(h))
+        if was is None or max(h.count, 1) > max(was.count, 1) or h.nbytes > was.nbytes:
+            out.append(h)
+    return out
 
 
 def _line(item: Retained) -> str:

@@ -47,8 +47,9 @@ from leakfree._device import accelerator, device_index, device_module
 from leakfree._text import format_bytes, format_table
 from leakfree._warnings import MemoryGrowthWarning
 from leakfree.diagnostics.boundaries import on_backward
-from leakfree.diagnostics.detector import Detector, Finding, Rule, whole
+from leakfree.diagnostics.detector import HEAP_SLACK, Detector, Finding, Rule, whole
 from leakfree.diagnostics.growth import Growth, fit_growth
+from leakfree.diagnostics.heap import heap_counter
 from leakfree.diagnostics.sites import Raw, Site, capture, site_of
 
 __all__ = ["MemoryTracker", "StorageTracker", "active_site", "weak_method"]
@@ -69,6 +70,7 @@ class StorageTracker(TorchDispatchMode):
         #: storage key -> (weak reference, bytes when made, device name, epoch when made)
         self._live: dict[int, tuple[StorageWeakRef, int, str, int]] = {}
         self.epoch = 0  #: a label for the storages made from now on (the tracker's step)
+        self.created = 0  #: bytes of every storage recorded so far (what was allocated)
         #: where each tracked storage was created (with ``sites=True``): see sites.py
         self._sites: dict[int, Raw | None] | None = {} if sites else None
 
@@ -100,6 +102,12 @@ class StorageTracker(TorchDispatchMode):
             key = storage._cdata
             seen = live.get(key)
             if seen is not None and not seen[0].expired():  # type: ignore[no-untyped-call]
+                if kind == _MUTATES and self._sites is not None:
+                    # Written in place (``total += loss``, ``out=``): what it holds now was
+                    # made here, not where its buffer was allocated.
+                    if where is False:
+                        where = capture(sys._getframe(1))
+                    self._sites[key] = where  # type: ignore[assignment]
                 continue
             if kind == _MUTATES:  # in-place and out= ops return an input's storage
                 if inputs is None:
@@ -110,9 +118,11 @@ class StorageTracker(TorchDispatchMode):
             name = _DEVICE_NAMES.get(device)
             if name is None:  # meta tensors land under "meta", which no one samples
                 name = _DEVICE_NAMES[device] = str(device)
+            nbytes = storage.nbytes()
+            self.created += nbytes
             live[key] = (
                 StorageWeakRef(storage),  # type: ignore[no-untyped-call]
-                storage.nbytes(),
+                nbytes,
                 name,
                 self.epoch,
             )
@@ -327,6 +337,7 @@ class MemoryTracker:
         self._depth = 0  #: dispatch stack depth outside the tracker
         self._backward: Any = None  #: the backward-boundary handle while entered
         self._thread = 0  #: the thread that entered: its backward passes are the microbatches
+        self._heap: Callable[[], int] | None = None  #: the CPU's cheap count, while entered
         # The detector holds the tracker weakly, and is told of findings through a weak
         # method: a cycle here would keep the roots (the user's model, through a closure)
         # alive after the tracker, until a gc.collect() that gc.disable() may never run.
@@ -355,11 +366,18 @@ class MemoryTracker:
     def _on_backward(self, frame: FrameType | None) -> None:
         if threading.get_ident() != self._thread:
             return  # another thread's backward: not a microbatch of this loop
-        if self._storages is not None and not self._tracking:
+        storages = self._storages
+        made = storages.created if storages is not None and self._tracking else None
+        if self._heap is not None:  # the CPU, at every backward: the heap's count
+            self.detector.backward(self._heap(), frame, made=made, slack=HEAP_SLACK)
+            return
+        if storages is not None and not self._tracking:
             return  # a step the sampling tracker does not track
         live = self.sample().get(self.judged)
         if live is not None:
-            self.detector.backward(live, frame)
+            if made is None or not self._counted(torch.device(self.judged)):
+                made = self._allocated_total(torch.device(self.judged))
+            self.detector.backward(live, frame, made=made)
 
     def _counted(self, device: torch.device) -> bool:
         """Is ``device`` counted by the storage tracker (no allocator statistics)?"""
@@ -367,6 +385,10 @@ class MemoryTracker:
 
     def __enter__(self) -> MemoryTracker:
         self._storages = None  # on an allocator's count alone, no op pays for tracking
+        self._heap = None
+        judged = torch.device(self.judged)
+        if self._counted(judged) and judged.type == "cpu" and self.sample_every > 1:
+            self._heap = heap_counter()  # the cheap signal read at every boundary
         if any(self._counted(d) for d in self.devices):
             self._storages = StorageTracker(sites=self.sites)
             self._depth = torch._C._len_torch_dispatch_stack()
@@ -379,6 +401,7 @@ class MemoryTracker:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._heap = None
         handle, self._backward = self._backward, None
         if handle is not None:
             handle.remove()
@@ -388,6 +411,20 @@ class MemoryTracker:
             if self._tracking:
                 self._tracking = False
                 self._storages.__exit__(*exc)  # type: ignore[no-untyped-call]
+
+    def _allocated_total(self, device: torch.device) -> int | None:
+        """Bytes the allocator has handed out since the process started (a running total,
+        frees not subtracted), where it counts them."""
+        if device.type in ("cpu", "meta"):
+            return None
+        stats = getattr(device_module(device), "memory_stats", None)
+        if stats is None:
+            return None
+        try:
+            total = stats(device).get("allocated_bytes.all.allocated")
+        except (RuntimeError, TypeError, AttributeError):
+            return None
+        return int(total) if total is not None else None
 
     def _allocator_bytes(self, device: torch.device) -> int | None:
         if not self.use_allocator or device.type in ("cpu", "meta"):
@@ -429,11 +466,18 @@ class MemoryTracker:
             self.steps.setdefault(key, []).append(index)
         if self._storages is not None:
             self._storages.epoch = index + 1  # storages made from now on: the next step's
-        self.detector.step(now.get(self.judged), sys._getframe(1))
+        signal = self._heap() if self._heap is not None else None
+        detector = self.detector
+        detector.step(now.get(self.judged), sys._getframe(1), signal)
         if self._storages is not None and self.sample_every > 1:
             if index + 1 > self._next:  # draw the next tracked step: gaps average k
                 self._next = index + self._rng.randint(1, 2 * self.sample_every - 1)
-            self._track(index + 1 == self._next)
+            # Every step is followed while growth is being confirmed and, without a cheap
+            # signal, until the run has been judged clean once.
+            exact = detector.confirming or (
+                self._heap is None and detector.judged_steps < detector.needed_steps
+            )
+            self._track(exact or index + 1 == self._next)
         return now
 
     def _track(self, on: bool) -> None:

@@ -85,6 +85,9 @@ class Retained:
     #: for "graph": the bytes kept through the graph alone, beyond the held tensor's own
     #: storage (what detaching it would free)
     through_graph: int = 0
+    #: for "detached": how many of the held tensors are floating point (values a forward
+    #: computes), not integer ids or masks (a batch's inputs)
+    floating: int = 0
 
     def __str__(self) -> str:
         made = f"  created at {self.site}" if self.site else ""
@@ -170,7 +173,8 @@ def group(items: list[Retained]) -> list[Retained]:
         detail = f"{len(members)} of them; each {members[0].detail}"
         nbytes = sum(m.nbytes for m in members)
         through = sum(m.through_graph for m in members)
-        out.append(Retained(kind, where, nbytes, detail, count, site, through))
+        floating = sum(m.floating for m in members)
+        out.append(Retained(kind, where, nbytes, detail, count, site, through, floating))
     return sorted(out, key=lambda i: -i.nbytes)
 
 
@@ -583,7 +587,10 @@ def _detached(
         else:
             growing = False
         site = next((m for m in map(made, reversed(tensors)) if m), "")
-        out.append(Retained("detached", where, nbytes, detail, len(tensors), site))
+        floating = sum(1 for t in tensors if t.is_floating_point() or t.is_complex())
+        out.append(
+            Retained("detached", where, nbytes, detail, len(tensors), site, floating=floating)
+        )
         shown.append(everything or growing)
     return out, shown
 

@@ -137,7 +137,10 @@ class Watch:
             handle.remove()
         tracker, self._tracker = self._tracker, None
         if tracker is not None:
-            tracker.__exit__(None, None, None)
+            try:
+                tracker.detector.finish()  # growth being confirmed: judged on what is in
+            finally:
+                tracker.__exit__(None, None, None)
 
     def __enter__(self) -> Watch:
         return self.start()

@@ -137,8 +137,13 @@ class GrowthWatch:
     def stop(self) -> None:
         """End the run (idempotent): tracking stops; the numbers stay readable."""
         tracker, self._tracker = self._tracker, None
-        self._holders = dict  # the framework's objects are not kept past the run
-        if tracker is not None:
+        if tracker is None:
+            self._holders = dict
+            return
+        try:
+            tracker.detector.finish()  # growth being confirmed: judged on what is in
+        finally:
+            self._holders = dict  # the framework's objects are not kept past the run
             tracker.__exit__(None, None, None)
 
     def _roots(self) -> dict[str, Any]:
