@@ -35,6 +35,7 @@ _EXPORTS = {
     "PatchWarning": "leakfree._warnings",
     "PatchError": "leakfree._warnings",
     "MemoryGrowthWarning": "leakfree._warnings",
+    "NotJudgedWarning": "leakfree._warnings",
     "watch": "leakfree.diagnostics.watch",
 }
 _SUBMODULES = ("pipeline",)
@@ -48,6 +49,7 @@ __all__ = [
     "LossLog",
     "MemoryGrowthWarning",
     "NoOffload",
+    "NotJudgedWarning",
     "OffloadActivations",
     "PatchError",
     "PatchWarning",
@@ -89,7 +91,12 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from leakfree import pipeline
-    from leakfree._warnings import LeakfreeWarning, MemoryGrowthWarning, PatchWarning
+    from leakfree._warnings import (
+        LeakfreeWarning,
+        MemoryGrowthWarning,
+        NotJudgedWarning,
+        PatchWarning,
+    )
     from leakfree.detach import detach_tree
     from leakfree.diagnostics.watch import watch
     from leakfree.function import (

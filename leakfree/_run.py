@@ -6,8 +6,10 @@ The script runs in this process exactly as ``python SCRIPT ARGS...`` would run i
 made, and all of them again in a summary when the script ends, however it ends.
 
 Exit status: the script's own (``sys.exit(3)`` gives 3, an uncaught exception 1 after its
-traceback, Ctrl-C the interrupt's own); with ``--fail``, :data:`EXIT_LEAK` when the script
-ended with 0 and a leak was found, in this process or in a child; 2 for a usage error.
+traceback, Ctrl-C the interrupt's own); with ``--fail``, when the script ended with 0,
+:data:`EXIT_LEAK` if a leak was found (in this process or in a child) and
+:data:`EXIT_NOT_JUDGED` if none was but the run was too short to be judged (a process that
+trained ended before the detector could call it clean); 2 for a usage error.
 
 Child processes (``torch.multiprocessing`` workers, a ``torchrun``-style launcher's ranks)
 are watched too: the ``LEAKFREE_RUN`` environment variable carries the options, and a
@@ -38,10 +40,13 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["EXIT_LEAK", "main"]
+__all__ = ["EXIT_LEAK", "EXIT_NOT_JUDGED", "main"]
 
 #: exit status with ``--fail`` when the script succeeded and a leak was found
 EXIT_LEAK = 79
+#: exit status with ``--fail`` when the script succeeded, no leak was found, and the run
+#: (or a child that trained) ended before it could be judged: not a clean run
+EXIT_NOT_JUDGED = 78
 
 _ENV = "LEAKFREE_RUN"
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,11 +59,16 @@ def parser(prog: str) -> argparse.ArgumentParser:
         prog=f"{prog} run",
         description="Run a training script unchanged, with leakfree's finders on: "
         "steps are optimizer steps, microbatches backward passes. Exit status: the "
-        f"script's own; with --fail, {EXIT_LEAK} when it succeeded and a leak was found; "
-        "2 for a usage error.",
+        f"script's own; with --fail, when it succeeded: {EXIT_LEAK} if a leak was found, "
+        f"{EXIT_NOT_JUDGED} if none was but the run ended before it could be judged "
+        "(fewer steps than --warmup + --window); 2 for a usage error.",
         usage=f"{prog} run [options] (SCRIPT | -m MODULE) [ARGS...]",
     )
-    p.add_argument("--fail", action="store_true", help=f"exit {EXIT_LEAK} on a leak")
+    p.add_argument(
+        "--fail",
+        action="store_true",
+        help=f"exit {EXIT_LEAK} on a leak, {EXIT_NOT_JUDGED} on a run too short to judge",
+    )
     p.add_argument("--json", metavar="FILE", help="write the findings here (JSON)")
     p.add_argument(
         "--warmup", type=int, default=3, metavar="N", help="steps not judged across steps (3)"
@@ -150,13 +160,18 @@ def main(argv: Sequence[str], prog: str) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
     found = bool(watch.findings) or any(c["findings"] for c in children)
+    trained = [v for v in (watch.as_dict(), *children) if v["steps"] or v["backward_passes"]]
+    unjudged = not trained or any(v.get("verdict") == "not judged" for v in trained)
     if interrupted:  # die of the interrupt, as python does: the parent sees SIGINT
         sys.stdout.flush()
         sys.stderr.flush()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
-    if args.fail and found and status == 0:
-        return EXIT_LEAK
+    if args.fail and status == 0:
+        if found:
+            return EXIT_LEAK
+        if unjudged:
+            return EXIT_NOT_JUDGED
     return status
 
 
@@ -254,10 +269,15 @@ def _exit_status(code: Any) -> int:
 
 def _banner(target: str, watch: Any) -> None:
     tracked = (
-        f"tensor storages tracked on 1 step in {watch.every} (--every 1: exact, slower; "
-        f"--every {2 * watch.every}: cheaper)"
+        "the heap's count read at every step, tensor storages followed on 1 step in "
+        f"{watch.every} and on every step while growth is confirmed (--every 1: every step)"
         if watch.device.type == "cpu"
         else "the allocator read at every step (free)"
+    )
+    rule = watch.rule
+    tracked += (
+        f"; a verdict after {rule.warmup + rule.window} steps ({rule.warmup} of warm-up, "
+        f"{rule.window} judged)"
     )
     print(
         f"leakfree run: watching {target} on {watch.device}: steps = optimizer.step(), "
@@ -283,6 +303,8 @@ def _summary(watch: Any, children: list[dict[str, Any]]) -> None:
         found = child["findings"]
         who = child["label"]
         verdict = f"{len(found)} leak(s) found" if found else "no leak found"
+        if not found and child.get("verdict") == "not judged":
+            verdict = f"not judged: {child.get('not_judged_because', '')}"
         lines.append(
             f"leakfree [{who}]: {child['steps']} steps, {child['backward_passes']} backward "
             f"passes: {verdict}"

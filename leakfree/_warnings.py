@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["LeakfreeWarning", "MemoryGrowthWarning", "PatchWarning"]
+__all__ = ["LeakfreeWarning", "MemoryGrowthWarning", "NotJudgedWarning", "PatchWarning"]
 
 
 class LeakfreeWarning(UserWarning):
@@ -35,3 +35,9 @@ class MemoryGrowthWarning(LeakfreeWarning):
     """Live memory grew per optimizer step after the warm-up (an integration callback's
     verdict, :mod:`leakfree.integrations`). Turn it into an error with
     ``warnings.filterwarnings("error", category=...)`` or the callback's ``fail=True``."""
+
+
+class NotJudgedWarning(LeakfreeWarning):
+    """A watched training ended before the detector could judge it: fewer steps after the
+    warm-up than a verdict needs (or growth suspected and not yet confirmed). No leak was
+    found in them, and none is ruled out: it is not a clean run."""

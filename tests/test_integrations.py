@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from leakfree.integrations import MemoryGrowthWarning
+from leakfree.integrations import MemoryGrowthWarning, NotJudgedWarning
 from leakfree.integrations._growth import METRIC_GROWTH, METRIC_LIVE, GrowthWatch
 from leakfree.testing import LeakError
 from tests._fresh import run_py
@@ -86,8 +86,10 @@ def test_fail_raises_and_stops_tracking() -> None:
 
 def test_windows_are_judged_one_by_one() -> None:
     w = watch(warmup=0)
-    run(w, steps=3, leaky=False)
+    with pytest.warns(NotJudgedWarning, match=r"not judged: 3 of the 4 optimizer steps"):
+        run(w, steps=3, leaky=False)  # a short run is said to be one, never called clean
     assert w.growth is None and w.metrics().keys() == {METRIC_LIVE}  # no full window yet
+    assert (w.verdict, w.judged_steps, w.needed_steps) == ("not judged", 3, 4)
     w = watch(warmup=0, tolerance=1e9)
     run(w, steps=4 + 3 * 3, leaky=True)  # four windows sharing end points: no warning
     assert w.growth is not None and w.growth.steps == 4

@@ -215,11 +215,13 @@ class Detector:
         if self._confirm is not None:
             return (
                 f"growth suspected at step {self._suspected_at} was still being confirmed "
-                f"when the run ended ({len(self._confirm)} of {CONFIRM} steps)"
+                f"when the run ended, {len(self._confirm)} step(s) later"
             )
         return (
-            f"{self.judged_steps} of the {self.needed_steps} {self.unit} after the "
-            f"{self.rule.warmup}-step warm-up a verdict needs were measured"
+            f"{self.judged_steps} of the {self.needed_steps} {self.unit} a verdict needs "
+            f"were judged (the run had {self.steps}; a verdict needs "
+            f"{self.rule.warmup + self.needed_steps}: a {self.rule.warmup}-step warm-up, "
+            f"then {self.needed_steps})"
         )
 
     # -- boundaries ------------------------------------------------------------------

@@ -99,6 +99,8 @@ class Watch:
         self._handles: list[Any] = []
         self._findings: list[Finding] = []
         self._thread = 0
+        #: the verdict when the watch last stopped: (verdict, judged steps, needed, why not)
+        self._verdict: tuple[str, int, int, str] = ("not judged", 0, rule.window, "")
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -140,6 +142,7 @@ class Watch:
             try:
                 tracker.detector.finish()  # growth being confirmed: judged on what is in
             finally:
+                self._verdict = _verdict_of(tracker.detector)
                 tracker.__exit__(None, None, None)
 
     def __enter__(self) -> Watch:
@@ -203,6 +206,16 @@ class Watch:
         tracker = self._tracker
         return tracker.detector.growth if tracker is not None else None
 
+    @property
+    def verdict(self) -> str:
+        """``"leak"``, ``"clean"`` (judged over enough steps) or ``"not judged"`` (the run
+        ended first): now, or as it stood when the watch stopped."""
+        return self._state()[0]
+
+    def _state(self) -> tuple[str, int, int, str]:
+        tracker = self._tracker
+        return _verdict_of(tracker.detector) if tracker is not None else self._verdict
+
     def report(self) -> str:
         """What was watched and what was found, for a human."""
         unit = "backward passes" if self.per_backward else "optimizer steps"
@@ -211,8 +224,14 @@ class Watch:
             f"watched on {self.device}"
         )
         lines = [head, *(f"leakfree: {note}" for note in self.notes)]
-        if not self._findings:
-            lines.append("leakfree: no leak found")
+        verdict, judged, needed, why = self._state()
+        if verdict == "not judged":
+            lines.append(
+                f"leakfree: not judged: {why}; no leak was found in them and none is ruled "
+                "out (a longer run, or --warmup/--window, gives a verdict)"
+            )
+        elif not self._findings:
+            lines.append(f"leakfree: no leak found ({judged} steps judged after the warm-up)")
         else:
             lines.append(f"leakfree: {len(self._findings)} leak(s) found:")
             lines.extend(f.message for f in self._findings)
@@ -220,8 +239,13 @@ class Watch:
 
     def as_dict(self) -> dict[str, Any]:
         """The findings as plain data (``--json``)."""
+        verdict, judged, needed, why = self._state()
         return {
             "device": str(self.device),
+            "verdict": verdict,
+            "judged_steps": judged,
+            "needed_steps": needed,
+            "not_judged_because": why,
             "steps": self.steps,
             "backward_passes": self.backwards,
             "optimizer_steps": self.optimizer_steps,
@@ -229,6 +253,15 @@ class Watch:
             "notes": list(self.notes),
             "findings": [_finding_dict(f) for f in self._findings],
         }
+
+
+def _verdict_of(detector: Any) -> tuple[str, int, int, str]:
+    return (
+        detector.verdict,
+        detector.judged_steps,
+        detector.needed_steps,
+        detector.why_not_judged(),
+    )
 
 
 def _finding_dict(finding: Finding) -> dict[str, Any]:

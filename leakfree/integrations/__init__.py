@@ -16,6 +16,6 @@ submodule of the framework you use. Guide: docs/integrations.md.
 
 from __future__ import annotations
 
-from leakfree._warnings import MemoryGrowthWarning
+from leakfree._warnings import MemoryGrowthWarning, NotJudgedWarning
 
-__all__ = ["MemoryGrowthWarning"]
+__all__ = ["MemoryGrowthWarning", "NotJudgedWarning"]

@@ -26,7 +26,7 @@ from leakfree.diagnostics import Growth, MemoryTracker, RetentionReport, fit_gro
 from leakfree.diagnostics.detector import DEFAULT_FLOOR, Finding, Rule, whole
 from leakfree.diagnostics.memory import weak_method
 from leakfree.diagnostics.roots import judged_device, named_roots
-from leakfree.integrations import MemoryGrowthWarning
+from leakfree.integrations import MemoryGrowthWarning, NotJudgedWarning
 from leakfree.testing import LeakError
 
 __all__ = ["METRIC_GROWTH", "METRIC_LIVE", "GrowthWatch", "WatchingCallback"]
@@ -96,6 +96,10 @@ class GrowthWatch:
         self.live: int | None = None  #: live bytes at the last step
         self.growth: Growth | None = None  #: the last window's growth
         self.retained: RetentionReport | None = None  #: the last finding's holders
+        #: "leak", "clean" or "not judged" (the run ended first), as of the last ``stop``
+        self.verdict = "not judged"
+        self.judged_steps = 0  #: optimizer steps judged after the warm-up, as of ``stop``
+        self.needed_steps = window  #: steps after the warm-up a verdict needs
         self.message: str | None = None  #: the first warning (or error) issued, if any
         self._findings: list[Finding] = []
         self._holders: Holders = dict
@@ -120,6 +124,7 @@ class GrowthWatch:
         if self._tracker is not None:
             return
         self.steps, self.live, self.growth = 0, None, None
+        self.verdict, self.judged_steps = "not judged", 0
         self.retained, self.message, self._findings = None, None, []
         tracker = MemoryTracker(
             devices=[self.device],
@@ -140,11 +145,23 @@ class GrowthWatch:
         if tracker is None:
             self._holders = dict
             return
+        detector = tracker.detector
         try:
-            tracker.detector.finish()  # growth being confirmed: judged on what is in
+            detector.finish()  # growth being confirmed: judged on what is in
         finally:
             self._holders = dict  # the framework's objects are not kept past the run
             tracker.__exit__(None, None, None)
+        self.verdict = detector.verdict
+        self.judged_steps, self.needed_steps = detector.judged_steps, detector.needed_steps
+        if self.verdict == "not judged" and self.steps:
+            # Said, never raised (fail=True raises on leaks): a short run is not a clean one.
+            warnings.warn(
+                f"{self.owner}: not judged: {detector.why_not_judged()}. No leak was found in "
+                "them and none is ruled out; train longer, or lower warmup= or window=, for a "
+                "verdict.",
+                NotJudgedWarning,
+                stacklevel=3,
+            )
 
     def _roots(self) -> dict[str, Any]:
         # Most specific first: a holder is named by the first root that reaches it.
