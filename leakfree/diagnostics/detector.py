@@ -139,6 +139,9 @@ CONFIRM = 4
 HEAP_SLACK = 256
 #: a microbatch's retention counts above this fraction of what the microbatch allocates
 MICRO_FRACTION = 1 / 1024
+#: between tracked steps, heap growth per backward above this fraction of what a
+#: microbatch allocates starts a search (the heap moves by kilobytes in a clean loop)
+HEAP_FRACTION = 1 / 128
 
 
 @dataclass
@@ -166,6 +169,9 @@ class Detector:
         self._micro: list[int] = []  #: live bytes after each backward of this step
         self._made: list[int | None] = []  #: bytes allocated so far, at each backward
         self._made_per = 0.0  #: bytes a microbatch allocates, as last measured
+        self._slack = 0.0  #: growth between backward passes within the measure's noise
+        self._heap_floor = float(HEAP_SLACK)  #: heap growth per step not suspected
+        self._explained = 0.0  #: exact growth per step already reported
         self._micro_searches = 0  #: searches in this step
         self._micro_base: RetentionReport | None = None  #: this step's first search
         self._micro_base_at = 0  #: the backward pass it was made after
@@ -178,11 +184,13 @@ class Detector:
         self._confirm: list[int] | None = None  #: exact values since a suspicion, if one
         self._base: RetentionReport | None = None  #: the holders when growth was suspected
         self._suspected_at = 0
+        self._heap_growth: Growth | None = None  #: the heap's growth that was suspected
         self._next_search = 0  #: the step from which growth may be suspected again
         self._backoff = 1
         self._next_micro = 1  #: the step from which a microbatch search may run
         self._micro_backoff = 1
         self._reported: set[tuple[str, str]] = set()
+        self._reported_sites: set[tuple[str, str, str]] = set()
         self._probed = False
         self._broken = False  #: a search failed once (said once)
 
@@ -232,17 +240,25 @@ class Detector:
         frame: FrameType | None,
         *,
         made: int | None = None,
-        slack: int = 0,
+        noisy: bool = False,
     ) -> None:
         """A backward pass ended with ``live`` bytes alive (called by the tracker).
 
         ``made``: bytes allocated so far (a running total), where the tracker can tell, so
-        a retention is weighed against what a microbatch allocates; ``slack``: growth
-        between two backward passes that the measure's noise explains.
+        a retention is weighed against what a microbatch allocates; ``noisy``: ``live`` is
+        the heap's count, which moves by kilobytes between backward passes of a clean loop
+        (the engine's and Python's own allocations): only growth above a share of what a
+        microbatch allocates starts a search.
         """
         micro = self._micro
+        if len(micro) == 0:
+            self._slack = 0.0
         micro.append(live)
         self._made.append(made)
+        if made is not None and len(self._made) > 1 and self._made[-2] is not None:
+            self._made_per = float(made - self._made[-2])  # what this microbatch allocated
+        if noisy:
+            self._slack = max(self._slack, HEAP_SLACK, self._made_per * HEAP_FRACTION)
         step = self.steps + 1
         if len(micro) == 1 and self._pending is not None:
             self._fell_back(frame, last=True)
@@ -256,7 +272,7 @@ class Detector:
                 self._micro_searches += 1
                 self._micro_base, self._micro_base_at = self._search(frame, everything=True), 1
             return
-        if micro[-1] - micro[-2] <= slack:
+        if micro[-1] - micro[-2] <= self._slack:
             return
         self._micro_searches += 1
         report = self._search(frame, everything=True)
@@ -348,9 +364,6 @@ class Detector:
     def _micro_floor(self) -> float:
         """Bytes per kept tensor below which a microbatch's retention is a metric: the
         rule's floor, or a fraction of what one microbatch allocates, the larger."""
-        made = [m for m in self._made if m is not None]
-        if len(made) >= 2:  # else what an earlier step's microbatches allocated
-            self._made_per = (made[-1] - made[0]) / (len(made) - 1)
         return max(float(self.rule.floor), self._made_per * MICRO_FRACTION)
 
     def step(self, live: int | None, frame: FrameType | None, signal: int | None = None) -> None:
@@ -358,7 +371,8 @@ class Detector:
         and ``signal`` bytes by a cheap measure read at every step (the C heap), if any."""
         self._fell_back(frame, last=False)
         self.steps += 1
-        grew = len(self._micro) > 1 and self._micro[-1] > self._micro[0]
+        micro = self._micro
+        grew = len(micro) > 1 and micro[-1] - micro[0] > self._slack * (len(micro) - 1)
         if grew and self._micro_searches and not self.findings:
             self._micro_suspect = True
         self._micro, self._made, self._micro_searches = [], [], 0
@@ -392,8 +406,8 @@ class Detector:
             del self._signal[: -self.rule.window]
             if len(self._signal) >= 4:
                 heap = fit_growth(self._signal)
-                if heap.exceeds(max(self.rule.tolerance, HEAP_SLACK)):
-                    self._suspect(frame)
+                if heap.exceeds(max(self.rule.tolerance, self._heap_floor)):
+                    self._suspect(frame, heap)
                     return
             # The sampled exact series still judges what the heap's noise hides.
             if len(self._values) >= self.rule.window:
@@ -408,12 +422,15 @@ class Detector:
             return
         growth = fit_growth(self._values)
         self.growth = growth
-        if growth.exceeds(self.rule.tolerance) and self.steps >= self._next_search:
+        if self.steps < self._next_search:
+            return
+        if growth.exceeds(max(self.rule.tolerance, 2 * self._explained)):
             self._suspect(frame)
 
-    def _suspect(self, frame: FrameType | None) -> None:
+    def _suspect(self, frame: FrameType | None, heap: Growth | None = None) -> None:
         """Growth is suspected: note who holds what now, and follow the next
         :data:`CONFIRM` steps exactly (the tracker reads :attr:`confirming`)."""
+        self._heap_growth = heap
         self._suspected_at = self.steps
         self._confirm = []
         self._base = self._search(frame, everything=True)
@@ -425,8 +442,18 @@ class Detector:
         base, self._base = self._base, None
         growth = fit_growth(self._values)
         self.growth = growth
-        if growth.exceeds(self.rule.tolerance):
-            self._across(growth, frame, base)
+        heap, self._heap_growth = self._heap_growth, None
+        if growth.exceeds(max(self.rule.tolerance, 2 * self._explained)):
+            if self._across(growth, frame, base):
+                # Reported: a leak that keeps growing at that pace is not searched again
+                # (each search walks every graph it kept); a faster one still is.
+                self._explained = max(self._explained, growth.bytes_per_step)
+                if heap is not None:
+                    self._heap_floor = max(self._heap_floor, 2 * heap.bytes_per_step)
+        elif heap is not None:
+            # The heap grew and no storage did: Python's and the libraries' own drift.
+            # Suspect it again only above twice that.
+            self._heap_floor = max(self._heap_floor, 2 * heap.bytes_per_step)
         self._next_search = self.steps + self._backoff
         self._backoff *= 2
 
@@ -536,10 +563,18 @@ class Detector:
         growth: Growth | None = None,
     ) -> bool:
         grouped = group(holders)
-        fresh = [h for h in grouped if (kind, _holder_key(h)[1]) not in self._reported]
+        # Once per run: the same path, or the same kind of holder of what the same line made
+        # (a holder reached from the stack once and from a module's globals later).
+        fresh = [
+            h
+            for h in grouped
+            if (kind, _holder_key(h)[1]) not in self._reported
+            and not (h.site and (kind, h.kind, h.site) in self._reported_sites)
+        ]
         if (holders and not fresh) or (not holders and (kind, "") in self._reported):
             return True  # reported already: once per run
         self._reported.update((kind, _holder_key(h)[1]) for h in fresh)
+        self._reported_sites.update((kind, h.kind, h.site) for h in fresh if h.site)
         if not holders:
             self._reported.add((kind, ""))
         lines = "".join(f"\n  {_line(h)}" for h in fresh[:8])
@@ -553,15 +588,29 @@ class Detector:
     def _emit(self, finding: Finding) -> None:
         self.findings.append(finding)
         if self.on_finding is not None:
-            self.on_finding(finding)
+            try:
+                self.on_finding(finding)
+            except Exception as e:  # a watcher asked to fail (LeakError): goes through
+                e._leakfree_verdict = True  # type: ignore[attr-defined]
+                raise
+
+    def guard(self, call: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """``call(*args, **kwargs)``; an error of leakfree's own is warned once, never
+        raised into the training step (a watcher asked to fail still raises its verdict)."""
+        try:
+            call(*args, **kwargs)
+        except Exception as e:
+            if getattr(e, "_leakfree_verdict", False):
+                raise
+            self._failed(e)
 
     def _failed(self, error: Exception) -> None:
         """A search or probe failed: say so once; the run goes on, never broken by it."""
         if not self._broken:
             self._broken = True
             warnings.warn(
-                f"{self.owner}: a holder search failed ({type(error).__name__}: {error}); "
-                "leaks are still measured, their holders may go unnamed. Please report it.",
+                f"{self.owner}: a holder search or measure failed ({type(error).__name__}: "
+                f"{error}); the run goes on, its leaks may go unnamed. Please report it.",
                 LeakfreeWarning,
                 stacklevel=4,
             )

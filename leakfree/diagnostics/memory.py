@@ -47,7 +47,7 @@ from leakfree._device import accelerator, device_index, device_module
 from leakfree._text import format_bytes, format_table
 from leakfree._warnings import MemoryGrowthWarning
 from leakfree.diagnostics.boundaries import on_backward
-from leakfree.diagnostics.detector import HEAP_SLACK, Detector, Finding, Rule, whole
+from leakfree.diagnostics.detector import Detector, Finding, Rule, whole
 from leakfree.diagnostics.growth import Growth, fit_growth
 from leakfree.diagnostics.heap import heap_counter
 from leakfree.diagnostics.sites import Raw, Site, capture, site_of
@@ -366,10 +366,13 @@ class MemoryTracker:
     def _on_backward(self, frame: FrameType | None) -> None:
         if threading.get_ident() != self._thread:
             return  # another thread's backward: not a microbatch of this loop
+        self.detector.guard(self._after_backward, frame)
+
+    def _after_backward(self, frame: FrameType | None) -> None:
         storages = self._storages
         made = storages.created if storages is not None and self._tracking else None
-        if self._heap is not None:  # the CPU, at every backward: the heap's count
-            self.detector.backward(self._heap(), frame, made=made, slack=HEAP_SLACK)
+        if self._heap is not None and not self._tracking:  # the CPU's count, between
+            self.detector.backward(self._heap(), frame, noisy=True)  # tracked steps
             return
         if storages is not None and not self._tracking:
             return  # a step the sampling tracker does not track
@@ -468,7 +471,7 @@ class MemoryTracker:
             self._storages.epoch = index + 1  # storages made from now on: the next step's
         signal = self._heap() if self._heap is not None else None
         detector = self.detector
-        detector.step(now.get(self.judged), sys._getframe(1), signal)
+        detector.guard(detector.step, now.get(self.judged), sys._getframe(1), signal)
         if self._storages is not None and self.sample_every > 1:
             if index + 1 > self._next:  # draw the next tracked step: gaps average k
                 self._next = index + self._rng.randint(1, 2 * self.sample_every - 1)
