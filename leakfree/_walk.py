@@ -26,6 +26,11 @@ From a value, the walk follows strong references a Python program can create:
   Such a path starts at the class: ``Model.history[3]``. Also the hooks registered on
   every walked tensor (``weight._backward_hooks[7]<closure>``): a hook added to a
   parameter every step keeps what its closure holds for as long as the parameter lives.
+  And what Python keeps out of sight: an exception's traceback (the locals of every frame
+  from where it was caught to where it was raised: ``errors[3].__traceback__<frame
+  inner>.act``), its ``__cause__`` and ``__context__``, and the entries of a
+  ``functools.lru_cache`` / ``functools.cache`` (``anchors<cache>[16]``; cached methods
+  too, as class attributes).
 
 What is not searched
 --------------------
@@ -243,6 +248,56 @@ def _tensor_hooks(t: torch.Tensor) -> Iterator[Edge]:
             yield f".{name}", table
 
 
+def _exception(e: BaseException) -> Iterator[Edge]:
+    """What a kept exception keeps: its traceback, and the exceptions chained to it."""
+    yield ".__traceback__", e.__traceback__
+    yield ".__cause__", e.__cause__
+    yield ".__context__", e.__context__
+
+
+def _traceback(tb: types.TracebackType) -> Iterator[Edge]:
+    """The locals of each frame along a traceback (from where it was caught to where it
+    was raised; not the frames above, which are the running stack's own)."""
+    at: types.TracebackType | None = tb
+    while at is not None:
+        frame = at.tb_frame
+        where = f"<frame {frame.f_code.co_name}>"
+        for name, v in list(frame.f_locals.items()):
+            yield f"{where}.{name}", v
+        at = at.tb_next
+
+
+_LRU = getattr(functools, "_lru_cache_wrapper", None)
+
+
+def _cache(fn: Any) -> Iterator[Edge]:
+    """A ``functools.lru_cache``'s entries, which only the collector sees: an unbounded
+    cache's ``{key: result}`` dict; a bounded one's keys and results, as one list."""
+    own = getattr(fn, "__dict__", None)
+    wrapped = getattr(fn, "__wrapped__", None)
+    entries = []
+    for v in gc.get_referents(fn):
+        if isinstance(v, type) or v is own or v is wrapped or type(v) is object:
+            continue
+        if isinstance(v, dict):
+            yield "<cache>", v
+        else:
+            entries.append(v)
+    if entries:
+        yield "<cache>", entries
+
+
+def _indirect(obj: Any) -> Iterable[Edge]:
+    """The edges a diagnostics walk adds to an object's own (see the module doc)."""
+    if isinstance(obj, BaseException):
+        return _exception(obj)
+    if isinstance(obj, types.TracebackType):
+        return _traceback(obj)
+    if _LRU is not None and isinstance(obj, _LRU):
+        return _cache(obj)
+    return ()
+
+
 def _other(obj: Any) -> Iterator[Edge]:
     kind = type(obj)
     if kind.__dictoffset__ or _slot_names(kind):
@@ -320,7 +375,9 @@ def _class_fields(cls: type) -> Iterator[Edge]:
     for name, v in list(vars(cls).items()):
         if name.startswith("__") and name.endswith("__"):
             continue
-        if isinstance(v, type) or hasattr(type(v), "__get__"):  # methods, properties...
+        if isinstance(v, type) or (
+            hasattr(type(v), "__get__") and not (_LRU is not None and isinstance(v, _LRU))
+        ):  # methods, properties... (a cached method's cache lives with the class)
             continue
         yield f".{name}", v
 
@@ -416,7 +473,8 @@ def walk(
 
     ``depth`` bounds how many edges deep the walk goes (None: no bound); ``modules=True``
     also walks into ``torch.nn.Module`` instances (their attributes), which the hot path
-    skips; ``classes=True`` also walks the class attributes of walked objects' classes
+    skips; ``classes=True`` (diagnostics) also walks the class attributes of walked
+    objects' classes, tensors' hooks, exceptions' tracebacks and ``lru_cache`` entries
     (see the module doc); ``visited`` (object ids) is shared between calls to walk several
     roots once. Stops after ``limit`` visited objects.
     """
@@ -445,8 +503,11 @@ def walk(
             children = _class_fields(obj) if _own_module(obj) else ()
         else:
             children = _handler(type(obj))(obj)
-        if classes and isinstance(obj, torch.Tensor):
-            children = itertools.chain(children, _tensor_hooks(obj))
+        if classes:
+            if isinstance(obj, torch.Tensor):
+                children = itertools.chain(children, _tensor_hooks(obj))
+            else:
+                children = itertools.chain(children, _indirect(obj))
         for edge, child in itertools.islice(children, limit):
             if type(child) not in SCALAR_TYPES:
                 stack.append((child, here, edge, level + 1))

@@ -450,12 +450,46 @@ class Detector:
                 self._explained = max(self._explained, growth.bytes_per_step)
                 if heap is not None:
                     self._heap_floor = max(self._heap_floor, 2 * heap.bytes_per_step)
-        elif heap is not None:
+        elif heap is not None and not self._chained(heap, frame, base):
             # The heap grew and no storage did: Python's and the libraries' own drift.
             # Suspect it again only above twice that.
             self._heap_floor = max(self._heap_floor, 2 * heap.bytes_per_step)
         self._next_search = self.steps + self._backoff
         self._backoff *= 2
+
+    def _chained(
+        self, heap: Growth, frame: FrameType | None, base: RetentionReport | None
+    ) -> bool:
+        """The heap grew and no tensor storage did: is it autograd nodes, a graph chained
+        to the next step's (``total_loss += loss`` after ``loss.backward()``)? Then its
+        holder, whose graph gained nodes on every step since the suspicion, is a finding."""
+        if base is None:
+            return False
+        steps = max(self.steps - self._suspected_at, 1)
+        before = _by_holder(base.items)
+        report = self._search(frame, everything=True)
+        chains = []
+        for held in group([i for i in report.items if i.kind == "graph"]):
+            was = before.get(_holder_key(held))
+            if was is not None and held.nodes - was.nodes >= steps:
+                chains.append((held, (held.nodes - was.nodes) / steps))
+        if not chains:
+            return False
+        lines = "".join(
+            f"\n  {_line(h)}, +{per:.0f} autograd nodes per step" for h, per in chains[:8]
+        )
+        return self._found(
+            "growth",
+            [h for h, _ in chains],
+            heap.bytes_per_step,
+            f"{self.owner}: host memory grows by {heap} on the heap over {self.unit} "
+            f"{self._suspected_at - len(self._signal) + 1}-{self.steps}, and no tensor "
+            "storage does: autograd graphs grow step after step, each chained to the last "
+            "(a running total of losses with their graphs, ``total += loss``): keep "
+            "``loss.detach()`` or ``loss.item()`` instead. Held by:",
+            heap,
+            lines=lines,
+        )
 
     def finish(self, frame: FrameType | None = None) -> None:
         """The run ended: holders pending since the last step are looked at once more, and
@@ -474,7 +508,21 @@ class Detector:
         report = self._search(frame, since=base)
         # Only what grew since the suspicion is named: a constant retained graph elsewhere
         # (last step's loss kept with retain_graph=True) is not the holder of this growth.
-        items = _grew(report.items, base.items if base is not None else None)
+        before = base.items if base is not None else None
+        grown = _grew(report.items, before)
+        graphs = [i for i in grown if i.kind == "graph"]
+        pinned = [i for i in grown if i.kind == "ctx attribute"]
+        if not graphs:
+            # A graph held where a clean loop holds one too (a name, an attribute, a frame
+            # of a kept exception) is the holder only if it grew by about what memory did:
+            # ``val_loss += loss`` without no_grad, a cache of outputs with their graphs.
+            full = self._search(frame, everything=True)
+            steps = max(self.steps - self._suspected_at, 1)
+            at_least = 0.5 * growth.bytes_per_step * steps
+            graphs = [
+                i for i in _grew(full.items, before, at_least) if i.kind == "graph"
+            ]
+        items = graphs + pinned + (report.detached if graphs or pinned else [])
         first = self._at[-growth.steps] if len(self._at) >= growth.steps else 1
         span = self.steps - first + 1
         sampled = f", {growth.steps} of them tracked" if span > growth.steps else ""
@@ -561,6 +609,7 @@ class Detector:
         per: float,
         lead: str,
         growth: Growth | None = None,
+        lines: str | None = None,
     ) -> bool:
         grouped = group(holders)
         # Once per run: the same path, or the same kind of holder of what the same line made
@@ -577,7 +626,8 @@ class Detector:
         self._reported_sites.update((kind, h.kind, h.site) for h in fresh if h.site)
         if not holders:
             self._reported.add((kind, ""))
-        lines = "".join(f"\n  {_line(h)}" for h in fresh[:8])
+        if lines is None:
+            lines = "".join(f"\n  {_line(h)}" for h in fresh[:8])
         more = f"\n  ... {len(fresh) - 8} more" if len(fresh) > 8 else ""
         finding = Finding(
             kind, lead + lines + more, per, max(self.steps, 1), tuple(fresh), growth=growth
@@ -662,16 +712,23 @@ def _tensors(item: Retained) -> int:
     return item.floating if item.kind == "detached" else max(item.count, 1)
 
 
-def _grew(now: list[Retained], before: list[Retained] | None) -> list[Retained]:
-    """The holders of ``now`` (grouped) that are new or hold more than in ``before``: what
-    grew, not what merely stayed alive. All of ``now`` without a ``before``."""
+def _grew(
+    now: list[Retained], before: list[Retained] | None, at_least: float = 0.0
+) -> list[Retained]:
+    """The holders of ``now`` (grouped) that are new or hold more than in ``before`` (by
+    more than ``at_least`` bytes, when given): what grew, not what merely stayed alive.
+    All of ``now`` without a ``before``."""
     if before is None:
         return now
     old = _by_holder(before)
     out = []
     for h in group(now):
         was = old.get(_holder_key(h))
-        if was is None or max(h.count, 1) > max(was.count, 1) or h.nbytes > was.nbytes:
+        more = h.nbytes - (was.nbytes if was is not None else 0)
+        if at_least:
+            if more >= at_least:
+                out.append(h)
+        elif was is None or max(h.count, 1) > max(was.count, 1) or more > 0:
             out.append(h)
     return out
 

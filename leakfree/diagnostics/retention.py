@@ -88,6 +88,8 @@ class Retained:
     #: for "detached": how many of the held tensors are floating point (values a forward
     #: computes), not integer ids or masks (a batch's inputs)
     floating: int = 0
+    #: for "graph": the autograd nodes its graph keeps (host memory, whatever it saved)
+    nodes: int = 0
 
     def __str__(self) -> str:
         made = f"  created at {self.site}" if self.site else ""
@@ -174,7 +176,8 @@ def group(items: list[Retained]) -> list[Retained]:
         nbytes = sum(m.nbytes for m in members)
         through = sum(m.through_graph for m in members)
         floating = sum(m.floating for m in members)
-        out.append(Retained(kind, where, nbytes, detail, count, site, through, floating))
+        nodes = sum(m.nodes for m in members)
+        out.append(Retained(kind, where, nbytes, detail, count, site, through, floating, nodes))
     return sorted(out, key=lambda i: -i.nbytes)
 
 
@@ -504,6 +507,7 @@ class _Graphs:
             f"a tensor whose graph was {how} ({nodes} nodes{pinned}); detach it before keeping it",
             site=self.made(tensor),
             through_graph=through,
+            nodes=nodes,
         )
 
     def _ctx(self, node: Any, ran: bool) -> int:
