@@ -646,3 +646,150 @@ def test_a_cleanup_an_early_exit_skips() -> None:
         and "EarlyExit.forward" in found.message
     )
     assert watch(lambda: step(True), steps=14) == []
+
+
+# --- [1/5] holders Python reaches only indirectly, and the line whose result is kept ---------
+#
+# Each shape is one reported in 2024-2026 (the URL in its docstring), reduced to a CPU loop;
+# the fixed form (the report's fix) is quiet. What makes each hard: the tensors are held by
+# an object the walk used not to enter (an exception's traceback, a functools cache), or
+# the object that holds them was allocated on one line and filled on another.
+
+
+def inner_config(model: nn.Module, x: torch.Tensor) -> None:
+    act = model(x).tanh()  # what the failed configuration computed before it raised
+    raise RuntimeError(f"config failed ({act.shape})")
+
+
+def test_exceptions_kept_with_their_tracebacks_name_the_frame_and_the_local() -> None:
+    """pytorch/pytorch#188907, triton-lang/triton#11174 (2026): a caught exception kept
+    (the last failed autotuning config) pins the frames of its traceback and their locals.
+    The fix drops the traceback (``e.__traceback__ = None``) or the exception."""
+    model, opt = model_and_opt()
+    errors: list[BaseException] = []
+
+    def step(fixed: bool) -> None:
+        model(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        try:
+            inner_config(model, torch.randn(64, 32))
+        except RuntimeError as e:
+            errors.append(e.with_traceback(None) if fixed else e)
+
+    [found] = watch(lambda: step(False), steps=14)
+    assert "errors[*].__traceback__<frame inner_config>.act  8 graphs" in found.message
+    line = line_of(inner_config, "act = model(x)")
+    assert f"created at {HERE}:{line} in inner_config" in found.message
+    errors.clear()
+    assert watch(lambda: step(True), steps=14) == []
+
+
+def test_a_functools_cache_of_tensors_is_named_with_its_entries() -> None:
+    """meta-pytorch/torchtune#904 (2024), huggingface/transformers#45412 (2026): an
+    ``lru_cache`` keyed by something that changes every call keeps every result. Cached
+    anchors computed with grad keep their graphs; a bounded cache keeps at most its size."""
+    import functools
+
+    model, opt = model_and_opt()
+
+    @functools.cache
+    def anchors(n: int) -> torch.Tensor:
+        return model(torch.full((16, 32), float(n)))
+
+    @functools.lru_cache(maxsize=4)
+    def bounded(n: int) -> torch.Tensor:
+        return model(torch.full((16, 32), float(n)))
+
+    calls = itertools.count(4)
+
+    def step(cached: Callable[[int], torch.Tensor]) -> None:
+        model(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        cached(next(calls))  # a new key every step: a new entry every step
+
+    [found] = watch(lambda: step(anchors), steps=14, roots={"anchors": anchors})
+    assert "anchors<cache>[*]  8 graphs" in found.message
+    assert f"created at {HERE}:{line_of(anchors, 'return model(')}" in found.message
+    assert watch(lambda: step(bounded), steps=14, roots={"bounded": bounded}) == []
+
+
+def test_module_hooks_registered_every_step_keep_what_their_closures_hold() -> None:
+    """fffasttime/MRFI#5, cornellius-gp/gpytorch#2734 (2026): a hook registered every step
+    with its handle dropped keeps what it captured as long as the module."""
+    model, opt = model_and_opt()
+
+    def step(fixed: bool) -> None:
+        hidden = model[0](torch.randn(8, 32))
+        handle = model[0].register_forward_hook(lambda m, i, o, hidden=hidden: None)
+        hidden.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if fixed:
+            handle.remove()
+
+    [found] = watch(lambda: step(False), steps=14, roots={"model": model})
+    assert "model._modules['0']._forward_hooks[*]<default 0>  8 graphs" in found.message
+    assert watch(lambda: step(True), steps=14, roots={"model": model}) == []
+
+
+def test_an_eval_total_accumulated_in_place_is_named_at_the_line_that_accumulates() -> None:
+    """The validation loop that sums its losses as tensors outside ``torch.no_grad()``
+    (verl-project/verl#6699, pnnl/neuromancer#292, 2026): every step's graph and its saved
+    activations hang off the running total. The total was allocated on one line and grows
+    on another: the line named is the one whose result is kept, the accumulation."""
+    model, opt = model_and_opt(width=32)
+    metrics: dict[str, torch.Tensor] = {}
+
+    def step(fixed: bool) -> None:
+        model(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if "val" not in metrics:
+            metrics["val"] = torch.zeros(())  # the buffer: allocated once, here
+        val = model(torch.randn(64, 32)).square().mean()  # no torch.no_grad(): a graph
+        metrics["val"] += val.detach() if fixed else val  # what it holds: made here
+
+    [found] = watch(lambda: step(False), steps=14, roots={"metrics": metrics})
+    assert found.holders[0].where == "metrics['val']" and "graph" in found.message
+    accumulates = line_of(step, 'metrics["val"] +=')
+    assert f"created at {HERE}:{accumulates} in " in found.message
+    metrics.clear()
+    assert watch(lambda: step(True), steps=14, roots={"metrics": metrics}) == []
+
+
+def test_a_running_total_chained_through_its_graph_is_found_on_the_heap() -> None:
+    """ray-project/ray#40940 and the training loops that sum ``total_loss += loss`` after
+    ``loss.backward()``: the saved tensors are freed, so no tensor storage grows, but each
+    step's autograd nodes hang off the next (host memory, every step). The default mode
+    reads the C heap at every step and sees it; the holder gains nodes every step."""
+    from leakfree.diagnostics.heap import heap_counter
+
+    if heap_counter() is None:
+        pytest.skip("no heap count here (not glibc): only tensor storages are followed")
+    model, opt = model_and_opt(width=64)
+
+    class Meter:
+        def __init__(self) -> None:
+            self.total = torch.zeros(())
+
+    meter = Meter()
+
+    def run(fixed: bool) -> list[Finding]:
+        tracker = MemoryTracker(devices=["cpu"], warn=False, roots={"meter": meter})
+        with tracker:
+            for _ in range(24):
+                loss = model(torch.randn(16, 64)).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                meter.total += loss.detach() if fixed else loss
+                tracker.step()
+        return tracker.findings
+
+    [found] = run(False)
+    assert "autograd graphs grow step after step" in found.message
+    assert "meter.total  graph" in found.message and "autograd nodes per step" in found.message
+    meter.total = torch.zeros(())
+    assert run(True) == []

@@ -457,9 +457,7 @@ class Detector:
         self._next_search = self.steps + self._backoff
         self._backoff *= 2
 
-    def _chained(
-        self, heap: Growth, frame: FrameType | None, base: RetentionReport | None
-    ) -> bool:
+    def _chained(self, heap: Growth, frame: FrameType | None, base: RetentionReport | None) -> bool:
         """The heap grew and no tensor storage did: is it autograd nodes, a graph chained
         to the next step's (``total_loss += loss`` after ``loss.backward()``)? Then its
         holder, whose graph gained nodes on every step since the suspicion, is a finding."""
@@ -519,9 +517,7 @@ class Detector:
             full = self._search(frame, everything=True)
             steps = max(self.steps - self._suspected_at, 1)
             at_least = 0.5 * growth.bytes_per_step * steps
-            graphs = [
-                i for i in _grew(full.items, before, at_least) if i.kind == "graph"
-            ]
+            graphs = [i for i in _grew(full.items, before, at_least) if i.kind == "graph"]
         items = graphs + pinned + (report.detached if graphs or pinned else [])
         first = self._at[-growth.steps] if len(self._at) >= growth.steps else 1
         span = self.steps - first + 1

@@ -224,7 +224,7 @@ class Watch:
             f"watched on {self.device}"
         )
         lines = [head, *(f"leakfree: {note}" for note in self.notes)]
-        verdict, judged, needed, why = self._state()
+        verdict, judged, _, why = self._state()
         if verdict == "not judged":
             lines.append(
                 f"leakfree: not judged: {why}; no leak was found in them and none is ruled "

@@ -1,0 +1,146 @@
+"""The detector at its defaults: ``leakfree.watch()`` and ``assert_no_leak`` as a user calls
+them, with no option changed.
+
+A planted graph leak is found within the warm-up and one window of steps, memory kept per
+microbatch is found in the first step, and what a clean loop keeps (a detached scalar
+history, the last loss, a step's own input batches) raises no alarm."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import leakfree
+from leakfree.diagnostics.watch import Watch
+from leakfree.testing import assert_no_leak
+
+VOCAB, BATCH, SEQ, MICRO = 1000, 2, 32, 4
+
+
+@pytest.fixture
+def quiet_warnings() -> Iterator[None]:
+    """A finding warns MemoryGrowthWarning by default; the tests read ``w.findings``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def test_watch_defaults_find_a_logged_loss_kept_with_its_graph_within_15_steps(
+    quiet_warnings: None,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    kept_losses: list[torch.Tensor] = []
+    w = leakfree.watch()
+    try:
+        for _ in range(15):  # the default warm-up (3) + 12 steps
+            loss = model(torch.randn(8, 64)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            kept_losses.append(loss)  # the leak: the loss with its graph, 4 B a step
+    finally:
+        w.stop()
+    assert w.findings, w.report()
+    wheres = [h.where for f in w.findings for h in f.holders]
+    assert any("kept_losses" in where for where in wheres), w.report()
+
+
+class Loop:
+    """A training loop object that logs its loss detached and keeps the last loss (with its
+    graph) for a later look: constant memory, no leak."""
+
+    def __init__(self, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.history: list[torch.Tensor] = []
+        self.prev_loss: torch.Tensor | None = None
+
+    def step(self) -> None:
+        loss = self.model(torch.randn(16, 32)).square().mean()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.history.append(loss.detach())  # 4 B a step: under the floor
+        self.prev_loss = loss  # replaced every step: constant size
+
+
+def test_assert_no_leak_defaults_accept_a_detached_history_and_the_last_loss() -> None:
+    loop = Loop()
+    assert_no_leak(loop.step)  # must not raise
+
+
+def test_assert_no_leak_defaults_accept_the_last_loss_of_loops_kept_in_a_list() -> None:
+    """The same loop over two seeds, the loops kept in a list: the first loop's last loss
+    (a constant 4 B graph, reached through ``loops[0]``) is not what grows while the
+    second runs (its detached history, 4 B a step, under the floor)."""
+    loops = [Loop(seed) for seed in (0, 1)]
+    for loop in loops:
+        assert_no_leak(loop.step)  # must not raise (it named loops[0].prev_loss)
+
+
+class LM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def accumulate(keep: str, steps: int) -> Watch:
+    """``steps`` optimizer steps of MICRO microbatches each under ``leakfree.watch()``; each
+    microbatch keeps ``keep`` ("logits": its logits detached, 256 KiB; "loss": its loss
+    detached; "inputs": nothing, the step's input batches live in a list made up front)
+    in ``step_outputs``, cleared at the step's end."""
+    torch.manual_seed(0)
+    model = LM()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = nn.CrossEntropyLoss()
+    w = leakfree.watch()
+    try:
+        for _ in range(steps):
+            batches = [torch.randint(0, VOCAB, (BATCH, SEQ)) for _ in range(MICRO)]
+            step_outputs: list[torch.Tensor] = []
+            for ids in batches:
+                logits = model(ids)
+                loss = loss_fn(logits.view(-1, VOCAB), ids.view(-1)) / MICRO
+                loss.backward()
+                if keep == "logits":
+                    step_outputs.append(logits.detach())  # 2 x 32 x 1000 floats: 256 KiB
+                elif keep == "loss":
+                    step_outputs.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+            step_outputs.clear()  # the step's metrics, read and dropped
+            del batches
+    finally:
+        w.stop()
+    return w
+
+
+def test_watch_defaults_find_detached_logits_kept_per_microbatch_in_step_1(
+    quiet_warnings: None,
+) -> None:
+    w = accumulate("logits", steps=2)
+    micro = [f for f in w.findings if f.kind == "microbatch"]
+    assert micro, w.report()
+    assert micro[0].step == 1, w.report()
+    assert any("step_outputs" in h.where for h in micro[0].holders), w.report()
+
+
+@pytest.mark.parametrize("keep", ["loss", "inputs"])
+def test_watch_defaults_are_quiet_on_a_scalar_per_microbatch_or_the_steps_inputs(
+    keep: str,
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", leakfree.MemoryGrowthWarning)
+        w = accumulate(keep, steps=16)
+    assert w.findings == [], w.report()
