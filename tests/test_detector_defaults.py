@@ -144,3 +144,42 @@ def test_watch_defaults_are_quiet_on_a_scalar_per_microbatch_or_the_steps_inputs
         warnings.simplefilter("error", leakfree.MemoryGrowthWarning)
         w = accumulate(keep, steps=16)
     assert w.findings == [], w.report()
+
+
+def test_a_leak_is_searched_a_few_times_per_run_not_every_step(
+    quiet_warnings: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outputs kept per microbatch and never let go grow across steps: one finding, and
+    the holder searches (each walks every graph kept so far) back off instead of running
+    after every backward of every step; so does the cost."""
+    from leakfree.diagnostics.detector import Detector
+
+    searches = []
+    search = Detector._search
+
+    def counted(self: Detector, *args: object, **kwargs: object) -> object:
+        searches.append(self.steps)
+        return search(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Detector, "_search", counted)
+    torch.manual_seed(0)
+    model = LM()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    kept: list[torch.Tensor] = []
+    w = leakfree.watch()
+    try:
+        for _ in range(48):
+            for _ in range(MICRO):
+                ids = torch.randint(0, VOCAB, (BATCH, 4))
+                logits = model(ids)
+                logits.logsumexp(-1).mean().backward()
+                kept.append(logits)  # with its graph, never dropped
+            opt.step()
+            opt.zero_grad()
+    finally:
+        w.stop()
+    assert [f.kind for f in w.findings] == ["growth"], w.report()
+    # 48 steps x 4 backward passes: 192 boundaries. The searches come in episodes spaced
+    # twice as far apart each time: the second half of the run has one.
+    later = [s for s in searches if s >= 24]
+    assert len(later) <= 5, str(searches)

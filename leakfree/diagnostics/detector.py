@@ -1,7 +1,10 @@
 """The detector's rule: when live bytes are a leak, and who is told what holds them.
 
 A :class:`Detector` reads the live bytes a :class:`~leakfree.diagnostics.MemoryTracker`
-samples at two boundaries and turns them into :class:`Finding` s:
+samples at two boundaries and turns them into :class:`Finding` s, and a run into a
+verdict with three values: ``"leak"``, ``"clean"`` (``window`` steps after the warm-up
+judged, nothing found) and ``"not judged"`` (the run ended first, or while growth was
+being confirmed). A short run is never called clean.
 
 **Within a step** (after every backward pass, see
 :mod:`~leakfree.diagnostics.boundaries`): when the bytes alive after a backward exceed those
@@ -9,32 +12,55 @@ after the one before, the holders are searched (the locals of the frames on the 
 user's module globals, the watcher's roots). Backpropagated graphs from several
 microbatches in one holder (``output_lst[*]['entropy']``), each keeping more than
 ``floor`` bytes through its graph (saved tensors, ctx state, leaves: what detaching would
-free), are a finding at once, in the first step: memory that builds up per microbatch
-and comes back at the step's end never shows as growth between steps. Detached values
-kept until the step ends (a loss history for logging) are the user's metrics: no finding.
+free), are a finding at once, in the first step. So is any tensor a holder gained on every
+backward pass since a baseline search (outputs, logits, losses, with a graph or without),
+each worth more than :data:`MICRO_FRACTION` of what a microbatch allocates, once it falls
+back when the step ends: memory that builds up per microbatch and comes back at the
+step's end never shows as growth between steps. Detached scalars kept until the step ends
+(a loss history), the step's own inputs and a cache that stays are no finding.
 
-**Across steps** (at every ``step()`` after ``warmup`` steps): the slope over the last
-``window`` steps (:func:`~leakfree.diagnostics.fit_growth`, robust to a bounded fill) must
-exceed its noise bound, ``tolerance``, and grow in both halves of the window. Then:
+**Across steps** (at every ``step()`` after ``warmup`` steps), in three moves:
+
+1. *suspect*: the series read at every step (an allocator's count; on the CPU the C
+   heap's, :mod:`~leakfree.diagnostics.heap`, or the storages' when every step is
+   tracked) grows over the last ``window`` steps, from four of them on
+   (:func:`~leakfree.diagnostics.fit_growth`: beyond its noise bound and ``tolerance``, in
+   both halves; the heap beyond :data:`HEAP_SLACK` and its drift so far). The holders are
+   searched: the baseline;
+2. *confirm*: the tracker follows every step exactly (:attr:`Detector.confirming`) for
+   :data:`CONFIRM` steps (two when every step was exact already), then fits the exact
+   values;
+3. *name what grew*: the holders are searched again and only those whose own bytes or
+   count grew since the baseline are named (a constant retained graph elsewhere is not the
+   holder of another's growth):
 
 * growth that holds autograd graphs (a backpropagated graph in a growable container, a
   graph kept by ``retain_graph=True``, ctx state kept after backward) is a finding
-  whatever its size: a loss with its graph kept every step is 4 B per step;
+  whatever its size: a loss with its graph kept every step is 4 B per step; so is a graph
+  in a name or an attribute that grew by about what memory did;
 * tensors held only by reference cycles: a finding that says whether gc is disabled, how
   many bytes ``gc.collect()`` would free and the cycle's path
   (:mod:`~leakfree.diagnostics.cycles`);
 * any other growth (detached tensors in a container, a holder not found) is a finding
   above ``floor`` bytes per step (64 by default: a loss history of a few scalars per
-  step is not a leak).
+  step is not a leak);
+* heap growth with no storage growth, where a graph gained autograd nodes on every step:
+  a running total chained through its graph (``total += loss``). Heap growth with neither
+  is the program's own drift: the heap is suspected again only above twice its rate.
 
 Once, at the first step after the warm-up, with automatic collection on: tensors made
 during the run (on an allocator-read device: tensors on that device) that sit in
 reference cycles are reported as freed late. That probe is one full collection (0.1-0.2 s
 with transformers imported), once per run.
 
-Searches cost milliseconds; one that finds nothing backs off (it waits twice as many steps
-before the next), so a loop that grows within noise never pays for a search per step.
-Each holder is reported once per run.
+Searches cost milliseconds, and each walks every graph a leak keeps: one that finds
+nothing backs off (it waits twice as many steps before the next), every confirmation
+backs off, found or not, and growth at the pace of a leak already reported starts no
+search, so a growing leak costs a few searches per run. Each holder is reported once per
+run, by its path or by the line that made what it holds.
+
+Kept, by the detector, for its run: a window of integers per series, the two searches'
+reports of a suspicion in progress (paths and byte counts, no tensors), and the findings.
 """
 
 from __future__ import annotations
@@ -170,6 +196,7 @@ class Detector:
         self._made: list[int | None] = []  #: bytes allocated so far, at each backward
         self._made_per = 0.0  #: bytes a microbatch allocates, as last measured
         self._slack = 0.0  #: growth between backward passes within the measure's noise
+        self._passes = 1  #: backward passes in the last step
         self._heap_floor = float(HEAP_SLACK)  #: heap growth per step not suspected
         self._explained = 0.0  #: exact growth per step already reported
         self._micro_searches = 0  #: searches in this step
@@ -252,7 +279,10 @@ class Detector:
         """
         micro = self._micro
         if len(micro) == 0:
-            self._slack = 0.0
+            # Growth per backward that a leak already reported (or the heap's drift)
+            # explains starts no search: each one walks every graph the leak keeps.
+            per_step = self._heap_floor if noisy else 2 * self._explained
+            self._slack = per_step / self._passes if self.findings or noisy else 0.0
         micro.append(live)
         self._made.append(made)
         if made is not None and len(self._made) > 1 and self._made[-2] is not None:
@@ -325,6 +355,9 @@ class Detector:
             else:
                 waiting.append(held)
         self._pending = (waiting, base, per, passes, step) if waiting and not last else None
+        if waiting and last:  # kept past the step: growth, judged across steps; search less
+            self._next_micro = self.steps + 1 + self._micro_backoff
+            self._micro_backoff *= 2
         if fallen:
             self._micro_found(fallen, per, passes, step)
 
@@ -372,6 +405,7 @@ class Detector:
         self._fell_back(frame, last=False)
         self.steps += 1
         micro = self._micro
+        self._passes = max(len(micro), 1)
         grew = len(micro) > 1 and micro[-1] - micro[0] > self._slack * (len(micro) - 1)
         if grew and self._micro_searches and not self.findings:
             self._micro_suspect = True

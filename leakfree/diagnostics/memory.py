@@ -21,7 +21,10 @@ through Python (about 2x the step time of a small model of many small ops; that 
 mode itself, an empty dispatch mode costs nearly as much). So it runs only where it is
 needed (no device read from an allocator) and, with ``sample_every=k`` (8 by default),
 only during about one step in ``k`` (the first always, then randomly spaced, so a leak
-every other step is not aliased away). A
+every other step is not aliased away). Every step is judged all the same: on the CPU the C
+heap's count (:mod:`~leakfree.diagnostics.heap`, microseconds) is read at every step and
+backward, and while the detector confirms growth it suspected there, every step is
+tracked; without a heap count, every step is tracked until the run is judged clean. A
 sampled series holds one value per tracked step: the bytes still alive of the storages
 created during tracked steps. Each tracked step adds what it left behind, so the slope
 over the samples is still bytes per step.
@@ -285,8 +288,9 @@ class MemoryTracker:
             False, or where a device has no allocator statistics, the storage tracker counts.
         sample_every: track storages during about one step in this many (default 8: about
             1.1x the step time of a small model instead of 2.5x; 1: every step, exact).
-            The first step is always tracked. Devices read from an allocator are read at
-            every step regardless. Sampling needs ``step()`` called on the thread that
+            The first step is always tracked, and every step while growth the heap's count
+            suspected is confirmed. Devices read from an allocator are read at every step
+            regardless. Sampling needs ``step()`` called on the thread that
             entered the tracker, and no other dispatch mode entered inside it still active
             at ``step()``; otherwise every step is tracked.
         seed: seeds the random spacing of sampled steps (reproducible runs).

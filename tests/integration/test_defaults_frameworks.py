@@ -19,6 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 L = pytest.importorskip("lightning.pytorch")
 
+from leakfree import OffloadActivations  # noqa: E402
 from leakfree.integrations import MemoryGrowthWarning  # noqa: E402
 from leakfree.integrations.lightning import LeakfreeCallback as LightningCallback  # noqa: E402
 from leakfree.integrations.transformers import LeakfreeCallback  # noqa: E402
@@ -114,3 +115,25 @@ def test_lightning_defaults_warn_of_a_loss_kept_with_its_graph(
     fit(tmp_path, callback, leaky=False, steps=24, module=KeepsLoss())
     messages = _growth_messages(recwarn)
     assert any("kept[" in m for m in messages), messages
+
+
+class OffloadsAndKeepsLogits(KeepsLogits):
+    """The same leak in a step that checkpoints (``gradient_checkpointing=True``) and
+    offloads what it saves (``leakfree.OffloadActivations``), as memory-bound jobs do."""
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kw: Any) -> Any:
+        with OffloadActivations(force_host_copy=True):
+            return super().compute_loss(model, inputs, return_outputs, **kw)
+
+
+def test_hf_trainer_defaults_find_it_with_checkpointing_and_offloading(
+    tmp_path: Path, recwarn: pytest.WarningsRecorder
+) -> None:
+    args = arguments(tmp_path, 20, gradient_checkpointing=True)
+    trainer = OffloadsAndKeepsLogits(model=tiny_model(), args=args, train_dataset=Rows(40))
+    trainer.kept = []
+    callback = LeakfreeCallback().attach(trainer)  # the defaults
+    trainer.train()
+    messages = _growth_messages(recwarn)
+    assert any("kept[" in m for m in messages), messages
+    assert callback.watch.verdict == "leak"
