@@ -200,6 +200,7 @@ class Detector:
         self._heap_floor = float(HEAP_SLACK)  #: heap growth per step not suspected
         self._explained = 0.0  #: exact growth per step already reported
         self._micro_searches = 0  #: searches in this step
+        self._micro_missed = 0  #: searches in this step that found nothing to compare
         self._micro_base: RetentionReport | None = None  #: this step's first search
         self._micro_base_at = 0  #: the backward pass it was made after
         self._micro_suspect = True  #: search after the next step's first backward
@@ -217,7 +218,8 @@ class Detector:
         self._next_micro = 1  #: the step from which a microbatch search may run
         self._micro_backoff = 1
         self._reported: set[tuple[str, str]] = set()
-        self._reported_sites: set[tuple[str, str, str]] = set()
+        #: (finding kind, holder kind, creation site) -> the paths reported with it
+        self._reported_sites: dict[tuple[str, str, str], list[str]] = {}
         self._probed = False
         self._broken = False  #: a search failed once (said once)
 
@@ -314,14 +316,17 @@ class Detector:
         if graphs:
             kept = [i for i in report.items if i.kind == "ctx attribute"]  # what they pin
             self._micro_found(graphs + kept, per, len(micro), step)
-        elif candidates:  # a finding once they fall back: a cache that fills stays
+        if candidates:  # a finding once they fall back: a cache that fills stays
             self._pending = (candidates, base, per, len(micro), step)
-        elif self._micro_searches >= 2:  # nothing twice this step: search less often
-            self._next_micro = step + self._micro_backoff
-            self._micro_backoff *= 2
-            self._micro_suspect = True
+        elif not graphs:
+            self._micro_missed += 1
+            if self._micro_missed >= 2:  # nothing twice this step: search less often
+                self._next_micro = step + self._micro_backoff
+                self._micro_backoff *= 2
+                self._micro_suspect = True
 
     def _micro_found(self, holders: list[Retained], per: float, passes: int, step: int) -> None:
+        hints = [hint for part, hint in _MICRO_HINTS if any(part in h.where for h in holders)]
         self._found(
             "microbatch",
             holders,
@@ -330,7 +335,8 @@ class Detector:
             f"{passes} backward passes of step {step}: memory builds up within the step "
             "(tensors kept for every microbatch until the step ends), so a step with more "
             "microbatches runs out of memory although nothing grows from step to step. "
-            "Held by:",
+            + "".join(f"{hint} " for hint in hints)
+            + "Held by:",
         )
 
     def _fell_back(self, frame: FrameType | None, last: bool) -> None:
@@ -409,7 +415,7 @@ class Detector:
         grew = len(micro) > 1 and micro[-1] - micro[0] > self._slack * (len(micro) - 1)
         if grew and self._micro_searches and not self.findings:
             self._micro_suspect = True
-        self._micro, self._made, self._micro_searches = [], [], 0
+        self._micro, self._made, self._micro_searches, self._micro_missed = [], [], 0, 0
         self._micro_base = None
         if self.steps <= self.rule.warmup:
             return
@@ -642,18 +648,26 @@ class Detector:
         lines: str | None = None,
     ) -> bool:
         grouped = group(holders)
-        # Once per run: the same path, or the same kind of holder of what the same line made
-        # (a holder reached from the stack once and from a module's globals later).
+        # Once per run: the same path, or the same holder reached from another root (from
+        # the stack once, ``kept[*]``, and from a module's globals later, ``__main__.kept[*]``)
+        # holding what the same line made.
         fresh = [
             h
             for h in grouped
             if (kind, _holder_key(h)[1]) not in self._reported
-            and not (h.site and (kind, h.kind, h.site) in self._reported_sites)
+            and not any(
+                _same_holder(_holder_key(h)[1], where)
+                for where in self._reported_sites.get((kind, h.kind, h.site), ())
+            )
         ]
         if (holders and not fresh) or (not holders and (kind, "") in self._reported):
             return True  # reported already: once per run
         self._reported.update((kind, _holder_key(h)[1]) for h in fresh)
-        self._reported_sites.update((kind, h.kind, h.site) for h in fresh if h.site)
+        for h in fresh:
+            if h.site:
+                self._reported_sites.setdefault((kind, h.kind, h.site), []).append(
+                    _holder_key(h)[1]
+                )
         if not holders:
             self._reported.add((kind, ""))
         if lines is None:
@@ -727,6 +741,18 @@ class Detector:
         )
 
 
+#: what to do about a holder that a library keeps per microbatch by design, by a part of
+#: its path: (part, advice)
+_MICRO_HINTS = (
+    (
+        "output_chunks",
+        "torch.distributed.pipelining keeps each microbatch's output on the last stage to "
+        "return them merged: pass return_outputs=False to schedule.step() if the merged "
+        "output is not read.",
+    ),
+)
+
+
 def _holder_key(item: Retained) -> tuple[str, str]:
     """A holder's identity across searches: its kind and its path, indices as ``[*]``."""
     return item.kind, _INDEX.sub("[*]", item.where)
@@ -736,10 +762,17 @@ def _by_holder(items: list[Retained]) -> dict[tuple[str, str], Retained]:
     return {_holder_key(h): h for h in group(items)}
 
 
+def _same_holder(a: str, b: str) -> bool:
+    """Two paths to one holder from different roots: equal, or one is the other's tail
+    after a dot (``kept[*]``, ``__main__.kept[*]``)."""
+    return a == b or a.endswith("." + b) or b.endswith("." + a)
+
+
 def _tensors(item: Retained) -> int:
-    """How many tensors a (grouped) entry holds that a forward computed: graphs, and the
-    floating-point tensors of a detached holder (not integer ids or masks)."""
-    return item.floating if item.kind == "detached" else max(item.count, 1)
+    """How many tensors a (grouped) entry holds that a forward computed: floating-point
+    values of more than one element, with a graph or without (not a scalar loss, not
+    integer ids or masks)."""
+    return item.floating
 
 
 def _grew(

@@ -85,8 +85,8 @@ class Retained:
     #: for "graph": the bytes kept through the graph alone, beyond the held tensor's own
     #: storage (what detaching it would free)
     through_graph: int = 0
-    #: for "detached": how many of the held tensors are floating point (values a forward
-    #: computes), not integer ids or masks (a batch's inputs)
+    #: how many of the held tensors are floating-point values of more than one element
+    #: (what a forward computes), not scalars (a logged loss) or integer ids and masks
     floating: int = 0
     #: for "graph": the autograd nodes its graph keeps (host memory, whatever it saved)
     nodes: int = 0
@@ -507,6 +507,7 @@ class _Graphs:
             f"a tensor whose graph was {how} ({nodes} nodes{pinned}); detach it before keeping it",
             site=self.made(tensor),
             through_graph=through,
+            floating=int(_computed(tensor)),
             nodes=nodes,
         )
 
@@ -591,12 +592,18 @@ def _detached(
         else:
             growing = False
         site = next((m for m in map(made, reversed(tensors)) if m), "")
-        floating = sum(1 for t in tensors if t.is_floating_point() or t.is_complex())
+        floating = sum(1 for t in tensors if _computed(t))
         out.append(
             Retained("detached", where, nbytes, detail, len(tensors), site, floating=floating)
         )
         shown.append(everything or growing)
     return out, shown
+
+
+def _computed(tensor: torch.Tensor) -> bool:
+    """A value a forward computes: floating point and more than one element (a scalar is a
+    metric, an integer tensor ids or a mask)."""
+    return (tensor.is_floating_point() or tensor.is_complex()) and tensor.numel() > 1
 
 
 def _signed(nbytes: int) -> str:

@@ -86,7 +86,9 @@ def _reference_step(model: nn.Sequential, step: int, scale: bool) -> None:
             p.grad.div_(N_MB)  # type: ignore[union-attr]
 
 
-def _run(rank: int, schedule_name: str, sink: str, tagged: bool = True) -> dict[str, Any]:
+def _run(
+    rank: int, schedule_name: str, sink: str, tagged: bool = True, outputs: bool = True
+) -> dict[str, Any]:
     from leakfree import LossLog
     from leakfree.diagnostics import MemoryTracker
     from leakfree.pipeline import PipelineLosses
@@ -113,7 +115,7 @@ def _run(rank: int, schedule_name: str, sink: str, tagged: bool = True) -> dict[
             if rank == 0:
                 schedule.step(x)
             else:
-                schedule.step(target=y, losses=losses)
+                schedule.step(target=y, losses=losses, return_outputs=outputs)
             ours = len(_Tag.refs)
             _reference_step(ref, step, scale)
             del _Tag.refs[ours:]  # the reference's graphs died with its backward
@@ -166,8 +168,15 @@ def test_pipelining_bit_identical_flat_and_losses_without_graphs(
             assert run["live"][2:] == [run["live"][1]] * (STEPS - 2), (rank, sink, run["live"])
     last = results[1]
     # The detector, watching every step: the first stage keeps nothing per microbatch;
-    # the last stage's losses keep the state _Tag parks on ctx, one graph per microbatch.
-    assert results[0]["list"]["findings"] == results[0]["sink"]["findings"] == []
+    # the last stage's losses keep the state _Tag parks on ctx, one graph per microbatch,
+    # and the schedule keeps each microbatch's output to return them merged (the default
+    # return_outputs=True), said with the way out.
+    assert results[0]["list"]["findings"] == []
+    assert results[0]["sink"]["findings"] == []
+    for sink in ("list", "sink"):
+        outputs = [f for f in last[sink]["findings"] if "output_chunks" in f]
+        assert len(outputs) == 1 and "return_outputs=False" in outputs[0], last[sink]
+        last[sink]["findings"].remove(outputs[0])
     [kept] = [f for f in last["list"]["findings"] if "\n  losses[*]" in f]
     assert "kept per backward pass" in kept
     assert any("_Tag.ctx.extra" in f for f in last["list"]["findings"])  # what they keep
@@ -244,15 +253,16 @@ def _clean_worker(rank: int, world: int) -> dict[str, Any]:
     import leakfree
 
     leakfree.patch_all()
-    try:
-        return _run(rank, "Schedule1F1B", "list", tagged=False)
+    try:  # the merged outputs are not read: not kept either
+        return _run(rank, "Schedule1F1B", "list", tagged=False, outputs=False)
     finally:
         leakfree.unpatch_all()
 
 
 def test_pipelining_clean_run_is_quiet(tmp_path: Path) -> None:
-    """The plain torch API (losses=[]) on a model without ctx state, repaired by
-    patch_all: the detector, watching every step and every backward, finds nothing."""
+    """The plain torch API (losses=[], return_outputs=False) on a model without ctx state,
+    repaired by patch_all: the detector, watching every step and every backward, finds
+    nothing."""
     if torch.__version__ < "2.8":
         pytest.skip("Schedule1F1B hangs on gloo before torch 2.8 (docs/pipeline.md)")
     for rank, r in enumerate(run_workers(_clean_worker, 2, tmp_path, timeout=240)):
