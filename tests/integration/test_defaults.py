@@ -54,6 +54,20 @@ def batch():
     return ids[:, :-1], ids[:, 1:]
 """
 
+#: a clean loop of 40 steps that logs LOGGED for every microbatch
+CLEAN_LOOP = """
+losses = []
+for step in range(40):
+    for micro in range(ACCUM):
+        inputs, targets = batch()
+        loss = criterion(model(inputs).reshape(-1, VOCAB), targets.reshape(-1)) / ACCUM
+        loss.backward()
+        losses.append(LOGGED)
+    optimizer.step()
+    optimizer.zero_grad()
+print("trained", len(losses))
+"""
+
 #: name -> the script (each a whole file, as a user writes it)
 SCRIPTS: dict[str, str] = {
     # the logged loss kept with its graph, 4 microbatches a step, 40 optimizer steps
@@ -138,34 +152,9 @@ for step in range(16):
     _cache.append(hidden.detach().clone())  # MADE  2 x 16 x 32 floats: 4 KiB
 print("cached", len(_cache))
 """,
-    # clean: the loss logged as a number
-    "clean_item": TINY_LM
-    + """
-losses = []
-for step in range(40):
-    for micro in range(ACCUM):
-        inputs, targets = batch()
-        loss = criterion(model(inputs).reshape(-1, VOCAB), targets.reshape(-1)) / ACCUM
-        loss.backward()
-        losses.append(loss.item())
-    optimizer.step()
-    optimizer.zero_grad()
-print("trained", len(losses))
-""",
-    # clean: the loss logged detached (4 B a microbatch, no graph)
-    "clean_detach": TINY_LM
-    + """
-losses = []
-for step in range(40):
-    for micro in range(ACCUM):
-        inputs, targets = batch()
-        loss = criterion(model(inputs).reshape(-1, VOCAB), targets.reshape(-1)) / ACCUM
-        loss.backward()
-        losses.append(loss.detach())
-    optimizer.step()
-    optimizer.zero_grad()
-print("trained", len(losses))
-""",
+    # clean: the loss logged as a number, or detached (4 B a microbatch, no graph)
+    "clean_item": TINY_LM + CLEAN_LOOP.replace("LOGGED", "loss.item()"),
+    "clean_detach": TINY_LM + CLEAN_LOOP.replace("LOGGED", "loss.detach()"),
     # clean, and too short to judge: 3 steps
     "short": TINY_LM
     + """

@@ -24,7 +24,12 @@ from leakfree.integrations import MemoryGrowthWarning  # noqa: E402
 from leakfree.integrations.lightning import LeakfreeCallback as LightningCallback  # noqa: E402
 from leakfree.integrations.transformers import LeakfreeCallback  # noqa: E402
 from leakfree.testing import LeakError  # noqa: E402
-from tests.integration.test_hf_trainer import Rows, arguments, tiny_model  # noqa: E402
+from tests.integration.test_hf_trainer import (  # noqa: E402
+    ClearsStepOutputs,
+    Rows,
+    arguments,
+    tiny_model,
+)
 from tests.integration.test_lightning import Tiny, fit  # noqa: E402
 
 pytestmark = [
@@ -73,14 +78,6 @@ class KeepsOutputs(transformers.Trainer):  # type: ignore[misc]
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
 
-class ClearsOutputs(transformers.TrainerCallback):  # type: ignore[misc]
-    def __init__(self, trainer: KeepsOutputs) -> None:
-        self.trainer = trainer
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.trainer.step_outputs.clear()  # the step's metrics, read and dropped
-
-
 def test_hf_trainer_defaults_fail_on_outputs_kept_per_microbatch(tmp_path: Path) -> None:
     trainer = KeepsOutputs(
         model=tiny_model(),
@@ -88,7 +85,7 @@ def test_hf_trainer_defaults_fail_on_outputs_kept_per_microbatch(tmp_path: Path)
         train_dataset=Rows(48),
     )
     trainer.step_outputs = []
-    trainer.add_callback(ClearsOutputs(trainer))
+    trainer.add_callback(ClearsStepOutputs(trainer))
     LeakfreeCallback(fail=True).attach(trainer)  # the defaults otherwise
     with pytest.raises(LeakError) as e:
         trainer.train()

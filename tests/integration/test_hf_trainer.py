@@ -143,8 +143,10 @@ class KeepsEntropy(transformers.Trainer):  # type: ignore[misc]
         return (out.loss, out) if return_outputs else out.loss
 
 
-class ReadsEntropy(transformers.TrainerCallback):  # type: ignore[misc]
-    def __init__(self, trainer: KeepsEntropy) -> None:
+class ClearsStepOutputs(transformers.TrainerCallback):  # type: ignore[misc]
+    """Reads a trainer's ``step_outputs`` at the step's end, and drops them."""
+
+    def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -161,7 +163,7 @@ def test_retention_per_microbatch_is_reported_in_the_first_optimizer_step(
         train_dataset=Rows(16),
     )
     trainer.step_outputs = []
-    trainer.add_callback(ReadsEntropy(trainer))
+    trainer.add_callback(ClearsStepOutputs(trainer))
     callback = LeakfreeCallback(fail=True).attach(trainer)
     with pytest.raises(LeakError, match="kept per backward pass") as e:
         trainer.train()
