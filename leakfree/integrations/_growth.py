@@ -8,10 +8,11 @@ statistics (the CPU), its storage tracker, active on the thread that called ``st
 holds a weak reference per storage created while active (and where it was created: two
 code/line pairs), never the storage; ``torch.autograd.backward`` is wrapped while it runs
 (:mod:`~leakfree.diagnostics.boundaries`). Also kept: the live bytes of the current window
-of steps (at most ``window`` integers), the last :class:`~leakfree.diagnostics.Growth` and
-the findings (names and byte counts, no tensors). Of the objects handed to ``step`` as
-holders only the last callable is kept, until ``stop``; they are walked only when
-something is found.
+of steps (at most ``window`` integers each for the heap and the storages), the two
+searches of a suspicion in progress (paths and byte counts), the last
+:class:`~leakfree.diagnostics.Growth`, the findings (names and byte counts, no tensors)
+and the verdict. Of the objects handed to ``step`` as holders only the last callable is
+kept, until ``stop``; they are walked only when something is found.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ class GrowthWatch:
         floor: bytes per step of growth accepted when no autograd graph holds it.
         fail: raise :class:`~leakfree.testing.LeakError` instead of warning.
         sample_every: on a device counted by the storage tracker (the CPU), track storages
-            during about one optimizer step in this many (see
-            :class:`~leakfree.diagnostics.MemoryTracker`); ``window`` then counts tracked
-            steps. An accelerator read from its allocator is read at every step regardless.
+            during about one optimizer step in this many, and every step while suspected
+            growth is confirmed (see :class:`~leakfree.diagnostics.MemoryTracker`). An
+            accelerator read from its allocator is read at every step regardless.
         device: the device judged (default: the accelerator if any, else the CPU).
         roots: extra objects to search for holders, ``{name: object}`` or an iterable
             (named ``root0``...), before the framework's objects, the stack and the user's

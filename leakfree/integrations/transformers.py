@@ -57,20 +57,22 @@ class LeakfreeCallback(WatchingCallback, TrainerCallback):  # type: ignore[misc]
 
     Args:
         warmup: optimizer steps not judged across steps (default 3: optimizer state and
-            caches). Memory that builds up per backward pass within a step (graphs kept
+            caches). Memory that builds up per backward pass within a step (tensors kept
             per microbatch) is judged from the first step, with no warm-up.
-        window: optimizer steps per across-step verdict (default 10, at least 4): the
-            most recent ones, judged at every step.
+        window: the most recent optimizer steps fitted at every step (default 10, at
+            least 4); a training shorter than ``warmup + window`` steps is not judged and
+            says so at its end (:class:`~leakfree.integrations.NotJudgedWarning`).
         tolerance: bytes per step of growth accepted beyond the noise bound (default 0).
         floor: bytes per step of growth accepted when no autograd graph holds it
             (default 64: a loss history of a few detached scalars is not a leak).
         fail: raise :class:`~leakfree.testing.LeakError` (from ``trainer.train()``)
             instead of warning :class:`~leakfree.integrations.MemoryGrowthWarning`.
         sample_every: on the CPU, track tensor storages during about one optimizer step in
-            this many (default 8, the first step always: see docs/diagnostics.md for the
-            cost; 1: every step, exact, about 2.5x the step time of a small causal LM);
-            ``window`` then counts tracked steps. An accelerator is read from its
-            allocator at every step, free.
+            this many (default 8, the first step always, and every step while growth the
+            C heap's count suspected is confirmed: every step is judged; see
+            docs/diagnostics.md for the cost; 1: every step, exact, about 2.5x the step
+            time of a small causal LM). An accelerator is read from its allocator at
+            every step, free.
         device: the device judged (default: the accelerator if any, read from its
             allocator; else the CPU, where tensor storages created during training are
             tracked).
