@@ -183,3 +183,28 @@ def test_a_leak_is_searched_a_few_times_per_run_not_every_step(
     # twice as far apart each time: the second half of the run has one.
     later = [s for s in searches if s >= 24]
     assert len(later) <= 5, str(searches)
+
+
+def test_a_detached_kibibyte_per_step_is_found_within_the_warmup_and_12_steps(
+    quiet_warnings: None,
+) -> None:
+    """No graph to point at: 1 KiB of detached activations kept per step, the smallest leak
+    the defaults promise to report within the warm-up (3) and 12 steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stats: list[torch.Tensor] = []
+    w = leakfree.watch()
+    try:
+        for _ in range(15):
+            hidden = model[1](model[0](torch.randn(16, 64)))
+            model[2](hidden).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            stats.append(hidden.detach()[0].clone())  # 256 floats: 1 KiB a step
+    finally:
+        w.stop()
+    assert [f.kind for f in w.findings] == ["growth"], w.report()
+    [held] = w.findings[0].holders
+    assert held.where == "stats" and w.findings[0].bytes_per == 1024
+    assert w.verdict == "leak"
