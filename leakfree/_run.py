@@ -32,6 +32,7 @@ import json
 import os
 import re
 import runpy
+import shutil
 import signal
 import sys
 import tempfile
@@ -154,6 +155,7 @@ def main(argv: Sequence[str], prog: str) -> int:
     _banner(target, watch)
     status, interrupted = _execute(args, rest, watch)
     children = _children(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)  # the children's reports, read: nothing stays
     _summary(watch, children)
     if args.json:
         data = {"target": target, "status": status, **watch.as_dict(), "children": children}

@@ -12,9 +12,13 @@ server (torch already imported), as tests/integration/test_run.py runs its own.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -257,3 +261,23 @@ def test_the_not_judged_status_is_documented() -> None:
     docs = (ROOT / "docs" / "diagnostics.md").read_text()
     paragraphs = [p for p in re.split(r"\n\s*\n", docs) if "not judged" in p]
     assert any(re.search(rf"\b{EXIT_NOT_JUDGED}\b", p) for p in paragraphs)
+
+
+def test_a_run_leaves_nothing_behind_in_the_temporary_folder(tmp_path: Path) -> None:
+    """The folder where children leave their reports is removed once they are read (each
+    run used to leave an empty ``leakfree-run-*`` folder in /tmp)."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    (tmp_path / "hello.py").write_text("print('hello')\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(temp)}
+    done = subprocess.run(
+        [sys.executable, "-m", "leakfree", "run", "hello.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0 and done.stdout == "hello\n", done.stderr
+    assert "not judged" in done.stderr  # nothing trained: no verdict, and it says so
+    assert list(temp.iterdir()) == []
