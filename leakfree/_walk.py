@@ -50,7 +50,9 @@ import collections
 import enum
 import functools
 import gc
+import inspect
 import itertools
+import sys
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -66,6 +68,7 @@ __all__ = [
     "SCALAR_TYPES",
     "Located",
     "edges_of",
+    "frame_locals",
     "holds_no_memory",
     "is_scalar",
     "object_fields",
@@ -163,7 +166,20 @@ def _no_children(obj: Any) -> Iterable[Edge]:
 def _mapping(obj: Any) -> Iterator[Edge]:
     for k, v in list(obj.items()):
         yield "key", k
-        yield f"[{k!r}]", v
+        yield _key_label(k), v
+
+
+def _key_label(key: Any) -> str:
+    """``['lm']``, ``[3]``; a key that is not a plain value by its type (an optimizer's
+    state is keyed by parameters, whose ``repr`` prints every value): ``[<Parameter>]``."""
+    if type(key) in _PLAIN_KEYS:
+        return f"[{key!r}]"
+    if type(key) is tuple and all(type(k) in _PLAIN_KEYS for k in key):
+        return f"[{key!r}]"
+    return f"[<{type(key).__name__}>]"
+
+
+_PLAIN_KEYS = (str, int, float, bool, type(None), bytes)
 
 
 def _sequence(obj: Any) -> Iterator[Edge]:
@@ -262,9 +278,33 @@ def _traceback(tb: types.TracebackType) -> Iterator[Edge]:
     while at is not None:
         frame = at.tb_frame
         where = f"<frame {frame.f_code.co_name}>"
-        for name, v in list(frame.f_locals.items()):
+        for name, v in frame_locals(frame):
             yield f"{where}.{name}", v
         at = at.tb_next
+
+
+def frame_locals(frame: types.FrameType) -> list[tuple[str, Any]]:
+    """A frame's local variables, without leaving them held.
+
+    Before Python 3.13 ``frame.f_locals`` of a function's frame is a snapshot dict cached
+    on the frame: it would keep this iteration's locals (a batch, the outputs) alive after
+    the loop rebinds them, until the frame ends (the frame that caught a kept exception
+    is often the training loop itself, still running). A watcher must not cause what it
+    looks for, so the snapshot is emptied again after reading (the next reader refills
+    it), unless someone else holds it (a ``d = locals()`` of the function's own: it is
+    theirs). From 3.13 ``f_locals`` is a view (PEP 667): nothing to undo.
+    """
+    namespace = frame.f_locals
+    items = list(namespace.items())
+    if (
+        type(namespace) is dict
+        and frame.f_code.co_flags & inspect.CO_OPTIMIZED
+        and namespace is not frame.f_globals
+        # the frame's reference, ours, getrefcount's argument: nobody else holds it
+        and sys.getrefcount(namespace) <= 3
+    ):
+        namespace.clear()
+    return items
 
 
 _LRU = getattr(functools, "_lru_cache_wrapper", None)

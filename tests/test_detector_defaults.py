@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -104,6 +105,7 @@ def accumulate(keep: str, steps: int) -> Watch:
     model = LM()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
+    history: list[torch.Tensor] = []
     w = leakfree.watch()
     try:
         for _ in range(steps):
@@ -117,6 +119,8 @@ def accumulate(keep: str, steps: int) -> Watch:
                     step_outputs.append(logits.detach())  # 2 x 32 x 1000 floats: 256 KiB
                 elif keep == "loss":
                     step_outputs.append(loss.detach())
+                elif keep == "loss-history":
+                    history.append(loss.detach())  # kept for the run: 4 B a microbatch
             opt.step()
             opt.zero_grad()
             step_outputs.clear()  # the step's metrics, read and dropped
@@ -208,3 +212,87 @@ def test_a_detached_kibibyte_per_step_is_found_within_the_warmup_and_12_steps(
     [held] = w.findings[0].holders
     assert held.where == "stats" and w.findings[0].bytes_per == 1024
     assert w.verdict == "leak"
+
+
+def test_assert_no_leak_judges_even_four_steps() -> None:
+    """Growth suspected at the last of four steps has no step left to confirm it in: the
+    window it was suspected on is the verdict (it passed a 500 KiB-per-step leak)."""
+    kept: list[torch.Tensor] = []
+    with pytest.raises(leakfree.testing.LeakError, match="kept  6 tensor"):  # warm-up too
+        assert_no_leak(lambda: kept.append(torch.randn(64, 64)), steps=4)
+
+
+class Flat:
+    """The tracker a detector reads in these tests: a CPU judged, no storage tracker."""
+
+    judged = "cpu"
+    _storages = None
+
+
+def test_a_suspicion_the_run_ends_too_soon_to_confirm_leaves_the_verdict_it_had(
+    no_gc: None,
+) -> None:
+    """A clean run's heap drifts upward in its last steps: the suspicion is not confirmed
+    before the run ends, and the run, judged over a full window before it, stays clean
+    (it exited 78 under ``leakfree run --fail``, in 3 runs of 10)."""
+    from leakfree.diagnostics.detector import Detector
+
+    def run(flat: int) -> Detector:
+        """``flat`` steps, then a heap that rises until growth is suspected: the end."""
+        detector = Detector(Flat())
+        heap = [1_000_000] * flat + [1_000_000 + 900 * i for i in range(1, 20)]
+        for signal in heap:
+            detector.step(None, None, signal)
+            if detector.confirming:
+                break
+        assert detector.confirming
+        detector.finish()
+        return detector
+
+    assert run(flat=14).verdict == "clean"  # 12 steps judged after the warm-up, then this
+    short = run(flat=2)  # nothing judged before the suspicion
+    assert short.verdict == "not judged" and "too soon to confirm" in short.why_not_judged()
+
+
+def test_a_leak_that_starts_late_is_found_within_a_few_steps_of_its_start(
+    quiet_warnings: None,
+) -> None:
+    """The heap suspects it; the steps followed exactly since say it grows (a fit over a
+    window that also held the flat steps before it called it a one-off, and raised the
+    heap's bar above the leak)."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    kept: list[torch.Tensor] = []
+    w = leakfree.watch()
+    try:
+        for step in range(1, 61):
+            model(torch.randn(8, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step > 40:
+                kept.append(torch.randn(64, 16))  # 4 KiB a step from step 41
+    finally:
+        w.stop()
+    [found] = w.findings
+    assert 41 < found.step <= 52 and found.bytes_per == 4096, w.report()
+
+
+def test_a_detached_scalar_history_is_judged_once_not_every_few_steps(
+    quiet_warnings: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4 B of losses a microbatch kept detached is growth under the floor: once judged so,
+    growth at that pace is not suspected (and confirmed, and searched) again."""
+    from leakfree.diagnostics.detector import Detector
+
+    suspected: list[int] = []
+    suspect = Detector._suspect
+
+    def counted(self: Detector, *args: Any) -> None:
+        suspected.append(self.steps)
+        suspect(self, *args)
+
+    monkeypatch.setattr(Detector, "_suspect", counted)
+    w = accumulate("loss-history", steps=120)
+    assert w.findings == [] and w.verdict == "clean", w.report()
+    assert len(suspected) <= 2, suspected

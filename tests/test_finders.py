@@ -793,3 +793,35 @@ def test_a_running_total_chained_through_its_graph_is_found_on_the_heap() -> Non
     assert "meter.total  graph" in found.message and "autograd nodes per step" in found.message
     meter.total = torch.zeros(())
     assert run(True) == []
+
+
+def test_reading_a_kept_exceptions_frames_keeps_none_of_their_locals(no_gc: None) -> None:
+    """The frame that caught a kept exception is often the training loop itself, still
+    running: reading its locals (before Python 3.13) caches a snapshot on the frame that
+    would keep every output it rebinds alive until the loop returns. The search reads it
+    and lets it go, as it does for the frames on the stack."""
+    model, opt = model_and_opt()
+    errors: list[BaseException] = []
+    outputs: list[weakref.ref[torch.Tensor]] = []
+
+    def train() -> None:
+        tracker = MemoryTracker(devices=["cpu"], sample_every=1, warn=False)
+        with tracker:
+            for step in range(12):
+                try:
+                    if step == 0:
+                        raise ValueError("a skipped batch, kept for the summary")
+                except ValueError as e:
+                    errors.append(e)
+                out = model(torch.randn(8, 32))
+                outputs.append(weakref.ref(out))
+                out.square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                tracker.step()
+                if step == 4:
+                    find_retained(errors, names=["errors"])  # reads this frame's locals
+        del out
+        assert [r for r in outputs if r() is not None] == []  # all freed, train() running
+
+    train()

@@ -212,6 +212,7 @@ class Detector:
         self._confirm: list[int] | None = None  #: exact values since a suspicion, if one
         self._base: RetentionReport | None = None  #: the holders when growth was suspected
         self._suspected_at = 0
+        self._judged_before = 0  #: steps judged before the suspicion in progress
         self._heap_growth: Growth | None = None  #: the heap's growth that was suspected
         self._next_search = 0  #: the step from which growth may be suspected again
         self._backoff = 1
@@ -241,9 +242,9 @@ class Detector:
         ``"not judged"`` (the run ended first, or while growth was being confirmed)."""
         if self.findings:
             return "leak"
-        if self._confirm is None and self.judged_steps >= self.needed_steps:
-            return "clean"
-        return "not judged"
+        # A suspicion the run ended too soon to confirm leaves the steps judged before it.
+        judged = self.judged_steps if self._confirm is None else self._judged_before
+        return "clean" if judged >= self.needed_steps else "not judged"
 
     def why_not_judged(self) -> str:
         """What kept a run from a verdict, for the report (empty once judged)."""
@@ -251,8 +252,9 @@ class Detector:
             return ""
         if self._confirm is not None:
             return (
-                f"growth suspected at step {self._suspected_at} was still being confirmed "
-                f"when the run ended, {len(self._confirm)} step(s) later"
+                f"{self._judged_before} of the {self.needed_steps} {self.unit} a verdict "
+                f"needs were judged before growth suspected at step {self._suspected_at}, "
+                "which the run ended too soon to confirm"
             )
         return (
             f"{self.judged_steps} of the {self.needed_steps} {self.unit} a verdict needs "
@@ -471,6 +473,7 @@ class Detector:
         """Growth is suspected: note who holds what now, and follow the next
         :data:`CONFIRM` steps exactly (the tracker reads :attr:`confirming`)."""
         self._heap_growth = heap
+        self._judged_before = self.judged_steps - 1  # the suspicious one is not
         self._suspected_at = self.steps
         self._confirm = []
         self._base = self._search(frame, everything=True)
@@ -478,22 +481,28 @@ class Detector:
     def _conclude(self, frame: FrameType | None) -> None:
         """The confirmation's steps are in: a finding if they grew, then back off either
         way, so a leak that keeps growing is searched a few times per run, not per step."""
-        self._confirm = None
+        confirm, self._confirm = self._confirm or [], None
         base, self._base = self._base, None
-        growth = fit_growth(self._values)
-        self.growth = growth
         heap, self._heap_growth = self._heap_growth, None
+        # A heap's suspicion is judged on the steps followed since: the window may hold
+        # steps from before a leak began, and a fit over both would call it a one-off.
+        values = confirm if heap is not None and len(confirm) >= 2 else self._values
+        growth = fit_growth(values)
+        self.growth = growth
         if growth.exceeds(max(self.rule.tolerance, 2 * self._explained)):
-            if self._across(growth, frame, base):
-                # Reported: a leak that keeps growing at that pace is not searched again
-                # (each search walks every graph it kept); a faster one still is.
-                self._explained = max(self._explained, growth.bytes_per_step)
-                if heap is not None:
-                    self._heap_floor = max(self._heap_floor, 2 * heap.bytes_per_step)
-        elif heap is not None and not self._chained(heap, frame, base):
-            # The heap grew and no storage did: Python's and the libraries' own drift.
-            # Suspect it again only above twice that.
+            # Reported, or judged no leak (a metric history under the floor): growth at
+            # that pace is not searched again (each search walks every graph a leak
+            # keeps); a faster one still is.
+            self._across(growth, frame, base)
+            self._explained = max(self._explained, growth.bytes_per_step)
+        elif heap is not None:
+            self._chained(heap, frame, base)
+        if heap is not None:
+            # What the heap grew by is accounted for: a leak just reported, a metric
+            # history under the floor, or Python's and the libraries' own drift. Suspect
+            # it again only above twice that.
             self._heap_floor = max(self._heap_floor, 2 * heap.bytes_per_step)
+        self._judged_before = self.judged_steps
         self._next_search = self.steps + self._backoff
         self._backoff *= 2
 
@@ -531,12 +540,16 @@ class Detector:
 
     def finish(self, frame: FrameType | None = None) -> None:
         """The run ended: holders pending since the last step are looked at once more, and
-        growth being confirmed is judged over the exact values there are (at least four),
-        else the verdict stays "not judged"."""
+        growth being confirmed is judged over the exact values there are (two since the
+        suspicion, or four in the window), else the verdict rests on the steps judged
+        before it."""
         self._fell_back(frame, last=True)
-        if not self._confirm or len(self._values) < 4:
-            return  # nothing measured since the suspicion: nothing to attribute it to
-        self._conclude(frame)
+        if self._confirm is None:
+            return
+        if len(self._confirm) >= 2 or len(self._values) >= 4:
+            if not self._confirm:  # no step since the suspicion: what grew is unknown
+                self._base = None
+            self._conclude(frame)
 
     # -- verdicts --------------------------------------------------------------------
 
@@ -550,14 +563,21 @@ class Detector:
         grown = _grew(report.items, before)
         graphs = [i for i in grown if i.kind == "graph"]
         pinned = [i for i in grown if i.kind == "ctx attribute"]
-        if not graphs:
-            # A graph held where a clean loop holds one too (a name, an attribute, a frame
-            # of a kept exception) is the holder only if it grew by about what memory did:
-            # ``val_loss += loss`` without no_grad, a cache of outputs with their graphs.
+        full: RetentionReport | None = None
+        if not graphs and base is not None:
+            # A graph held where a clean loop holds one too (a name, an attribute) is the
+            # holder only if it grew by about what memory did and gained autograd nodes on
+            # every step: one graph chained to the next (``val_loss += loss`` outside
+            # no_grad), not a local rebound to a bigger output every step.
             full = self._search(frame, everything=True)
             steps = max(self.steps - self._suspected_at, 1)
             at_least = 0.5 * growth.bytes_per_step * steps
-            graphs = [i for i in _grew(full.items, before, at_least) if i.kind == "graph"]
+            old = _by_holder(base.items)
+            graphs = [
+                i
+                for i in _grew(full.items, before, at_least)
+                if i.kind == "graph" and i.nodes - _nodes(old.get(_holder_key(i))) >= steps
+            ]
         items = graphs + pinned + (report.detached if graphs or pinned else [])
         first = self._at[-growth.steps] if len(self._at) >= growth.steps else 1
         span = self.steps - first + 1
@@ -569,13 +589,16 @@ class Detector:
         )
         if items:
             return self._found("growth", items, growth.bytes_per_step, f"{lead}, held by:", growth)
-        if self._cycles(growth):
+        under = growth.bytes_per_step <= max(self.rule.floor, self.rule.tolerance)
+        # The probe is a full collection: with gc on, cycles are freed late, not kept, and
+        # growth under the floor is not worth one.
+        if not (under and gc.isenabled()) and self._cycles(growth):
             return True
-        if growth.bytes_per_step <= max(self.rule.floor, self.rule.tolerance):
+        if under:
             return False  # a few detached scalars per step: a metric history, not a leak
         seen = report.detached
         if not seen:  # what a clean loop holds too: graphs before backward, detached tensors
-            full = self._search(frame, everything=True)
+            full = full or self._search(frame, everything=True)
             every = [i for i in full.items if i.kind == "graph"] + full.all_detached
             before = (base.items + base.all_detached) if base is not None else None
             seen = _grew(every, before)
@@ -766,6 +789,10 @@ def _same_holder(a: str, b: str) -> bool:
     """Two paths to one holder from different roots: equal, or one is the other's tail
     after a dot (``kept[*]``, ``__main__.kept[*]``)."""
     return a == b or a.endswith("." + b) or b.endswith("." + a)
+
+
+def _nodes(item: Retained | None) -> int:
+    return item.nodes if item is not None else 0
 
 
 def _tensors(item: Retained) -> int:

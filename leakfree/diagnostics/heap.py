@@ -68,10 +68,13 @@ def heap_counter() -> Callable[[], int] | None:
 
     import torch
 
-    before = in_use()
-    probe = torch.empty(_PROBE, dtype=torch.uint8)
-    seen = in_use() - before
-    del probe
     # A preloaded allocator answers with its own numbers or none: trust only a count that
-    # saw the probe's bytes.
-    return in_use if _PROBE <= seen < 2 * _PROBE else None
+    # sees the probe's bytes (three tries: another thread may allocate or free meanwhile).
+    for _ in range(3):
+        before = in_use()
+        probe = torch.empty(_PROBE, dtype=torch.uint8)
+        seen = in_use() - before
+        del probe
+        if _PROBE <= seen < 2 * _PROBE:
+            return in_use
+    return None

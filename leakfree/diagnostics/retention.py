@@ -55,9 +55,8 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from leakfree._text import format_bytes, format_table
-from leakfree._walk import Located, object_fields, walk
+from leakfree._walk import Located, frame_locals, object_fields, walk
 from leakfree.diagnostics.boundaries import RETAINED
-from leakfree.diagnostics.roots import _locals
 from leakfree.function import RELEASED, backward_ran, saved_handles
 
 __all__ = ["Retained", "RetentionReport", "find_retained", "graph_bytes", "tensor_bytes"]
@@ -414,7 +413,7 @@ def find_retained(
     else:
         frame = inspect.currentframe()
         caller = frame.f_back if frame is not None else None
-        named = _locals(caller) if caller is not None else []
+        named = frame_locals(caller) if caller is not None else []
         del frame, caller
     site_of = sites if sites is not None else _active_sites()
 

@@ -27,6 +27,7 @@ import types
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from leakfree._walk import frame_locals
 from leakfree.diagnostics.sites import SKIPPED, USER, kind_of
 
 __all__ = ["code_roots", "frame_roots", "judged_device", "module_roots", "named_roots"]
@@ -108,7 +109,7 @@ def frame_roots(frame: types.FrameType | None) -> dict[str, Any]:
     while frame is not None and seen < MAX_FRAMES:
         if kind_of(frame.f_code.co_filename) != SKIPPED:
             seen += 1
-            for var, value in _locals(frame):
+            for var, value in frame_locals(frame):
                 if var in out or var in code or isinstance(value, types.ModuleType):
                     continue
                 target = code if isinstance(value, _CODE) else out
@@ -156,26 +157,3 @@ def code_roots(fn: Any) -> dict[str, Any]:
             ):
                 out.setdefault(name, value)
     return out
-
-
-def _locals(frame: types.FrameType) -> list[tuple[str, Any]]:
-    """A frame's local variables, without leaving them held.
-
-    Before Python 3.13 ``frame.f_locals`` of a function's frame is a snapshot dict cached
-    on the frame: it would keep this iteration's locals (a batch, the outputs) alive after
-    the loop rebinds them, until the frame ends. A watcher must not cause what it looks
-    for, so the snapshot is emptied again after reading (the next reader refills it),
-    unless someone else holds it (a ``d = locals()`` of the function's own: it is theirs).
-    From 3.13 ``f_locals`` is a view (PEP 667): nothing to undo.
-    """
-    namespace = frame.f_locals
-    items = list(namespace.items())
-    if (
-        type(namespace) is dict
-        and frame.f_code.co_flags & inspect.CO_OPTIMIZED
-        and namespace is not frame.f_globals
-        # the frame's reference, ours, getrefcount's argument: nobody else holds it
-        and sys.getrefcount(namespace) <= 3
-    ):
-        namespace.clear()
-    return items
