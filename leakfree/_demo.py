@@ -20,6 +20,7 @@ import leakfree
 from leakfree._device import accelerator
 from leakfree._shapes import context_loss
 from leakfree._text import format_bytes, format_table
+from leakfree.diagnostics.detector import Rule
 from leakfree.diagnostics.growth import Growth, fit_growth
 from leakfree.diagnostics.memory import MemoryTracker
 from leakfree.pipeline import RecvBufferPool
@@ -236,7 +237,11 @@ def measure(
     make: Callable[[bool, torch.device], Step], lf: bool, steps: int, device: torch.device
 ) -> list[int]:
     """Live bytes on ``device`` after each step of the shape's loop."""
-    tracker = MemoryTracker(devices=[device], sample_every=1, warn=False)
+    # Only the series is read here: no verdict within these steps, no microbatch search.
+    rule = Rule(warmup=steps + 1)
+    tracker = MemoryTracker(
+        devices=[device], sample_every=1, warn=False, rule=rule, microbatches=False
+    )
     with tracker:
         step = make(lf, device)
         tracker.step()  # baseline: what setting up the loop allocated

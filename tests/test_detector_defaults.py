@@ -296,7 +296,7 @@ def test_a_detached_scalar_history_is_judged_once_not_every_few_steps(
     history: list[torch.Tensor] = []
     w = leakfree.watch()
     try:
-        for _ in range(120):
+        for _ in range(64):
             for _ in range(MICRO):
                 loss = model(torch.randn(4, 32)).square().mean()
                 loss.backward()
