@@ -556,20 +556,21 @@ class Detector:
     def _across(
         self, growth: Growth, frame: FrameType | None, base: RetentionReport | None
     ) -> bool:
-        report = self._search(frame, since=base)
+        # One search: what a report lists by default (graphs in growable containers or
+        # kept by retain_graph=True, ctx state), and what a clean loop holds too.
+        full = self._search(frame, since=base, everything=True)
         # Only what grew since the suspicion is named: a constant retained graph elsewhere
         # (last step's loss kept with retain_graph=True) is not the holder of this growth.
         before = base.items if base is not None else None
-        grown = _grew(report.items, before)
+        grown = _grew([i for i in full.items if i.listed], before)
         graphs = [i for i in grown if i.kind == "graph"]
         pinned = [i for i in grown if i.kind == "ctx attribute"]
-        full: RetentionReport | None = None
+        detached = _grew(full.all_detached, base.all_detached) if base is not None else []
         if not graphs and base is not None:
             # A graph held where a clean loop holds one too (a name, an attribute) is the
             # holder only if it grew by about what memory did and gained autograd nodes on
             # every step: one graph chained to the next (``val_loss += loss`` outside
             # no_grad), not a local rebound to a bigger output every step.
-            full = self._search(frame, everything=True)
             steps = max(self.steps - self._suspected_at, 1)
             at_least = 0.5 * growth.bytes_per_step * steps
             old = _by_holder(base.items)
@@ -578,7 +579,7 @@ class Detector:
                 for i in _grew(full.items, before, at_least)
                 if i.kind == "graph" and i.nodes - _nodes(old.get(_holder_key(i))) >= steps
             ]
-        items = graphs + pinned + (report.detached if graphs or pinned else [])
+        items = graphs + pinned + (detached if graphs or pinned else [])
         first = self._at[-growth.steps] if len(self._at) >= growth.steps else 1
         span = self.steps - first + 1
         sampled = f", {growth.steps} of them tracked" if span > growth.steps else ""
@@ -596,9 +597,8 @@ class Detector:
             return True
         if under:
             return False  # a few detached scalars per step: a metric history, not a leak
-        seen = report.detached
+        seen = detached
         if not seen:  # what a clean loop holds too: graphs before backward, detached tensors
-            full = full or self._search(frame, everything=True)
             every = [i for i in full.items if i.kind == "graph"] + full.all_detached
             before = (base.items + base.all_detached) if base is not None else None
             seen = _grew(every, before)

@@ -89,6 +89,8 @@ class Retained:
     floating: int = 0
     #: for "graph": the autograd nodes its graph keeps (host memory, whatever it saved)
     nodes: int = 0
+    #: listed without ``everything=True``: not what a clean loop holds too
+    listed: bool = True
 
     def __str__(self) -> str:
         made = f"  created at {self.site}" if self.site else ""
@@ -176,7 +178,10 @@ def group(items: list[Retained]) -> list[Retained]:
         through = sum(m.through_graph for m in members)
         floating = sum(m.floating for m in members)
         nodes = sum(m.nodes for m in members)
-        out.append(Retained(kind, where, nbytes, detail, count, site, through, floating, nodes))
+        listed = any(m.listed for m in members)
+        out.append(
+            Retained(kind, where, nbytes, detail, count, site, through, floating, nodes, listed)
+        )
     return sorted(out, key=lambda i: -i.nbytes)
 
 
@@ -488,7 +493,8 @@ class _Graphs:
                 graph_bytes += tensor_bytes(_saved(node), self.counted, depth=2, anyway=self.anyway)
             if isinstance(node, BackwardCFunction) and (ran or kept):
                 graph_bytes += self._ctx(node, ran)
-        if not everything and not (backpropagated and (retained or _in_growable(located))):
+        listed = backpropagated and (retained or _in_growable(located))
+        if not everything and not listed:
             return None
         leaf_bytes = sum(_leaf_bytes(node, self.counted, self.anyway) for node in leaves)
         through = graph_bytes + leaf_bytes
@@ -508,6 +514,7 @@ class _Graphs:
             through_graph=through,
             floating=int(_computed(tensor)),
             nodes=nodes,
+            listed=listed,
         )
 
     def _ctx(self, node: Any, ran: bool) -> int:

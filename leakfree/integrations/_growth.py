@@ -140,8 +140,10 @@ class GrowthWatch:
         tracker.__enter__()
         self._tracker = tracker
 
-    def stop(self) -> None:
-        """End the run (idempotent): tracking stops; the numbers stay readable."""
+    def stop(self, *, failed: bool = False) -> None:
+        """End the run (idempotent): tracking stops; the numbers stay readable. A run too
+        short to judge says so (:class:`~leakfree.integrations.NotJudgedWarning`), unless
+        it ended by an error (``failed``): that says enough."""
         tracker, self._tracker = self._tracker, None
         if tracker is None:
             self._holders = dict
@@ -154,7 +156,7 @@ class GrowthWatch:
             tracker.__exit__(None, None, None)
         self.verdict = detector.verdict
         self.judged_steps, self.needed_steps = detector.judged_steps, detector.needed_steps
-        if self.verdict == "not judged" and self.steps:
+        if self.verdict == "not judged" and self.steps and not failed:
             # Said, never raised (fail=True raises on leaks): a short run is not a clean one.
             warnings.warn(
                 f"{self.owner}: not judged: {detector.why_not_judged()}. No leak was found in "

@@ -105,4 +105,4 @@ class LeakfreeCallback(WatchingCallback, Callback):  # type: ignore[misc]
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
     ) -> None:
-        self.watch.stop()
+        self.watch.stop(failed=True)

@@ -13,7 +13,7 @@ import torch
 
 L = pytest.importorskip("lightning.pytorch")
 
-from leakfree.integrations import MemoryGrowthWarning  # noqa: E402
+from leakfree.integrations import MemoryGrowthWarning, NotJudgedWarning  # noqa: E402
 from leakfree.integrations.lightning import LeakfreeCallback  # noqa: E402
 from leakfree.testing import LeakError  # noqa: E402
 
@@ -219,7 +219,9 @@ def test_a_raising_step_leaves_no_tracker_behind(tmp_path: Path) -> None:
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    with pytest.raises(RuntimeError, match="boom"):
-        trainer.fit(Raises(leaky=False), torch.utils.data.DataLoader(data, batch_size=BATCH))
-    assert callback.watch.steps == 2
+    with warnings.catch_warnings():  # the error says enough: no "not judged" beside it
+        warnings.simplefilter("error", NotJudgedWarning)
+        with pytest.raises(RuntimeError, match="boom"):
+            trainer.fit(Raises(leaky=False), torch.utils.data.DataLoader(data, batch_size=BATCH))
+    assert callback.watch.steps == 2 and callback.watch.verdict == "not judged"
     assert not callback.watch.active and _get_current_dispatch_mode() is None
