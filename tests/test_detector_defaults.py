@@ -8,7 +8,7 @@ history, the last loss, a step's own input batches) raises no alarm."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -30,23 +30,34 @@ def quiet_warnings() -> Iterator[None]:
         yield
 
 
+def watched(
+    steps: int, keep: Callable[[int, torch.Tensor], object], micro: int = 1, width: int = 64
+) -> Watch:
+    """``steps`` optimizer steps of ``micro`` backward passes of a linear model under
+    ``leakfree.watch()`` at its defaults; ``keep(step, loss)`` after each backward."""
+    torch.manual_seed(0)
+    model = nn.Linear(width, width)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    w = leakfree.watch()
+    try:
+        for step in range(1, steps + 1):
+            for _ in range(micro):
+                loss = model(torch.randn(8, width)).square().mean()
+                loss.backward()
+                keep(step, loss)
+            opt.step()
+            opt.zero_grad()
+    finally:
+        w.stop()
+    return w
+
+
 def test_watch_defaults_find_a_logged_loss_kept_with_its_graph_within_15_steps(
     quiet_warnings: None,
 ) -> None:
-    torch.manual_seed(0)
-    model = nn.Linear(64, 64)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     kept_losses: list[torch.Tensor] = []
-    w = leakfree.watch()
-    try:
-        for _ in range(15):  # the default warm-up (3) + 12 steps
-            loss = model(torch.randn(8, 64)).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            kept_losses.append(loss)  # the leak: the loss with its graph, 4 B a step
-    finally:
-        w.stop()
+    # the default warm-up (3) + 12 steps; the leak: the loss with its graph, 4 B a step
+    w = watched(15, lambda step, loss: kept_losses.append(loss))
     assert w.findings, w.report()
     wheres = [h.where for f in w.findings for h in f.holders]
     assert any("kept_losses" in where for where in wheres), w.report()
@@ -257,20 +268,13 @@ def test_a_leak_that_starts_late_is_found_within_a_few_steps_of_its_start(
     """The heap suspects it; the steps followed exactly since say it grows (a fit over a
     window that also held the flat steps before it called it a one-off, and raised the
     heap's bar above the leak)."""
-    torch.manual_seed(0)
-    model = nn.Linear(64, 64)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     kept: list[torch.Tensor] = []
-    w = leakfree.watch()
-    try:
-        for step in range(1, 61):
-            model(torch.randn(8, 64)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            if step > 40:
-                kept.append(torch.randn(64, 16))  # 4 KiB a step from step 41
-    finally:
-        w.stop()
+
+    def late(step: int, loss: torch.Tensor) -> None:
+        if step > 40:
+            kept.append(torch.randn(64, 16))  # 4 KiB a step from step 41
+
+    w = watched(60, late)
     [found] = w.findings
     assert 41 < found.step <= 52 and found.bytes_per == 4096, w.report()
 
@@ -290,20 +294,7 @@ def test_a_detached_scalar_history_is_judged_once_not_every_few_steps(
         suspect(self, *args)
 
     monkeypatch.setattr(Detector, "_suspect", counted)
-    torch.manual_seed(0)
-    model = nn.Linear(32, 32)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    history: list[torch.Tensor] = []
-    w = leakfree.watch()
-    try:
-        for _ in range(64):
-            for _ in range(MICRO):
-                loss = model(torch.randn(4, 32)).square().mean()
-                loss.backward()
-                history.append(loss.detach())  # kept for the run: 4 B a microbatch
-            opt.step()
-            opt.zero_grad()
-    finally:
-        w.stop()
+    history: list[torch.Tensor] = []  # kept for the run: 4 B a microbatch
+    w = watched(64, lambda step, loss: history.append(loss.detach()), micro=MICRO, width=32)
     assert w.findings == [] and w.verdict == "clean", w.report()
     assert len(suspected) <= 2, suspected
