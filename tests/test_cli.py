@@ -227,6 +227,7 @@ def test_run_usage_names_its_options_and_exit_codes() -> None:
     out, _ = _cli("run", "--help")
     assert out.startswith("usage: leakfree run [options] (SCRIPT | -m MODULE) [ARGS...]")
     assert "--fail" in out and "79" in out and "--every K" in out
+    assert "78 if none was but the run ended before it could be judged" in " ".join(out.split())
     _, err = _cli("run", "-m")
     assert "leakfree run: error: argument -m: expected one argument" in err
 
