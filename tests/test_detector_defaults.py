@@ -298,3 +298,34 @@ def test_a_detached_scalar_history_is_judged_once_not_every_few_steps(
     w = watched(64, lambda step, loss: history.append(loss.detach()), micro=MICRO, width=32)
     assert w.findings == [] and w.verdict == "clean", w.report()
     assert len(suspected) <= 2, suspected
+
+
+def test_on_an_accelerator_every_step_is_judged_from_its_allocator(
+    accelerator: torch.device, quiet_warnings: None
+) -> None:
+    """The same promises where the allocator is read (the simulated device without a GPU):
+    a leak found within the warm-up and 12 steps, and what a step keeps per microbatch,
+    with or without a graph, in its first step."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64).to(accelerator)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    kept: list[torch.Tensor] = []
+    w = leakfree.watch()
+    try:
+        assert w.device.type == accelerator.type
+        for _ in range(15):  # the warm-up (3) and 12 steps
+            outputs = []
+            for _ in range(MICRO):
+                out = model(torch.randn(8, 64, device=accelerator))
+                out.square().mean().backward()
+                outputs.append(out.detach())  # 2 KiB a microbatch, dropped at the step's end
+            opt.step()
+            opt.zero_grad()
+            kept.append(torch.ones(256, device=accelerator))  # 1 KiB a step, kept
+            del outputs
+    finally:
+        w.stop()
+    kinds = {f.kind: f for f in w.findings}
+    assert set(kinds) == {"microbatch", "growth"}, w.report()
+    assert kinds["microbatch"].step == 1 and "outputs" in kinds["microbatch"].message
+    assert kinds["growth"].bytes_per == 1024 and kinds["growth"].holders[0].where == "kept"
