@@ -79,11 +79,11 @@ from leakfree._warnings import LeakfreeWarning
 from leakfree.diagnostics.cycles import Cycles, find_cycles
 from leakfree.diagnostics.growth import Growth, fit_growth
 from leakfree.diagnostics.retention import (
-    _INDEX,
     Retained,
     RetentionReport,
     find_retained,
     group,
+    holder_key,
 )
 from leakfree.diagnostics.roots import frame_roots, module_roots
 
@@ -355,7 +355,7 @@ class Detector:
         before = _by_holder(base.items + base.all_detached) if base is not None else {}
         fallen, waiting = [], []
         for held in candidates:
-            key = _holder_key(held)
+            key = holder_key(held)
             was = before.get(key)
             still = now.get(key)
             if still is None or still.nbytes <= (was.nbytes if was is not None else 0):
@@ -395,7 +395,7 @@ class Detector:
         for now in graphs + group(report.all_detached):
             if now.where in named:
                 continue
-            old = before.get(_holder_key(now))
+            old = before.get(holder_key(now))
             gained = _tensors(now) - (_tensors(old) if old is not None else 0)
             more = now.nbytes - (old.nbytes if old is not None else 0)
             if gained >= passes and more / gained > floor:
@@ -517,7 +517,7 @@ class Detector:
         report = self._search(frame, everything=True)
         chains = []
         for held in group([i for i in report.items if i.kind == "graph"]):
-            was = before.get(_holder_key(held))
+            was = before.get(holder_key(held))
             if was is not None and held.nodes - was.nodes >= steps:
                 chains.append((held, (held.nodes - was.nodes) / steps))
         if not chains:
@@ -577,7 +577,7 @@ class Detector:
             graphs = [
                 i
                 for i in _grew(full.items, before, at_least)
-                if i.kind == "graph" and i.nodes - _nodes(old.get(_holder_key(i))) >= steps
+                if i.kind == "graph" and i.nodes - _nodes(old.get(holder_key(i))) >= steps
             ]
         items = graphs + pinned + (detached if graphs or pinned else [])
         first = self._at[-growth.steps] if len(self._at) >= growth.steps else 1
@@ -677,19 +677,19 @@ class Detector:
         fresh = [
             h
             for h in grouped
-            if (kind, _holder_key(h)[1]) not in self._reported
+            if (kind, holder_key(h)[1]) not in self._reported
             and not any(
-                _same_holder(_holder_key(h)[1], where)
+                _same_holder(holder_key(h)[1], where)
                 for where in self._reported_sites.get((kind, h.kind, h.site), ())
             )
         ]
         if (holders and not fresh) or (not holders and (kind, "") in self._reported):
             return True  # reported already: once per run
-        self._reported.update((kind, _holder_key(h)[1]) for h in fresh)
+        self._reported.update((kind, holder_key(h)[1]) for h in fresh)
         for h in fresh:
             if h.site:
                 self._reported_sites.setdefault((kind, h.kind, h.site), []).append(
-                    _holder_key(h)[1]
+                    holder_key(h)[1]
                 )
         if not holders:
             self._reported.add((kind, ""))
@@ -776,13 +776,8 @@ _MICRO_HINTS = (
 )
 
 
-def _holder_key(item: Retained) -> tuple[str, str]:
-    """A holder's identity across searches: its kind and its path, indices as ``[*]``."""
-    return item.kind, _INDEX.sub("[*]", item.where)
-
-
 def _by_holder(items: list[Retained]) -> dict[tuple[str, str], Retained]:
-    return {_holder_key(h): h for h in group(items)}
+    return {holder_key(h): h for h in group(items)}
 
 
 def _same_holder(a: str, b: str) -> bool:
@@ -813,7 +808,7 @@ def _grew(
     old = _by_holder(before)
     out = []
     for h in group(now):
-        was = old.get(_holder_key(h))
+        was = old.get(holder_key(h))
         more = h.nbytes - (was.nbytes if was is not None else 0)
         if at_least:
             if more >= at_least:

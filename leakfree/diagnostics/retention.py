@@ -59,7 +59,14 @@ from leakfree._walk import Located, frame_locals, object_fields, walk
 from leakfree.diagnostics.boundaries import RETAINED
 from leakfree.function import RELEASED, backward_ran, saved_handles
 
-__all__ = ["Retained", "RetentionReport", "find_retained", "graph_bytes", "tensor_bytes"]
+__all__ = [
+    "Retained",
+    "RetentionReport",
+    "find_retained",
+    "graph_bytes",
+    "holder_key",
+    "tensor_bytes",
+]
 
 #: names a tensor's creation site, or None (a tracker's ``site``)
 SiteOf = Callable[[torch.Tensor], object]
@@ -157,13 +164,19 @@ class RetentionReport:
 _INDEX = re.compile(r"\[-?\d+\]")
 
 
+def holder_key(item: Retained) -> tuple[str, str]:
+    """An entry's holder, the same across searches and entries: its kind and its path with
+    indices as ``[*]`` (``output_lst[*]['entropy']``)."""
+    return item.kind, _INDEX.sub("[*]", item.where)
+
+
 def group(items: list[Retained]) -> list[Retained]:
     """Entries that differ only in their indices (``output_lst[0]['entropy']``,
     ``output_lst[1]['entropy']``...) and share a kind, as one entry
     (``output_lst[*]['entropy']``, ``count`` of them), biggest first."""
     groups: dict[tuple[str, str], list[Retained]] = {}
     for item in items:
-        groups.setdefault((item.kind, _INDEX.sub("[*]", item.where)), []).append(item)
+        groups.setdefault(holder_key(item), []).append(item)
     out = []
     for (kind, where), members in groups.items():
         if len(members) == 1:
