@@ -157,12 +157,13 @@ def main(argv: Sequence[str], prog: str) -> int:
     children = _children(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)  # the children's reports, read: nothing stays
     _summary(watch, children)
+    here = watch.as_dict()
     if args.json:
-        data = {"target": target, "status": status, **watch.as_dict(), "children": children}
+        data = {"target": target, "status": status, **here, "children": children}
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
-    found = bool(watch.findings) or any(c["findings"] for c in children)
-    trained = [v for v in (watch.as_dict(), *children) if v["steps"] or v["backward_passes"]]
+    found = bool(here["findings"]) or any(c["findings"] for c in children)
+    trained = [v for v in (here, *children) if v["steps"] or v["backward_passes"]]
     unjudged = not trained or any(v.get("verdict") == "not judged" for v in trained)
     if interrupted:  # die of the interrupt, as python does: the parent sees SIGINT
         sys.stdout.flush()
