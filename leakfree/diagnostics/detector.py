@@ -515,19 +515,18 @@ class Detector:
         steps = max(self.steps - self._suspected_at, 1)
         before = _by_holder(base.items)
         report = self._search(frame, everything=True)
+        gained: dict[tuple[str, str], float] = {}  #: autograd nodes per step, by holder
         chains = []
         for held in group([i for i in report.items if i.kind == "graph"]):
             was = before.get(holder_key(held))
             if was is not None and held.nodes - was.nodes >= steps:
-                chains.append((held, (held.nodes - was.nodes) / steps))
+                chains.append(held)
+                gained[holder_key(held)] = (held.nodes - was.nodes) / steps
         if not chains:
             return False
-        lines = "".join(
-            f"\n  {_line(h)}, +{per:.0f} autograd nodes per step" for h, per in chains[:8]
-        )
         return self._found(
             "growth",
-            [h for h, _ in chains],
+            chains,
             heap.bytes_per_step,
             f"{self.owner}: host memory grows by {heap} on the heap over {self.unit} "
             f"{self._suspected_at - len(self._signal) + 1}-{self.steps}, and no tensor "
@@ -535,7 +534,7 @@ class Detector:
             "(a running total of losses with their graphs, ``total += loss``): keep "
             "``loss.detach()`` or ``loss.item()`` instead. Held by:",
             heap,
-            lines=lines,
+            note=lambda h: f", +{gained[holder_key(h)]:.0f} autograd nodes per step",
         )
 
     def finish(self, frame: FrameType | None = None) -> None:
@@ -668,7 +667,7 @@ class Detector:
         per: float,
         lead: str,
         growth: Growth | None = None,
-        lines: str | None = None,
+        note: Callable[[Retained], str] | None = None,
     ) -> bool:
         grouped = group(holders)
         # Once per run: the same path, or the same holder reached from another root (from
@@ -693,8 +692,7 @@ class Detector:
                 )
         if not holders:
             self._reported.add((kind, ""))
-        if lines is None:
-            lines = "".join(f"\n  {_line(h)}" for h in fresh[:8])
+        lines = "".join(f"\n  {_line(h)}{note(h) if note else ''}" for h in fresh[:8])
         more = f"\n  ... {len(fresh) - 8} more" if len(fresh) > 8 else ""
         finding = Finding(
             kind, lead + lines + more, per, max(self.steps, 1), tuple(fresh), growth=growth
