@@ -25,9 +25,9 @@ from leakfree.integrations.lightning import LeakfreeCallback as LightningCallbac
 from leakfree.integrations.transformers import LeakfreeCallback  # noqa: E402
 from leakfree.testing import LeakError  # noqa: E402
 from tests.integration.test_hf_trainer import (  # noqa: E402
-    ClearsStepOutputs,
     Rows,
     arguments,
+    keeping_step_outputs,
     tiny_model,
 )
 from tests.integration.test_lightning import Tiny, fit  # noqa: E402
@@ -79,13 +79,7 @@ class KeepsOutputs(transformers.Trainer):  # type: ignore[misc]
 
 
 def test_hf_trainer_defaults_fail_on_outputs_kept_per_microbatch(tmp_path: Path) -> None:
-    trainer = KeepsOutputs(
-        model=tiny_model(),
-        args=arguments(tmp_path, 6, gradient_accumulation_steps=4),
-        train_dataset=Rows(48),
-    )
-    trainer.step_outputs = []
-    trainer.add_callback(ClearsStepOutputs(trainer))
+    trainer = keeping_step_outputs(KeepsOutputs, tmp_path, 6)
     LeakfreeCallback(fail=True).attach(trainer)  # the defaults otherwise
     with pytest.raises(LeakError) as e:
         trainer.train()

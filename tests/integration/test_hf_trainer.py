@@ -153,17 +153,24 @@ class ClearsStepOutputs(transformers.TrainerCallback):  # type: ignore[misc]
         self.trainer.step_outputs.clear()  # the step's metrics, read and dropped
 
 
+def keeping_step_outputs(trainer_cls: type, tmp_path: Path, steps: int) -> Any:
+    """A ``trainer_cls`` that fills ``step_outputs`` over 4 microbatches a step, read and
+    dropped at each step's end (:class:`ClearsStepOutputs`)."""
+    trainer = trainer_cls(
+        model=tiny_model(),
+        args=arguments(tmp_path, steps, gradient_accumulation_steps=4),
+        train_dataset=Rows(8 * steps),
+    )
+    trainer.step_outputs = []
+    trainer.add_callback(ClearsStepOutputs(trainer))
+    return trainer
+
+
 def test_retention_per_microbatch_is_reported_in_the_first_optimizer_step(
     tmp_path: Path,
 ) -> None:
     """With the callback's defaults (a 3-step warm-up, a 10-step window, sampling)."""
-    trainer = KeepsEntropy(
-        model=tiny_model(),
-        args=arguments(tmp_path, 2, gradient_accumulation_steps=4),
-        train_dataset=Rows(16),
-    )
-    trainer.step_outputs = []
-    trainer.add_callback(ClearsStepOutputs(trainer))
+    trainer = keeping_step_outputs(KeepsEntropy, tmp_path, 2)
     callback = LeakfreeCallback(fail=True).attach(trainer)
     with pytest.raises(LeakError, match="kept per backward pass") as e:
         trainer.train()
