@@ -687,9 +687,7 @@ class Detector:
         self._reported.update((kind, holder_key(h)[1]) for h in fresh)
         for h in fresh:
             if h.site:
-                self._reported_sites.setdefault((kind, h.kind, h.site), []).append(
-                    holder_key(h)[1]
-                )
+                self._reported_sites.setdefault((kind, h.kind, h.site), []).append(holder_key(h)[1])
         if not holders:
             self._reported.add((kind, ""))
         lines = "".join(f"\n  {_line(h)}{note(h) if note else ''}" for h in fresh[:8])
