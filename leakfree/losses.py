@@ -101,17 +101,22 @@ def _pins_more(value: torch.Tensor) -> bool:
 
 
 _Tensor = torch.Tensor
+_STRIDED = torch.strided
 
 
 def _admit(key: str, value: Any, owner: _Owner) -> Any:
     """What to store for one value (validated), making its device the log's if unset."""
     if (
-        # The per-microbatch fast path, one step per condition _check would test: a 0-d
-        # tensor, never modified in place, whose storage holds at most 8 bytes (the value,
-        # or a sliver: nothing worth a copy), on the log's device.
+        # The per-microbatch fast path: only values _check stores as they are (detached,
+        # no copy), each condition one of _check's: a plain 0-d floating-point tensor
+        # (a loss; complex, integer and any other kind take the full check), never
+        # modified in place, whose storage holds at most 8 bytes (the value, or a sliver:
+        # nothing worth a copy), on the log's device.
         type(value) is _Tensor
         and not value._version
         and not value.dim()
+        and value.is_floating_point()
+        and value.layout is _STRIDED
         and value.untyped_storage().nbytes() <= 8
         and value.device == owner.device
     ):

@@ -15,11 +15,13 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import leakfree
 from leakfree._shapes import context_loss
 from leakfree.diagnostics import count_host_syncs
-from leakfree.losses import RunningLoss
+from leakfree.losses import RunningLoss, _check
 
 # --- the real leak shape: a loss from a Function whose ctx holds a big tensor -----------------
 
@@ -809,3 +811,116 @@ def test_a_list_mode_copy_or_checkpoint_refuses_a_value_rewritten_in_place() -> 
     for copy_of in (copy.copy, copy.deepcopy, pickle.dumps, leakfree.LossLog.state_dict):
         with pytest.raises(ValueError, match="modified in place after it was appended"):
             copy_of(log)
+
+
+# --- the per-microbatch fast path stores only what the full check stores ------------------
+
+_DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+]
+_SHAPES = [(), (1,), (1, 1), (2,), (0,)]
+_HOWS = ["plain", "leaf", "graph", "view_of_big", "detached_view", "modified", "sparse"]
+_NUMBERS = st.one_of(
+    st.floats(allow_nan=False), st.integers(-(2**40), 2**40), st.booleans(), st.complex_numbers()
+)
+
+
+def _tensor(dtype: torch.dtype, shape: tuple[int, ...], how: str, device: torch.device) -> Any:
+    t = torch.ones(shape, dtype=dtype, device=device)
+    if how == "leaf" and (dtype.is_floating_point or dtype.is_complex):
+        t.requires_grad_()
+    elif how == "graph" and (dtype.is_floating_point or dtype.is_complex):
+        t = t.requires_grad_() * 2
+    elif how in ("view_of_big", "detached_view"):
+        big = torch.ones((4, *shape), dtype=dtype, device=device)
+        t = big[1] if how == "view_of_big" else big[1].detach()
+    elif how == "modified":
+        t.copy_(t.clone())  # moves the version counter
+    elif how == "sparse" and device.type == "cpu" and t.dim():
+        t = t.to_sparse()
+    return t
+
+
+def _stored(entry: Any, value: Any) -> Any:
+    try:
+        entry.append(value)
+    except (TypeError, ValueError) as e:
+        return type(e)
+    return entry[-1]
+
+
+def _same_storing(by_log: Any, by_check: Any, value: Any) -> None:
+    if isinstance(by_check, type) or isinstance(by_log, type):
+        assert by_log is by_check
+        return
+    assert type(by_log) is type(by_check)
+    if not isinstance(by_check, torch.Tensor):
+        assert by_log == by_check
+        return
+    assert by_log.requires_grad is by_check.requires_grad is False and by_log.grad_fn is None
+    assert (by_log.dtype, by_log.shape, by_log.device) == (
+        by_check.dtype,
+        by_check.shape,
+        by_check.device,
+    )
+    assert by_log.layout == by_check.layout
+    if by_check.layout == torch.strided:  # a copy by both, or an alias by both
+        ptr = value.untyped_storage().data_ptr()
+        aliases = by_check.untyped_storage().data_ptr() == ptr
+        assert (by_log.untyped_storage().data_ptr() == ptr) is aliases
+    if by_check.device.type != "meta":
+        assert torch.equal(by_log.cpu().to_dense(), by_check.cpu().to_dense())
+
+
+@settings(
+    max_examples=200,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_every_value_the_log_stores_is_one_the_full_check_stores(sim: Any, data: Any) -> None:
+    """Over value kinds, dtypes, shapes and devices (the log's and the value's), appending
+    stores exactly what ``_check`` would store, or raises what it raises; a refused value
+    leaves the log as it was, and it keeps reducing."""
+    devices = [torch.device("cpu"), torch.device("meta"), sim.device]
+    log_device = data.draw(st.sampled_from(devices), label="log device")
+    if data.draw(st.booleans(), label="tensor"):
+        value = _tensor(
+            data.draw(st.sampled_from(_DTYPES), label="dtype"),
+            data.draw(st.sampled_from(_SHAPES), label="shape"),
+            data.draw(st.sampled_from(_HOWS), label="how"),
+            data.draw(st.sampled_from(devices), label="device"),
+        )
+    else:
+        value = data.draw(st.one_of(_NUMBERS, st.sampled_from(["1.0", None, [1.0]])))
+    log = leakfree.LossLog(["lm"], device=log_device)
+    log["lm"].append(torch.zeros((), device=log_device))  # the log holds one tensor already
+    try:
+        by_check = _check("lm", value, log_device)
+    except (TypeError, ValueError) as e:
+        by_check = type(e)
+    by_log = _stored(log["lm"], value)
+    _same_storing(by_log, by_check, value)
+    if isinstance(by_log, type):
+        assert len(log["lm"]) == 1  # refused: nothing stored
+        if log_device.type != "meta":
+            assert log.reduce() == {"lm": 0.0}
+
+
+def test_a_complex_scalar_is_refused_by_a_log_that_holds_a_tensor_and_it_keeps_reducing() -> None:
+    log = leakfree.LossLog(["lm"])
+    log["lm"].append(torch.tensor(2.0))
+    with pytest.raises(TypeError, match=r"LossLog\['lm'\]: complex"):
+        log["lm"].append(torch.tensor(1 + 1j))
+    assert len(log["lm"]) == 1
+    assert log.reduce() == {"lm": 2.0}
