@@ -371,7 +371,7 @@ def test_prefetch_bytes_zero_copies_back_only_on_demand(
 def _group_sizes(ctx: Any) -> list[int]:
     """The bytes each live group of ``ctx``'s copies holds."""
     groups = {}
-    for ref in ctx._copies.refs:
+    for ref in ctx._copies.refs.values():
         copy = ref()
         if copy is not None and copy.group is not None:
             groups[id(copy.group)] = copy.group.used
@@ -431,7 +431,8 @@ def test_a_group_leaves_the_device_when_its_last_handle_is_unpacked(sim: Any) ->
     ctx = offload(batch_bytes=24 * 1024)  # three 8 KiB copies a group
     with ctx:
         loss = model(x).square().mean()
-    groups = {id(c.group): c.group for c in (r() for r in ctx._copies.refs) if c and c.group}
+    copies = (r() for r in ctx._copies.refs.values())
+    groups = {id(c.group): c.group for c in copies if c and c.group}
     assert len(groups) >= 3
     alive: list[int] = []
 
@@ -726,7 +727,7 @@ def test_a_partial_pass_frees_what_it_kept_when_it_ends(sim: Any) -> None:
         inner = q * k  # saves q and k: views of the qkv storage
         loss = (model.out(inner + v.sin()) * q.cos()).square().mean()
     torch.autograd.grad(inner.sum(), x, retain_graph=True)  # reaches mul only, not sin/cos
-    copies = [r() for r in ctx._copies.refs]
+    copies = [r() for r in ctx._copies.refs.values()]
     kept = [c.group.keep for c in copies if c is not None and c.group is not None]
     assert kept  # the qkv storage's group, at least
     kept = [k for k in kept if k is not None]

@@ -1,12 +1,13 @@
 """What the graph owns: the handles the pack hook returns, the host copies they share, the
-groups those travel in, and their ``with`` block's dedup map.
+groups those travel in, and the record of the forward that made them.
 
 The pack hook returns a handle (:class:`_Offloaded`, or :class:`_Kept` for what stays on
 the device); the graph owns it, and it owns everything else: its :class:`_HostCopy` (the
 bytes of one storage), whose :class:`_Group` holds a pool block with the bytes of the
-copies saved one after another (returned when the last of them dies). The
-:class:`_Session` (the dedup map) holds copies weakly. Nothing here refers to the context
-manager strongly; see :mod:`leakfree.offload` for the lifetime contract.
+copies saved one after another (returned when the last of them dies). A
+:class:`_Forward` (the dedup map, and what the plan weighs) holds copies weakly. Nothing
+here refers to the context manager strongly; see :mod:`leakfree.offload` for the lifetime
+contract.
 """
 
 from __future__ import annotations
@@ -78,24 +79,73 @@ class _Kept:
         return t
 
 
-class _Session:
-    """One forward's storage dedup map (a ``with`` block, entered at depth 0): later saves
-    of a storage at the same version share the copy made of it.
+class _Forward:
+    """What a manager records of one forward: the storage dedup map, and what the plan
+    weighs when the forward ends. Begun at the outermost ``__enter__``; ended at the
+    outermost ``__exit__``, or, inside one ``with`` around many steps, by the first save
+    after a backward pass began unpacking this manager's tensors (outside that pass), or
+    once most of what it recorded has died (graphs dropped without backward): so it holds
+    at most one forward's worth of entries, or about twice what is alive of it.
 
+    ``shared``: later saves of a storage at the same version share the copy made of it.
     Keyed by address and version counter (an in-place write makes a new copy), and valid
     only while the storage it was copied from is alive (``copy.source``; an address is
     reused only after its storage died): no stale keys, nothing to clean up. Writes that
     bypass the version counter (through ``.data``, ``set_`` or numpy aliases) between two
-    saves are not seen: PyTorch does not track them either. Holds the copies weakly: it
-    owns no payload.
+    saves are not seen: PyTorch does not track them either. Everything here is held
+    weakly or is a number: it owns no payload.
     """
 
-    __slots__ = ("__weakref__", "shared")
+    __slots__ = (
+        "__weakref__",
+        "alive",
+        "kept",
+        "mark",
+        "over",
+        "records",
+        "shared",
+        "sizes",
+        "small",
+        "spans",
+    )
 
     def __init__(self) -> None:
-        #: (storage address, version) -> the copy made of it (weakly); one forward's worth
-        #: of entries, dropped with the session
+        #: (storage address, version) -> the copy made of it (weakly)
         self.shared: dict[tuple[int, int], weakref.ref[_HostCopy]] = {}
+        #: the copies' sizes, in creation order (what the plan is made from); the copies of
+        #: part of a storage (their index in ``sizes`` -> the storage: address, version,
+        #: bytes); and the storages kept for their size (storage -> bytes)
+        self.sizes: list[int] = []
+        self.spans: dict[int, tuple[int, int, int]] = {}
+        self.small: dict[tuple[int, int, int], int] = {}
+        #: a forward whose plan moves nothing: its storages (address, version, bytes) ->
+        #: the handles kept of each (weakly: the storage is kept while one lives)
+        self.kept: dict[tuple[int, int, int], list[weakref.ref[_Kept]]] = {}
+        #: the copies and kept handles made, and those of them alive; the record count at
+        #: which to look again whether most of them died
+        self.records = 0
+        self.alive: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.mark = FORWARD_SLACK
+        #: a backward pass began unpacking this manager's tensors
+        self.over = False
+
+    def record(self, made: Any) -> None:
+        """Count ``made`` (a new copy, or a kept handle) among this forward's records."""
+        self.records += 1
+        self.alive.add(made)
+
+    def outlived(self) -> bool:
+        """Whether most of what this forward recorded has died (its ``records`` are past
+        ``mark``); else the next mark, from what is alive."""
+        live = len(self.alive)
+        if self.records > 2 * live + FORWARD_SLACK:
+            return True
+        self.mark = 2 * live + FORWARD_SLACK
+        return False
+
+
+#: a forward's record may hold this many entries more than twice what is alive of it
+FORWARD_SLACK = 64
 
 
 #: where each host copy starts in its group's block: a multiple of every dtype's size, so a

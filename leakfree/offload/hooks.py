@@ -23,11 +23,11 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from leakfree._device import accelerator, device_index, device_module
 from leakfree.offload.handles import (
+    _Forward,
     _Group,
     _HostCopy,
     _Kept,
     _Offloaded,
-    _Session,
     _span,
 )
 from leakfree.offload.pool import HostBlock, HostBlockPool
@@ -198,6 +198,13 @@ class OffloadActivations(saved_tensors_hooks):
     ``__exit__`` sends the open group, makes each compute stream wait for its side stream
     and drops every device tensor kept for an in-flight copy; the hooks are popped in
     ``finally``, always.
+
+    *A forward* (what the dedup map and the plan are per) is what is saved from the
+    outermost ``__enter__`` to its ``__exit__``; in one ``with`` around many steps, it
+    also ends at the first save after a backward pass began unpacking this manager's
+    tensors, or once most of what it recorded has died (graphs dropped without
+    backward). The manager keeps at most one forward's record, so a ``with`` around a
+    whole training loop keeps no more than one per step.
     """
 
     def __init__(
@@ -269,7 +276,7 @@ class OffloadActivations(saved_tensors_hooks):
         self._on_host = target is not None and target.type == "cpu"
         self._side_streams: dict[torch.device, Any] = {}  # device (with index) -> side stream
         self._param_storages: frozenset[int] = frozenset()
-        self._session = _Session()
+        self._forward = _Forward()  # what this forward saved, for dedup and the plan
         self._depth = 0
         self._in_flight: deque[Flight] = deque()
         self._lock = threading.RLock()  # backward may unpack on several device threads
@@ -289,18 +296,11 @@ class OffloadActivations(saved_tensors_hooks):
         self._held_bytes = 0
         #: a forward whose plan moves nothing keeps its saved tensors as they are: by
         #: storage, the tensors kept of it (weakly: the storage is kept while one lives)
-        #: with its bytes, and this forward's storages (address, version, bytes) -> those
-        #: tensors; the bytes kept; and whether it still does
+        #: with its bytes (this forward's, by storage: ``_forward.kept``); the bytes kept;
+        #: and whether it still does
         self._kept: list[tuple[list[weakref.ref[_Kept]], int]] = []
-        self._kept_now: dict[tuple[int, int, int], list[weakref.ref[_Kept]]] = {}
         self._kept_bytes = 0
         self._keep_all = False
-        self._sizes: list[int] = []
-        #: this forward's copies of part of a storage (their index in _sizes -> the
-        #: storage: address, version, bytes), and the storages kept for their size
-        #: (storage -> bytes): what the small-storage rule weighs, besides _sizes
-        self._spans: dict[int, tuple[int, int, int]] = {}
-        self._small: dict[tuple[int, int, int], int] = {}
         self._budget_plan: tuple[tuple[int, ...], int] | None = None
         self._on_plan = False
         self._replans = -1
@@ -401,6 +401,9 @@ class OffloadActivations(saved_tensors_hooks):
             return _Kept(t)
         total = storage.nbytes()
         version = t._version
+        forward = self._forward
+        if forward.over or forward.records > forward.mark:
+            forward = self._next_forward()
         if total < self._small_below and self._small_stays((ptr, version, total)):
             return _Kept(t)  # too small to be worth moving: see _end_forward
         if self._keep_all:  # the plan moves nothing: kept as it is, its bytes counted
@@ -417,7 +420,7 @@ class OffloadActivations(saved_tensors_hooks):
         span_bytes = (end - first) * elem
         whole = total <= 2 * span_bytes
         with self._lock:
-            shared = self._session.shared
+            shared = forward.shared
             copy = None
             if whole:  # another view of this storage at this version, saved in this forward
                 ref = shared.get((ptr, version))
@@ -431,6 +434,7 @@ class OffloadActivations(saved_tensors_hooks):
                 )
                 copy.version = version
                 ref = self._copies.add(copy)  # numbers it
+                forward.record(copy)
                 if whole:
                     if total % elem == 0:
                         copy.dtype = t.dtype
@@ -439,9 +443,10 @@ class OffloadActivations(saved_tensors_hooks):
                             same = True
                     copy.source = weakref.ref(storage)
                     shared[(ptr, version)] = ref
+                sizes = forward.sizes
                 if not whole:  # the small-storage rule weighs the storage it keeps
-                    self._spans[len(self._sizes)] = (ptr, version, total)
-                self._sizes.append(copy.nbytes)  # this forward's copies, for the plan
+                    forward.spans[len(sizes)] = (ptr, version, total)
+                sizes.append(copy.nbytes)  # this forward's copies, for the plan
                 if self._budget_plan is None and self._device_budget is None:
                     self._copy_out(t, copy, ref)  # a first forward with no budget: all move
                 else:
@@ -465,11 +470,12 @@ class OffloadActivations(saved_tensors_hooks):
         activations may have shrunk under the mark: what does not fit moves, and the
         forward's copies then differ from the plan, which makes a new one. (Forward-only
         state, reset by ``__enter__`` and read by ``_end_forward``.)"""
-        if key not in self._small:  # saved again (another view, another node): counted once
+        small = self._forward.small
+        if key not in small:  # saved again (another view, another node): counted once
             if key[2] > self._small_room:
                 return False
             self._small_room -= key[2]
-            self._small[key] = key[2]
+            small[key] = key[2]
         return True
 
     # -- a device budget ------------------------------------------------------------------
@@ -479,7 +485,7 @@ class OffloadActivations(saved_tensors_hooks):
         held copies until the held bytes fit the budget again, and send the open groups if
         their bytes, still on the device, do not fit beside them."""
         plan = self._budget_plan
-        i = len(self._sizes) - 1  # this copy's place in the forward
+        i = len(self._forward.sizes) - 1  # this copy's place in the forward
         if self._on_plan and plan is not None and i < len(plan[0]) and plan[0][i] == copy.nbytes:
             if i < plan[1]:  # the plan moves it: at once, as the forward goes
                 self._copy_out(t, copy, ref)
@@ -536,16 +542,18 @@ class OffloadActivations(saved_tensors_hooks):
         storage (``key``: address, version, bytes), as the plan counts its copies: a
         storage saved by several nodes counts once, a view counts its whole storage."""
         with self._lock:
-            refs = self._kept_now.get(key)
+            forward = self._forward
+            refs = forward.kept.get(key)
             if refs is None:
                 if self._kept_bytes + key[2] > self._budget():
                     self._keep_all = self._on_plan = False  # outgrown: held and moved
                     return None
                 self._kept_bytes += key[2]
-                refs = self._kept_now[key] = []
+                refs = forward.kept[key] = []
                 self._kept.append((refs, key[2]))
             kept = _Kept(t)
             refs.append(weakref.ref(kept))  # the storage is kept while one of them lives
+            forward.record(kept)
             return kept
 
     def _forget_dead_held(self) -> None:
@@ -578,9 +586,8 @@ class OffloadActivations(saved_tensors_hooks):
         in backward, whatever its size, and its bytes would save next to nothing. The rule
         weighs every storage this forward saved (the ones it kept for their size among
         them), so a forward of the same shapes makes the same choice again."""
-        sizes, self._sizes = self._sizes, []
-        spans, self._spans = self._spans, {}
-        small, self._small = self._small, {}
+        forward = self._forward
+        sizes, spans, small = forward.sizes, forward.spans, forward.small
         if not sizes:
             return
         plan = self._budget_plan
@@ -590,7 +597,7 @@ class OffloadActivations(saved_tensors_hooks):
         # every storage the forward saved, once: whole copies are one per storage (the
         # dedup map), spans of one storage or of a storage copied whole count once more
         storages = [spans[i][2] if i in spans else n for i, n in enumerate(sizes)]
-        shared = self._session.shared
+        shared = forward.shared
         saved = [n for i, n in enumerate(sizes) if i not in spans]
         saved += [key[2] for key in set(spans.values()) if key[:2] not in shared]
         saved += small.values()
@@ -814,6 +821,7 @@ class OffloadActivations(saved_tensors_hooks):
         ``first``: it follows the order learned last time, and ends in a callback."""
         state = self._passes.get(task)
         if state is None:
+            self._forward.over = True  # the next save outside a pass begins a new forward
             state = self._passes[task] = _Pass()
             _follow(self._order, first, self._copies, state)
             _queue_callback(functools.partial(_end_pass, self._ref, task))
@@ -905,19 +913,50 @@ class OffloadActivations(saved_tensors_hooks):
 
     # -- context ------------------------------------------------------------------------------
 
+    def _begin_forward(self) -> None:
+        """A forward begins (lock held): the small storages it may keep, and whether it
+        follows the plan, start over; the held copies and kept storages whose graphs are
+        gone no longer count. (Its record, ``_forward``, is fresh.)"""
+        self._small_room = self._small_kept[1]
+        self._on_plan = True
+        plan = self._budget_plan
+        self._keep_all = plan is not None and plan[1] == 0
+        if self._held or self._kept:
+            self._forget_dead_held()
+
+    def _close_forward(self) -> None:
+        """The forward is over (lock held): its open groups are sent (a group holds one
+        forward's copies), the next forward's plan is made from it, and its record is
+        dropped. Earlier forwards' handles keep their own copies."""
+        for group in self._open_groups():
+            self._send(group)
+        self._open.clear()
+        self._end_forward()
+        held = self._held_bytes + self._kept_bytes
+        self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, held)
+        self._forward = _Forward()
+
+    def _next_forward(self) -> _Forward:
+        """The pack hook's record is due a look (one ``with`` around many steps): a
+        backward pass began unpacking this manager's tensors, or the record has grown past
+        its mark. A new forward begins with this save, unless the save is made by a
+        backward pass (double backward, recomputation: it belongs to the graph it
+        extends) or most of what the record holds is still alive."""
+        with self._lock:
+            forward = self._forward
+            if forward.over:
+                if _graph_task() >= 0:
+                    return forward
+            elif not forward.outlived():
+                return forward
+            self._close_forward()
+            self._begin_forward()
+            return self._forward
+
     def __enter__(self) -> OffloadActivations:  # type: ignore[override]
         with self._lock:
-            if self._depth == 0:
-                # A fresh dedup map for this forward; earlier forwards' handles keep their
-                # own copies. Nested entries of the same instance share it.
-                self._session = _Session()
-                self._sizes, self._spans, self._small, self._kept_now = [], {}, {}, {}
-                self._small_room = self._small_kept[1]
-                self._on_plan = True
-                plan = self._budget_plan
-                self._keep_all = plan is not None and plan[1] == 0
-                if self._device_budget is not None or self._keep_all:
-                    self._forget_dead_held()
+            if self._depth == 0:  # nested entries of the same instance share the forward
+                self._begin_forward()
             self._depth += 1
         super().__enter__()
         return self
@@ -927,12 +966,7 @@ class OffloadActivations(saved_tensors_hooks):
             with self._lock:
                 self._depth -= 1
                 if self._depth == 0:
-                    for group in self._open_groups():  # a group holds one forward's copies
-                        self._send(group)
-                    self._open.clear()
-                    self._end_forward()
-                    held = self._held_bytes + self._kept_bytes
-                    self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, held)
+                    self._close_forward()
                 for device, side in self._side_streams.items():
                     self._device_module.current_stream(device).wait_stream(side)
                 self._in_flight.clear()  # the compute streams now wait for the copies

@@ -16,7 +16,7 @@ brought back that backward will not use.
 from __future__ import annotations
 
 import weakref
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,33 +30,40 @@ Flight = tuple[torch.Tensor, Any]
 
 
 class _Copies:
-    """Every host copy a manager made, weakly, by creation number (``copy.seq``); the dead
-    prefix is dropped as it grows, so a long run stays cheap."""
+    """The live host copies a manager made, weakly, by creation number (``copy.seq``).
 
-    __slots__ = ("base", "refs")
+    The dead are dropped whenever the entries double since the last time (amortised: one
+    sweep per as many additions as it keeps), so there are at most about twice as many
+    entries as live copies, however long the run and whatever a graph kept alive."""
+
+    __slots__ = ("count", "mark", "refs")
 
     def __init__(self) -> None:
-        self.refs: deque[weakref.ref[_HostCopy]] = deque()
-        self.base = 0  # creation number of refs[0]
+        self.refs: dict[int, weakref.ref[_HostCopy]] = {}  # in creation order
+        self.count = 0  # copies made
+        self.mark = _SWEEP_SLACK  # the entries at which the dead are swept next
 
     def next_seq(self) -> int:
-        return self.base + len(self.refs)
+        return self.count
 
     def add(self, copy: _HostCopy) -> weakref.ref[_HostCopy]:
         """Number ``copy`` (``copy.seq``) and keep it, weakly; returns the weak reference
         (the one a copy needs: it serves every other holder too)."""
-        copy.seq = self.base + len(self.refs)
-        ref = weakref.ref(copy)
-        self.refs.append(ref)
-        if len(self.refs) >= 4096 and self.refs[0]() is None:
-            while self.refs and self.refs[0]() is None:
-                self.refs.popleft()
-                self.base += 1
+        seq = copy.seq = self.count
+        self.count += 1
+        ref = self.refs[seq] = weakref.ref(copy)
+        if len(self.refs) > self.mark:
+            self.refs = {s: r for s, r in self.refs.items() if r() is not None}
+            self.mark = 2 * len(self.refs) + _SWEEP_SLACK
         return ref
 
     def at(self, seq: int) -> _HostCopy | None:
-        i = seq - self.base
-        return self.refs[i]() if 0 <= i < len(self.refs) else None
+        ref = self.refs.get(seq)
+        return ref() if ref is not None else None
+
+
+#: entries _Copies keeps beyond twice its live ones
+_SWEEP_SLACK = 64
 
 
 #: the order one pass first unpacked its groups and held copies: (creation number relative
