@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -388,3 +389,24 @@ def test_the_heap_count_sees_cpu_tensors() -> None:
     assert count() - before >= 1 << 20
     del kept
     assert count() - before < 1 << 19
+
+
+def test_a_tracker_kept_for_a_whole_run_holds_a_bounded_evenly_spread_series() -> None:
+    """``series`` and ``steps`` hold at most ``MAX_POINTS`` values per device, spread
+    evenly over the run with the latest last, and the growth fitted from them is the same
+    (a 4 KiB/step leak is 4 KiB/step after the series halved itself many times)."""
+    kept = []
+    w = torch.randn(64, 64)
+    tracker = MemoryTracker(devices=["cpu"], sample_every=1, warn=False, microbatches=False)
+    tracker.MAX_POINTS = 16
+    with tracker:
+        for _ in range(300):
+            kept.append(torch.tanh(torch.randn(16, 64) @ w))  # 4 KiB per step
+            tracker.step()
+    steps = tracker.steps["cpu"]
+    assert len(steps) <= 17 and len(tracker.series["cpu"]) == len(steps)
+    assert steps[0] == 0 and steps[-1] == 299
+    gaps = {b - a for a, b in itertools.pairwise(steps[:-1])}
+    assert len(gaps) == 1  # evenly spaced, besides the latest
+    assert tracker.growth("cpu").bytes_per_step == pytest.approx(16 * 64 * 4)
+    assert "300" in tracker.report()

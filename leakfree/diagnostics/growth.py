@@ -41,8 +41,9 @@ class Growth:
 _MAX_POINTS = 128
 
 
-def fit_growth(values: Sequence[float]) -> Growth:
-    """Slope of ``values`` against their index, with a noise bound.
+def fit_growth(values: Sequence[float], at: Sequence[int] | None = None) -> Growth:
+    """Slope of ``values`` against their step (``at``: each value's; by default its index),
+    with a noise bound.
 
     The slope is the Theil-Sen estimate (the median of the slopes between every pair of
     points), so a bounded jump (a cache filled over the first steps, optimizer state
@@ -62,6 +63,8 @@ def fit_growth(values: Sequence[float]) -> Growth:
     else:
         xs = list(range(n))
     ys = [float(points[x]) for x in xs]
+    if at is not None:
+        xs = [at[x] for x in xs]
     slope = _theil_sen(xs, ys)
     intercept = statistics.median(y - slope * x for x, y in zip(xs, ys))
     residuals = [y - intercept - slope * x for x, y in zip(xs, ys)]

@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -305,8 +305,15 @@ class MemoryTracker:
             (default True; findings are in :attr:`findings` either way).
 
     ``series[device]`` holds the values, ``steps[device]`` the step index of each (0 is
-    the step that ends at the first ``step()``); ``findings`` the leaks found so far.
+    the step that ends at the first ``step()``); ``findings`` the leaks found so far. A
+    series holds at most :attr:`MAX_POINTS` values, so a tracker kept for a whole run
+    stays the same size: once full, every other value is dropped (the first kept) and
+    from then on one recorded value in twice as many is kept, so the values stay evenly
+    spread over the run; the last step's is always ``series[device][-1]``.
     """
+
+    #: the most values a device's series holds
+    MAX_POINTS: ClassVar[int] = 256
 
     devices: list[torch.device] = field(default_factory=_default_devices)
     use_allocator: bool = True
@@ -342,6 +349,12 @@ class MemoryTracker:
         self._backward: Any = None  #: the backward-boundary handle while entered
         self._thread = 0  #: the thread that entered: its backward passes are the microbatches
         self._heap: Callable[[], int] | None = None  #: the CPU's cheap count, while entered
+        #: per device: values recorded, one in how many of them its series keeps, and the
+        #: number of each value kept (growth is per value recorded: a value of the storage
+        #: tracker's counts only what its tracked steps made)
+        self._recorded: dict[str, int] = {}
+        self._stride: dict[str, int] = {}
+        self._numbers: dict[str, list[int]] = {}
         # The detector holds the tracker weakly, and is told of findings through a weak
         # method: a cycle here would keep the roots (the user's model, through a closure)
         # alive after the tracker, until a gc.collect() that gc.disable() may never run.
@@ -469,8 +482,7 @@ class MemoryTracker:
                 if allocator is not None:
                     now[str(device)] = allocator
         for key, value in now.items():
-            self.series.setdefault(key, []).append(value)
-            self.steps.setdefault(key, []).append(index)
+            self._record(key, index, value)
         if self._storages is not None:
             self._storages.epoch = index + 1  # storages made from now on: the next step's
         signal = self._heap() if self._heap is not None else None
@@ -486,6 +498,25 @@ class MemoryTracker:
             )
             self._track(exact or index + 1 == self._next)
         return now
+
+    def _record(self, key: str, index: int, value: int) -> None:
+        """Add step ``index``'s ``value`` to ``key``'s series, which keeps one value in
+        ``stride`` (evenly spaced) besides the latest, halving itself when full."""
+        values = self.series.setdefault(key, [])
+        at = self.steps.setdefault(key, [])
+        numbers = self._numbers.setdefault(key, [])
+        n = self._recorded.get(key, 0)
+        self._recorded[key] = n + 1
+        stride = self._stride.get(key, 1)
+        if numbers and numbers[-1] % stride:  # the latest stood in for the next one kept
+            values[-1], at[-1], numbers[-1] = value, index, n
+        else:
+            values.append(value)
+            at.append(index)
+            numbers.append(n)
+        if len(values) > self.MAX_POINTS:
+            del values[1::2], at[1::2], numbers[1::2]
+            self._stride[key] = 2 * stride
 
     def _track(self, on: bool) -> None:
         """Put the storage tracker on or off the dispatch stack, where that is safe: only
@@ -505,10 +536,14 @@ class MemoryTracker:
         """Bytes per step on ``device`` (default: the accelerator if tracked, else the CPU),
         ignoring the first ``skip`` steps (warm-up: caches, optimizer state)."""
         key = self._key(device)
-        return fit_growth(self._after(key, skip))
+        return fit_growth(*self._after(key, skip))
 
-    def _after(self, key: str, skip: int) -> list[int]:
-        return [v for v, i in zip(self.series[key], self.steps[key]) if i >= skip]
+    def _after(self, key: str, skip: int) -> tuple[list[int], list[int]]:
+        """``key``'s values from step ``skip`` on, and the number of each (its place among
+        the values recorded)."""
+        kept = zip(self.series[key], self.steps[key], self._numbers.get(key, []))
+        pairs = [(v, n) for v, i, n in kept if i >= skip]
+        return [v for v, _ in pairs], [n for _, n in pairs]
 
     def _key(self, device: str | torch.device | None) -> str:
         if device is None:
@@ -527,7 +562,7 @@ class MemoryTracker:
         for key, values in self.series.items():
             if not values:
                 continue
-            g = fit_growth(self._after(key, skip))
+            g = fit_growth(*self._after(key, skip))
             verdict = "" if not g.exceeds() else "  <- grows"
             count = str(len(values))
             if len(values) < self._step:
