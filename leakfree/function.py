@@ -515,8 +515,8 @@ def release_after_backward(
     """
     if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
         raise TypeError(
-            "release_after_backward(cls): cls must be a torch.autograd.Function subclass, "
-            f"got {cls!r}. For a Function you write yourself, subclass leakfree.Function."
+            f"release_after_backward(cls={cls!r}): expected a torch.autograd.Function "
+            "subclass. For a Function you write yourself, subclass leakfree.Function."
         )
     if issubclass(cls, Function):
         raise TypeError(

@@ -32,6 +32,7 @@ from typing import Any, Literal, SupportsIndex, TypeVar, overload
 
 import torch
 
+import leakfree._args as _args
 from leakfree._device import device_module
 
 __all__ = ["REDUCTIONS", "LossList", "LossLog", "RunningLoss", "detach_tree"]
@@ -496,7 +497,7 @@ class LossLog(dict[str, Any]):
             raise ValueError("LossLog(keys=...): declare at least one key")
         super().__init__()
         self._reductions: dict[str, str] = spec
-        self._running = bool(running)
+        self._running = _args.flag("LossLog", "running", running)
         self._owner = _Owner(_check_device(device) if device is not None else None)
         for key in spec:
             dict.__setitem__(self, key, self._new_entry(key))
@@ -721,6 +722,7 @@ class LossLog(dict[str, Any]):
         Clears the log afterwards unless ``clear=False``.
         """
         group_list = _group_list(groups)
+        _args.flag("LossLog.reduce", "clear", clear)
         keys = list(self)
         packs = self._local_packs(keys)
         if group_list:

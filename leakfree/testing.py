@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
+import leakfree._args as _args
 from leakfree.diagnostics.detector import DEFAULT_FLOOR, Rule
 from leakfree.diagnostics.growth import Growth
 from leakfree.diagnostics.memory import MemoryTracker, _default_devices
 from leakfree.diagnostics.retention import RetentionReport
-from leakfree.diagnostics.roots import code_roots
+from leakfree.diagnostics.roots import code_roots, judged_device
 
 __all__ = ["LeakError", "assert_no_leak"]
 
@@ -69,12 +70,10 @@ def assert_no_leak(
     Returns the measured :class:`~leakfree.diagnostics.Growth`. Raises :class:`LeakError`
     with each finding (holder, size, creation site).
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 4:
-        raise ValueError(f"assert_no_leak(steps={steps!r}): need at least 4 steps to fit a growth")
-    rule = Rule(warmup=warmup, window=steps, tolerance=tolerance, floor=floor).check(
-        "assert_no_leak"
-    )
-    extra = list(roots)
+    _args.function("assert_no_leak", "step_fn", step_fn)
+    _args.count("assert_no_leak", "steps", steps, 4, unit="steps: a growth needs 4 to fit")
+    rule = Rule.of("assert_no_leak", warmup=warmup, window=steps, tolerance=tolerance, floor=floor)
+    extra = _args.items("assert_no_leak", "roots", roots, expected="objects to search")
 
     def named() -> dict[str, Any]:
         found = code_roots(step_fn)
@@ -83,7 +82,9 @@ def assert_no_leak(
         return found
 
     tracker = MemoryTracker(
-        devices=[torch.device(device)] if device is not None else _default_devices(),
+        devices=[judged_device("assert_no_leak", device)]
+        if device is not None
+        else _default_devices(),
         sample_every=1,
         rule=rule,
         roots=named,

@@ -469,8 +469,8 @@ def test_a_clean_loop_with_accumulation_adamw_a_cache_and_losslog_is_quiet() -> 
 
 
 def test_rule_arguments_are_checked_before_anything_runs() -> None:
-    with pytest.raises(ValueError, match=r"MemoryTracker\(window=3\)"):
-        MemoryTracker(rule=Rule(window=3))
+    with pytest.raises(ValueError, match=r"Rule\(window=3\)"):
+        Rule(window=3)  # refused where it is made, before a tracker gets it
     with pytest.raises(ValueError, match=r"assert_no_leak\(floor=-1\)"):
         assert_no_leak(lambda: None, floor=-1)
     with pytest.raises(TypeError, match=r"MemoryTracker\(warn='no'\)"):

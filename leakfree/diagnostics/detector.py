@@ -74,6 +74,7 @@ from typing import Any, Protocol
 
 import torch
 
+import leakfree._args as _args
 from leakfree._text import format_bytes
 from leakfree._warnings import LeakfreeWarning
 from leakfree.diagnostics.cycles import Cycles, find_cycles
@@ -107,11 +108,9 @@ DEFAULT_FLOOR = 64
 
 
 def whole(owner: str, name: str, value: Any, least: int) -> int:
-    """``value`` if it is an int (not a bool) >= ``least``; else a ``ValueError`` that names
-    the argument as ``owner(name=value)``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{owner}({name}={value!r}): expected an int >= {least}")
-    return value
+    """``value`` if it is an int (not a bool) >= ``least``; else an error that names the
+    argument as ``owner(name=value)`` (both a ``TypeError`` and a ``ValueError``)."""
+    return int(_args.count(owner, name, value, least))
 
 
 @dataclass(frozen=True)
@@ -123,21 +122,32 @@ class Rule:
     tolerance: float = 0.0  #: bytes per step accepted beyond the noise bound
     floor: float = DEFAULT_FLOOR  #: bytes per step of growth without graphs accepted
 
+    def __post_init__(self) -> None:
+        self.check("Rule")
+
+    @classmethod
+    def of(cls, owner: str, **fields: Any) -> Rule:
+        """A rule of ``fields`` (the others at their defaults), each checked as an argument
+        of ``owner`` first, so an error names the call the user made."""
+        _check_fields(owner, fields)
+        return cls(**fields)
+
     def check(self, owner: str) -> Rule:
-        """Itself, or a ``ValueError`` naming the bad field."""
-        whole(owner, "warmup", self.warmup, 0)
-        whole(owner, "window", self.window, 4)
-        for name in ("tolerance", "floor"):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not 0 <= value < float("inf")
-            ):
-                raise ValueError(
-                    f"{owner}({name}={value!r}): expected a finite number of bytes per step >= 0"
-                )
+        """Itself, or an error naming the bad field as ``owner``'s argument."""
+        _check_fields(owner, vars(self))
         return self
+
+
+def _check_fields(owner: str, fields: Mapping[str, Any]) -> None:
+    """Check a :class:`Rule`'s fields, named as ``owner``'s arguments."""
+    least = {"warmup": 0, "window": 4}
+    for name, value in fields.items():
+        if name in least:
+            whole(owner, name, value, least[name])
+        elif name in ("tolerance", "floor"):
+            _args.number(owner, name, value)
+        else:
+            raise _args.refuse(owner, name, value, "a field of Rule (warmup, window, ...)")
 
 
 @dataclass(frozen=True)

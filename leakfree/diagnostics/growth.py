@@ -11,6 +11,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import leakfree._args as _args
 from leakfree._text import format_bytes
 
 __all__ = ["Growth", "fit_growth"]
@@ -52,7 +53,11 @@ def fit_growth(values: Sequence[float], at: Sequence[int] | None = None) -> Grow
     standard errors of the slope, from the median absolute residual (robust too); a series
     with no noise at all gets a bound of 0, so any steady growth counts.
     """
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise _args.refuse("fit_growth", "values", values, "a sequence of numbers")
     n = len(values)
+    if at is not None and (not isinstance(at, Sequence) or len(at) != n):
+        raise _args.refuse("fit_growth", "at", at, f"None or a sequence of {n} steps")
     if n < 2:
         v = int(values[0]) if values else 0
         return Growth(0.0, math.inf, n, v, v)

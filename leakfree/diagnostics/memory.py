@@ -46,6 +46,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+import leakfree._args as _args
 from leakfree._device import accelerator, device_index, device_module
 from leakfree._text import format_bytes, format_table
 from leakfree._warnings import MemoryGrowthWarning
@@ -69,6 +70,7 @@ class StorageTracker(TorchDispatchMode):
     """
 
     def __init__(self, *, sites: bool = False) -> None:
+        _args.flag("StorageTracker", "sites", sites)
         super().__init__()  # type: ignore[no-untyped-call]
         #: storage key -> (weak reference, bytes when made, device name, epoch when made)
         self._live: dict[int, tuple[StorageWeakRef, int, str, int]] = {}
@@ -329,15 +331,23 @@ class MemoryTracker:
     _storages: StorageTracker | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-
-        whole("MemoryTracker", "sample_every", self.sample_every, 1)
-        for name in ("microbatches", "sites", "warn"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"MemoryTracker({name}={getattr(self, name)!r}): expected a bool")
+        call = "MemoryTracker"
+        whole(call, "sample_every", self.sample_every, 1)
+        _args.count(call, "seed", self.seed)
+        for name in ("use_allocator", "microbatches", "sites", "warn"):
+            _args.flag(call, name, getattr(self, name))
         rule = Rule() if self.rule is None else self.rule
         if not isinstance(rule, Rule):
-            raise TypeError(f"MemoryTracker(rule={rule!r}): expected a detector.Rule")
-        self.devices = [torch.device(d) for d in self.devices]
+            raise _args.refuse(call, "rule", rule, "a leakfree.diagnostics.Rule")
+        if not (self.roots is None or isinstance(self.roots, Mapping) or callable(self.roots)):
+            raise _args.refuse(
+                call, "roots", self.roots, "None, a {name: object} mapping or a callable"
+            )
+        devices = _args.items(call, "devices", self.devices, (torch.device, str), "devices")
+        try:
+            self.devices = [torch.device(d) for d in devices]
+        except RuntimeError:
+            raise _args.refuse(call, "devices", self.devices, "devices or device names") from None
         for d in self.devices:
             self.series.setdefault(str(d), [])
             self.steps.setdefault(str(d), [])

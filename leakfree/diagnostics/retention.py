@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch.autograd.function import BackwardCFunction
 
+import leakfree._args as _args
 from leakfree._text import format_bytes, format_table
 from leakfree._walk import Located, frame_locals, object_fields, walk
 from leakfree.diagnostics.boundaries import RETAINED
@@ -426,6 +427,14 @@ def find_retained(
     containers are listed in ``detached``, per holder. Parameters and tensors held outside
     a graph live anyway and are charged to neither.
     """
+    call = "find_retained"
+    if names is not None:
+        names = _args.items(call, "names", names, (str,), "str")
+    _args.count(call, "depth", depth, 0)
+    if since is not None and not isinstance(since, RetentionReport):
+        raise _args.refuse(call, "since", since, "None or an earlier RetentionReport")
+    _args.flag(call, "everything", everything)
+    _args.function(call, "sites", sites, none=True)
     if roots:
         named = list(zip(names or [f"root{i}" for i in range(len(roots))], roots))
     else:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+import leakfree._args as _args
 from leakfree._text import format_bytes
 from leakfree._warnings import MemoryGrowthWarning
 from leakfree.diagnostics.boundaries import on_backward
@@ -76,13 +77,13 @@ class Watch:
         on_finding: Callable[[Finding], None] | None = None,
         owner: str = "leakfree.watch",
     ) -> None:
-        rule = Rule(warmup=warmup, window=window, tolerance=tolerance, floor=floor).check("watch")
+        rule = Rule.of("watch", warmup=warmup, window=window, tolerance=tolerance, floor=floor)
         whole("watch", "every", every, 1)
         whole("watch", "fallback", fallback, 1)
         judged = judged_device("watch", device)
         named = named_roots("watch", roots)
-        if on_finding is not None and not callable(on_finding):
-            raise TypeError(f"watch(on_finding={on_finding!r}): expected a callable")
+        _args.function("watch", "on_finding", on_finding, none=True)
+        _args.text("watch", "owner", owner)
         self.rule, self.every, self.fallback = rule, every, fallback
         self.device = judged
         self.roots = named

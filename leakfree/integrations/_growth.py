@@ -78,9 +78,7 @@ class GrowthWatch:
         floor: float = DEFAULT_FLOOR,
     ) -> None:
         # Everything is validated before anything is stored.
-        self.rule = Rule(warmup=warmup, window=window, tolerance=tolerance, floor=floor).check(
-            owner
-        )
+        self.rule = Rule.of(owner, warmup=warmup, window=window, tolerance=tolerance, floor=floor)
         self.warmup, self.window = warmup, window
         self.sample_every = whole(owner, "sample_every", sample_every, 1)
         if not isinstance(fail, bool):

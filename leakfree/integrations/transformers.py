@@ -194,6 +194,11 @@ class LossLogMixin(_TrainerBase):  # type: ignore[misc, valid-type]
         loss_log_groups: Sequence[Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        if not isinstance(loss_log, (LossLog, Sequence, Mapping)) or isinstance(loss_log, str):
+            raise TypeError(
+                f"{type(self).__name__}(loss_log={loss_log!r}): expected a LossLog, or the "
+                "names (or {name: reduction}) of one"
+            )
         log = loss_log if isinstance(loss_log, LossLog) else LossLog(loss_log)
         clash = [k for k in log if k in _TRAINER_KEYS or k.startswith("leakfree/")]
         if clash:

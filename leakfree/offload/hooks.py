@@ -15,12 +15,13 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeGuard, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+import leakfree._args as _args
 from leakfree._device import accelerator, device_index, device_module
 from leakfree.offload.handles import (
     _Forward,
@@ -77,32 +78,31 @@ def _end_pass(manager_ref: weakref.ref[OffloadActivations], task: int) -> None:
 _GROUP_SHARE = 8
 
 
-def _is_count(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_min_offload_size(where: str, value: object) -> None:
+def _check_min_offload_size(name: str | None, value: object) -> None:
     """The one check of ``min_offload_size``, at construction and on assignment."""
-    if not _is_count(value) or value < 0:
-        raise ValueError(f"{where}{value!r}): must be an int >= 0 (bytes)")
+    call = "OffloadActivations" if name else "OffloadActivations.min_offload_size"
+    _args.count(call, name, value, 0, unit="bytes")
 
 
-def _check_device_budget(where: str, value: object) -> None:
+def _check_device_budget(name: str | None, value: object) -> None:
     """The one check of ``device_budget``, at construction and on assignment."""
-    if value is not None and (not _is_count(value) or value < 0):
-        raise ValueError(
-            f"{where}{value!r}): must be None or an int >= 0 (bytes of saved activations "
-            "to keep on the device)"
-        )
+    call = "OffloadActivations" if name else "OffloadActivations.device_budget"
+    _args.count(call, name, value, 0, none=True, unit="bytes of saved activations to keep")
 
 
-def _check_keep_small(where: str, value: object) -> None:
+def _check_keep_small(name: str | None, value: object) -> None:
     """The one check of ``keep_small``, at construction and on assignment."""
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"{where}{value!r}): must be a bool (whether the plan keeps the smallest saved "
-            "storages on the device)"
-        )
+    _args.flag("OffloadActivations" if name else "OffloadActivations.keep_small", name, value)
+
+
+def _device_of(device: object) -> torch.device:
+    """``OffloadActivations(device=...)`` as a ``torch.device``."""
+    try:
+        return torch.device(cast(Any, device))
+    except (RuntimeError, TypeError):
+        raise _args.refuse(
+            "OffloadActivations", "device", device, "a torch.device or a device name"
+        ) from None
 
 
 def _pack_hook(manager_ref: weakref.ref[OffloadActivations]) -> Callable[[torch.Tensor], Any]:
@@ -222,25 +222,21 @@ class OffloadActivations(saved_tensors_hooks):
         batch_bytes: int = 256 << 10,
         keep_small: bool = True,
     ) -> None:
-        if not _is_count(max_fwd_stash_size) or max_fwd_stash_size < 1:
-            raise ValueError(
-                f"OffloadActivations(max_fwd_stash_size={max_fwd_stash_size!r}): must be an "
-                "int >= 1 (the number of copies in flight at once)"
-            )
-        if prefetch_bytes is not None and (not _is_count(prefetch_bytes) or prefetch_bytes < 0):
-            raise ValueError(
-                f"OffloadActivations(prefetch_bytes={prefetch_bytes!r}): must be None or an "
-                "int >= 0 (bytes backward may bring back ahead of use; 0: none)"
-            )
-        if not _is_count(batch_bytes) or batch_bytes < 0:
-            raise ValueError(
-                f"OffloadActivations(batch_bytes={batch_bytes!r}): must be an int >= 0 "
-                "(bytes of small copies sent to the host and back together; 0: none)"
-            )
-        _check_device_budget("OffloadActivations(device_budget=", device_budget)
-        _check_keep_small("OffloadActivations(keep_small=", keep_small)
-        _check_min_offload_size("OffloadActivations(min_offload_size=", min_offload_size)
-        target = torch.device(device) if device is not None else accelerator()
+        call = "OffloadActivations"
+        for name, value in (
+            ("use_pin_memory", use_pin_memory),
+            ("use_streams", use_streams),
+            ("force_host_copy", force_host_copy),
+        ):
+            _args.flag(call, name, value)
+        _args.count(call, "max_fwd_stash_size", max_fwd_stash_size, 1, unit="copies in flight")
+        _args.count(call, "prefetch_bytes", prefetch_bytes, 0, none=True, unit="bytes; 0: none")
+        _args.count(call, "batch_bytes", batch_bytes, 0, unit="bytes; 0: every copy alone")
+        _args.count(call, "pin_memory_budget", pin_memory_budget, 0, none=True, unit="bytes")
+        _check_device_budget("device_budget", device_budget)
+        _check_keep_small("keep_small", keep_small)
+        _check_min_offload_size("min_offload_size", min_offload_size)
+        target = _device_of(device) if device is not None else accelerator()
         if target is None and force_host_copy:
             target = torch.device("cpu")
         if target is not None and target.type == "cpu" and not force_host_copy:
@@ -250,8 +246,8 @@ class OffloadActivations(saved_tensors_hooks):
             )
         self.device: torch.device | None = target
         accelerated = target is not None and target.type != "cpu"
-        self.use_streams = bool(use_streams) and accelerated
-        self.use_pin_memory = bool(use_pin_memory) and accelerated
+        self.use_streams = use_streams and accelerated
+        self.use_pin_memory = use_pin_memory and accelerated
         self.min_offload_size = min_offload_size
         self.max_fwd_stash_size = max_fwd_stash_size
         self.prefetch_bytes = prefetch_bytes
@@ -317,7 +313,7 @@ class OffloadActivations(saved_tensors_hooks):
 
     @min_offload_size.setter
     def min_offload_size(self, value: int) -> None:
-        _check_min_offload_size("OffloadActivations.min_offload_size = (", value)
+        _check_min_offload_size(None, value)
         self._min_offload_size = value
         self._min_bytes = max(value, 1)  # what the pack hook compares, precomputed
 
@@ -329,7 +325,7 @@ class OffloadActivations(saved_tensors_hooks):
 
     @device_budget.setter
     def device_budget(self, value: int | None) -> None:
-        _check_device_budget("OffloadActivations.device_budget = (", value)
+        _check_device_budget(None, value)
         with self._lock:
             if value != self._device_budget:
                 self._forget_plan()
@@ -344,7 +340,7 @@ class OffloadActivations(saved_tensors_hooks):
 
     @keep_small.setter
     def keep_small(self, value: bool) -> None:
-        _check_keep_small("OffloadActivations.keep_small = (", value)
+        _check_keep_small(None, value)
         with self._lock:
             if value != self._keep_small:
                 self._forget_plan()
@@ -363,6 +359,7 @@ class OffloadActivations(saved_tensors_hooks):
         Addresses change when the model moves (``.to()``) or its storage is re-created:
         call it again then.
         """
+        _args.module("OffloadActivations.update_model_params", "model", model)
         storages = set()
         for t in [*model.parameters(), *model.buffers()]:
             local = getattr(t, "_local_tensor", t)  # DTensor shards

@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+import leakfree._args as _args
 from leakfree.offload.hooks import NoOffload, OffloadActivations
 from leakfree.offload.pool import OffloadWarning
 
@@ -63,24 +64,24 @@ def offload_model(
     first removes the hooks of the previous call (they never stack);
     :func:`remove_offload_hooks` removes them. ``kwargs`` go to ``OffloadActivations``.
     """
+    # Every argument is checked, and every module found, before the model is touched.
+    _args.module("offload_model", "model", model)
+    _args.flag("offload_model", "warn_if_no_head", warn_if_no_head)
+    named = (nn.Module, str)
+    excluded = _args.items("offload_model", "no_offload", no_offload, named, "modules or names")
+    found = _find_head(model) if head is None else _resolve(model, head, "head")
+    modules = [found] if found is not None else []
+    modules += [_resolve(model, m, "no_offload") for m in excluded]
     ctx = OffloadActivations(**kwargs)
     ctx.update_model_params(model)
     remove_offload_hooks(model)
-    modules: list[nn.Module] = []
-    if head is None:
-        found = _find_head(model)
-        if found is not None:
-            modules.append(found)
-        elif warn_if_no_head:
-            warnings.warn(
-                "offload_model: no output head found (output, lm_head, head, ...); its "
-                "activations will be offloaded and brought back at once. Pass head=...",
-                OffloadWarning,
-                stacklevel=2,
-            )
-    else:
-        modules.append(_resolve(model, head, "head"))
-    modules += [_resolve(model, m, "no_offload") for m in no_offload]
+    if found is None and warn_if_no_head:
+        warnings.warn(
+            "offload_model: no output head found (output, lm_head, head, ...); its "
+            "activations will be offloaded and brought back at once. Pass head=...",
+            OffloadWarning,
+            stacklevel=2,
+        )
     handles: list[RemovableHandle] = []
     for module in modules:
         guard = NoOffload()
@@ -92,6 +93,7 @@ def offload_model(
 
 def remove_offload_hooks(model: nn.Module) -> int:
     """Remove the hooks :func:`offload_model` registered on ``model``; returns how many."""
+    _args.module("remove_offload_hooks", "model", model)
     handles = _MODEL_HOOKS.pop(model, [])
     for h in handles:
         h.remove()
@@ -101,6 +103,8 @@ def remove_offload_hooks(model: nn.Module) -> int:
 def _resolve(model: nn.Module, m: nn.Module | str, arg: str) -> nn.Module:
     if isinstance(m, nn.Module):
         return m
+    if not isinstance(m, str):
+        raise _args.refuse("offload_model", arg, m, "a module of the model, or its dotted name")
     try:
         return model.get_submodule(m)
     except AttributeError:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import leakfree._args as _args
 from leakfree._warnings import PatchError, PatchWarning
 from leakfree.patches import pipelining as _pipelining
 from leakfree.patches import torchtune as _torchtune
@@ -75,6 +76,7 @@ def patch_all(*, strict: bool = False, **only: Any) -> PatchReport:
     (:func:`get_original`) and a post-import hook per module a patch waits for, until
     :func:`unpatch_all`.
     """
+    _args.flag("patch_all", "strict", strict)
     chosen = REGISTRY.select(only)
     REGISTRY.request(chosen, strict)
     return patch_report()

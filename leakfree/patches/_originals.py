@@ -63,12 +63,15 @@ def _write(owner: Any, name: str, value: Any) -> None:
         setattr(owner, name, value)
 
 
-def _check_owner(call: str, owner: Any) -> None:
+def _check_owner(call: str, owner: Any, name: Any) -> None:
+    """The arguments of :func:`get_original` and :func:`is_object_patched`."""
     if not isinstance(owner, (types.ModuleType, type)):
         hint = ""
         if isinstance(owner, str):
             hint = f"; for a module by name, pass sys.modules[{owner!r}]"
         raise TypeError(f"{call}(owner={owner!r}): expected a module or a class{hint}")
+    if not isinstance(name, str):
+        raise TypeError(f"{call}(name={name!r}): expected an attribute name (a str)")
 
 
 class Originals:

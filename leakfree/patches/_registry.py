@@ -750,12 +750,12 @@ class Registry:
             self.originals.restore(holder)
 
     def get_original(self, owner: Any, name: str) -> Any:
-        _check_owner("get_original", owner)
+        _check_owner("get_original", owner, name)
         with self._lock:
             return self.originals.get_original(owner, name)
 
     def is_patched(self, owner: Any, name: str) -> bool:
-        _check_owner("is_object_patched", owner)
+        _check_owner("is_object_patched", owner, name)
         with self._lock:
             return self.originals.is_patched(owner, name)
 

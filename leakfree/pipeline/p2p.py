@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+import leakfree._args as _args
 from leakfree.pipeline.buffers import RecvBuffer, RecvBufferPool
 from leakfree.pipeline.release import _increment_version
 
@@ -99,6 +100,9 @@ def send_abort(dst: int, *, group: Any = None, pending: PendingSends | None = No
     peer would wait for them until its timeout instead of reading the abort."""
     import torch.distributed as dist
 
+    _args.count("send_abort", "dst", dst, 0, unit="a rank")
+    if pending is not None and not isinstance(pending, PendingSends):
+        raise _args.refuse("send_abort", "pending", pending, "None or a PendingSends")
     header = torch.zeros(_HEADER, dtype=torch.int64)
     header[0] = _ABORT
     work = dist.isend(header, dst, group=group)
@@ -174,6 +178,44 @@ class PendingSends:
             del send  # its work and payload hold the sent storage: they go first
             if then is not None:
                 then()
+
+
+def _sending(
+    call: str,
+    name: str,
+    t: object,
+    dst: object,
+    pending: object,
+    then: object = None,
+) -> None:
+    """A send's arguments, checked before anything is sent."""
+    if not isinstance(t, torch.Tensor):
+        raise _args.refuse(call, name, t, "a tensor")
+    _args.count(call, "dst", dst, 0, unit="a rank")
+    if pending is not None and not isinstance(pending, PendingSends):
+        raise _args.refuse(call, "pending", pending, "None or a PendingSends")
+    _args.function(call, "then", then, none=True)
+
+
+def _receiving(
+    call: str, src: object, shape: object, dtype: object, device: object, timeout: object
+) -> torch.device:
+    """A receive's arguments, checked before anything is received; its device."""
+    _args.count(call, "src", src, 0, unit="a rank")
+    if shape is not None:
+        _args.items(call, "shape", shape, (int,), "ints")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise _args.refuse(call, "dtype", dtype, "None or a torch.dtype")
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout < float("inf")
+    ):
+        raise _args.refuse(call, "timeout", timeout, "None or seconds > 0")
+    try:
+        return torch.device(cast(Any, device))
+    except (RuntimeError, TypeError):
+        raise _args.refuse(call, "device", device, "a torch.device or a device name") from None
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
@@ -286,6 +328,7 @@ def send_forward(
     ``then`` runs once they have (e.g. to release the output). Blocking, ``then`` runs
     before this returns.
     """
+    _sending("send_forward", "activation", activation, dst, pending, then)
     _send(activation, dst, group, pending, then)
 
 
@@ -308,7 +351,10 @@ def recv_forward(
     (seconds) bounds the wait: :class:`PipelineTimeout` after it; a peer that failed and
     said so (:func:`send_abort`) raises :class:`PipelineAborted` at once.
     """
-    dev = torch.device(device)
+    dev = _receiving("recv_forward", src, shape, dtype, device, timeout)
+    if pool is not None and not isinstance(pool, RecvBufferPool):
+        raise _args.refuse("recv_forward", "pool", pool, "None or a RecvBufferPool")
+    _args.function("recv_forward", "callback", callback, none=True)
     pool = pool if pool is not None else RecvBufferPool()
     holder: dict[str, RecvBuffer] = {}
 
@@ -326,6 +372,7 @@ def send_backward(
 ) -> None:
     """Send the gradient of a received activation back to stage ``dst`` (blocking, or
     recorded in ``pending`` like :func:`send_forward`)."""
+    _sending("send_backward", "grad", grad, dst, pending)
     _send(grad, dst, group, pending)
 
 
@@ -340,7 +387,7 @@ def recv_backward(
 ) -> torch.Tensor:
     """Receive the gradient of this stage's output from ``src`` (checked, bounded and
     aborted like :func:`recv_forward`)."""
-    dev = torch.device(device)
+    dev = _receiving("recv_backward", src, shape, dtype, device, timeout)
     return _recv_into(
         src,
         group,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+import leakfree._args as _args
 from leakfree._warnings import LeakfreeWarning
 
 __all__ = ["PipelineWarning", "ReleasedOutput", "backward_from", "release_output"]
@@ -112,7 +113,8 @@ def release_output(
     a second call on the same output, before changing anything.
     """
     if not isinstance(y, torch.Tensor):
-        raise TypeError(f"release_output(y=...): expected a tensor, got {type(y).__name__}")
+        raise _args.refuse("release_output", "y", y, "a tensor")
+    _args.flag("release_output", "keep_shape", keep_shape)
     if not y.requires_grad:
         raise ValueError(
             "release_output(y=...): the output does not require grad, so there is no "
@@ -131,6 +133,8 @@ def release_output(
             f"release_output(y=...): this output was already released (it was "
             f"{y.__dict__[_RELEASED_MARK]}); use the ReleasedOutput the first call returned"
         )
+    if isinstance(aliases, (str, bytes, torch.Tensor)) or not isinstance(aliases, Sequence):
+        raise _args.refuse("release_output", "aliases", aliases, "a sequence of tensors")
     for i, alias in enumerate(aliases):
         if not isinstance(alias, torch.Tensor):
             raise TypeError(

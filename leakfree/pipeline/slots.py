@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+import leakfree._args as _args
 from leakfree.function import Function
 
 __all__ = ["GradSlot", "as_nonleaf"]
@@ -46,6 +47,8 @@ class GradSlot:
         *,
         accumulate: bool = False,
     ) -> None:
+        _args.function("GradSlot", "callback", callback, none=True)
+        _args.flag("GradSlot", "accumulate", accumulate)
         self.callback = callback
         self.accumulate = accumulate
         self._grad: torch.Tensor | None = None

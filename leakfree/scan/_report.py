@@ -190,6 +190,8 @@ def _sarif(result: ScanResult) -> dict[str, Any]:
 
 def render(result: ScanResult, fmt: str) -> str:
     """``result`` in ``fmt`` (one of :data:`FORMATS`)."""
+    if not isinstance(result, ScanResult):
+        raise TypeError(f"render(result={result!r}): expected a ScanResult, as scan() returns")
     if fmt == "text":
         return _text(result)
     if fmt == "json":

@@ -21,6 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import leakfree._args as _args
 from leakfree.scan._imports import add_imported, module_of
 from leakfree.scan._locate import Target, UsageError, python_files, resolve
 from leakfree.scan._model import WARNING, Finding, Project, Rule, Source, parse
@@ -230,6 +231,13 @@ def scan(
     not exist or a rule code that matches no rule. A file that cannot be read, or that a
     rule needed and does not parse, is listed in :attr:`ScanResult.unparsed`, not raised.
     """
+    call = "scan"
+    paths = _args.items(call, "paths", paths, (str, os.PathLike), "paths or package names")
+    select, ignore, exclude = (
+        _args.items(call, name, value, (str,), "str")
+        for name, value in (("select", select), ("ignore", ignore), ("exclude", exclude))
+    )
+    _args.count(call, "jobs", jobs, 1, none=True, unit="processes")
     if rules is None:
         from leakfree.scan.rules import RULES
 
