@@ -39,7 +39,6 @@ import os
 import pickle
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -52,7 +51,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Spread, print_table, write_json
+from _common import RESULTS, Spread, print_table, write_json
 
 import leakfree
 from leakfree.diagnostics import count_host_syncs
@@ -311,6 +310,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for key in ("hidden", "layers", "seq", "batch", "vocab"):
         parser.add_argument(f"--{key}", type=int)
     args = parser.parse_args(argv)
+    # The folder first, and the JSON rewritten after each part: a later part that fails
+    # (on a real GPU, after minutes of measurements) loses only itself.
+    out = Path(args.json) if args.json else RESULTS / "gpu_suite.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload: dict[str, Any] = {"parts_done": []}
+
+    def save(part: str, **results: Any) -> None:
+        payload.update(results)
+        payload["parts_done"].append(part)
+        write_json("gpu_suite", payload, str(out))
+
     size = dict(TINY if args.tiny else FULL)
     for key in (*size, "steps"):
         if getattr(args, key, None) is not None:
@@ -326,10 +336,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = torch.float32 if args.tiny or device.type == "cpu" else torch.bfloat16
     memory = Memory(device)
     ids = batch(size, device)
+    save("setup", size=size, device=str(device), dtype=str(dtype))
 
     with _quiet():
         budget = leakfree_budget(size, device, dtype, ids)
         identical = grads_identical(size, device, dtype, ids, budget)
+        save("gradients", leakfree_budget_bytes=budget, grads_bit_identical=identical)
         runs: list[Run] = []
         for name in MODES:
             model = build_model(size, device, dtype)
@@ -383,21 +395,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     goals = _goals(results)
     for goal, verdict in goals.items():
         print(f"{goal}: {verdict}")
+    save("modes", modes=results, goals=goals)
     syncs = losslog_syncs(device)
     print_table("LossLog.reduce host syncs", list(syncs), [list(syncs.values())])
-    out_dir = Path(args.json).parent if args.json else Path(tempfile.gettempdir())
-    snap = snapshot(runs[-1], ids, memory, out_dir)
-    payload = {
-        "size": size,
-        "device": str(device),
-        "dtype": str(dtype),
-        "leakfree_budget_bytes": budget,
-        "modes": results,
-        "goals": goals,
-        "losslog": syncs,
-        "snapshot": snap,
-    }
-    write_json("gpu_suite", payload, args.json)
+    save("losslog", losslog=syncs)
+    save("snapshot", snapshot=snapshot(runs[-1], ids, memory, out.parent))
     return payload
 
 

@@ -5,7 +5,7 @@ Subcommands:
     demo                  the five leak shapes naive vs leakfree: bytes per step, and a plot
     snapshot FILE [FILE2] analyse a torch.cuda.memory._snapshot() pickle, or diff two
     scan PATH_OR_PACKAGE  find autograd lifetime leaks in source code (ast only; exit 1 on
-                          findings, 0 when clean, 2 on usage errors)
+                          findings, 0 when clean, 2 on usage errors, 3 on files not parsed)
     run [opts] SCRIPT     run a training script unchanged with the leak finders on (or
                           -m MODULE); the script's exit status (--fail: 79 on a leak)
 """
@@ -59,12 +59,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     snap = sub.add_parser("snapshot", help="analyse a CUDA memory snapshot, or diff two")
     snap.add_argument("files", nargs="+", metavar="FILE", help="one snapshot, or two to diff")
+    from leakfree.scan._run import EXIT_STATUSES
+
     scan = sub.add_parser(
         "scan",
         help="find autograd lifetime leaks in source code, without running or importing it",
         description="Find autograd lifetime leaks in Python source, read with ast only "
-        "(nothing is imported). Exit status: 1 findings, 0 clean, 2 usage error. "
-        "Suppress one finding with `# leakfree: ignore[LF001]` on its line.",
+        "(nothing is imported). Suppress one finding with `# leakfree: ignore[LF001]` on "
+        "its line.",
+        epilog="exit status:\n"
+        + "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_STATUSES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     scan.add_argument(
         "paths",

@@ -28,6 +28,7 @@ import builtins
 import contextlib
 import glob
 import importlib.machinery
+import importlib.util
 import json
 import os
 import re
@@ -141,6 +142,10 @@ def main(argv: Sequence[str], prog: str) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.module is not None and not _importable(args.module):
+        # As python says it, and with its status: nothing ran, so there is no verdict.
+        print(f"{prog} run: No module named {args.module}", file=sys.stderr)
+        return 1
     from leakfree.diagnostics.watch import Watch
 
     try:
@@ -176,6 +181,17 @@ def main(argv: Sequence[str], prog: str) -> int:
         if unjudged:
             return EXIT_NOT_JUDGED
     return status
+
+
+def _importable(name: str) -> bool:
+    """Whether ``python -m name`` would find a module to run (importing its parent
+    packages, as python does; an error in one counts as found: the run reports it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+    except Exception:
+        return True
 
 
 def _execute(args: argparse.Namespace, rest: list[str], watch: Any) -> tuple[int, bool]:

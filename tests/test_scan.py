@@ -443,3 +443,29 @@ def test_a_checked_file_s_tree_is_released_unless_a_helper_lives_in_it(tmp_path:
     assert [f.path for f in findings] == ["a.py", "a.py", "c.py"] and unparsed == []
     # a.py and c.py were checked and dropped; b.py defines the helper and stays parsed
     assert set(project.parsed) == {"b.py"}
+
+
+def test_scan_help_lists_every_exit_status_a_scan_can_end_with(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from leakfree.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["scan", "--help"])
+    helped = capsys.readouterr().out
+    broken = tmp_path / "broken.py"
+    broken.write_text("import torch\nclass F(torch.autograd.Function:\n")
+    leaky = tmp_path / "leaky.py"
+    leaky.write_text(
+        "import torch\n\nclass F(torch.autograd.Function):\n"
+        "    @staticmethod\n    def forward(ctx, x):\n        ctx.x = x\n        return x * 2\n\n"
+        "    @staticmethod\n    def backward(ctx, g):\n        return g * 2\n"
+    )
+    seen = {main(["scan", str(path)]) for path in (broken, leaky)}
+    with pytest.raises(SystemExit) as usage:
+        main(["scan", str(tmp_path / "none.py")])
+    seen.add(usage.value.code)
+    capsys.readouterr()
+    seen.add(0)  # a clean scan
+    for status in seen:
+        assert f"\n  {status}  " in helped, (status, helped)

@@ -103,11 +103,21 @@ class ScanResult:
 
     @property
     def status(self) -> int:
-        """The exit status: 1 when a leak was found, else 3 when a file that could hold
-        one did not parse (the scan could not see into it), else 0. Notes alone are 0."""
+        """The exit status (:data:`EXIT_STATUSES`): 1 when a leak was found, else 3 when a
+        file that could hold one did not parse (the scan could not see into it), else 0.
+        Notes alone are 0."""
         if self.leaks:
             return 1
         return 3 if self.unparsed else 0
+
+
+#: every exit status of ``leakfree scan``, and what it means (``--help`` lists them)
+EXIT_STATUSES = {
+    0: "no leak found (notes alone are 0)",
+    1: "leaks found",
+    2: "usage error (a path or package that does not exist, an unknown rule)",
+    3: "no leak found, but files that could hold one were not parsed (listed)",
+}
 
 
 @contextlib.contextmanager

@@ -472,3 +472,13 @@ def test_usage_errors_exit_2_with_a_clear_message(scripts: Path) -> None:
     assert bad.status == 2 and "--every 0: expected an int >= 1" in bad.stderr
     none = leakfree_run(scripts, json_out=False)
     assert none.status == 2 and "give a SCRIPT or -m MODULE" in none.stderr
+
+
+def test_a_module_that_cannot_be_imported_gets_python_s_error_and_status_and_no_verdict(
+    scripts: Path,
+) -> None:
+    for args in (("-m", "no_such_module"), ("--fail", "-m", "no_such_package.sub")):
+        run = leakfree_run(scripts, *args, json_out=False)
+        assert run.status == 1, run.stderr
+        assert f"No module named {args[-1]}" in run.stderr
+        assert "leakfree:" not in run.stderr and "judged" not in run.stderr  # nothing ran
