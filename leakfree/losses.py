@@ -46,6 +46,9 @@ Value = torch.Tensor | float | int
 
 _IDENTITY = {"min": math.inf, "max": -math.inf}
 
+#: seconds :meth:`LossLog.reduce` waits for a collective before it says which group hangs
+REDUCE_TIMEOUT = 300.0
+
 
 class _Owner:
     """The per-log state its entries share: which device the log's tensors live on."""
@@ -691,7 +694,11 @@ class LossLog(dict[str, Any]):
     # --- reduce ----------------------------------------------------------------------------
 
     def reduce(
-        self, groups: Iterable[Any] | None = None, *, clear: bool = True
+        self,
+        groups: Iterable[Any] | None = None,
+        *,
+        clear: bool = True,
+        timeout: float = REDUCE_TIMEOUT,
     ) -> dict[str, float]:
         """Reduce every key to a float: over microbatches, then over each process group.
 
@@ -718,11 +725,18 @@ class LossLog(dict[str, Any]):
         Raises ``ValueError`` naming the key and position if a stored value was modified in
         place after it was appended (the number it would log is not the one appended).
 
-        Every rank of each group must call ``reduce`` with the same keys and groups.
-        Clears the log afterwards unless ``clear=False``.
+        Every rank of each group must call ``reduce`` with the same keys and groups. A
+        collective that does not complete within ``timeout`` seconds (default
+        :data:`REDUCE_TIMEOUT`: 5 minutes), because a rank of the group never calls
+        ``reduce`` (a pipeline's last stage reducing alone over the default group, the
+        usual one), raises ``TimeoutError`` naming the group and that cause, instead of
+        waiting for the group's own timeout (30 minutes by default) with no word of why.
+        Clears the log afterwards unless ``clear=False`` (not after an error).
         """
         group_list = _group_list(groups)
         _args.flag("LossLog.reduce", "clear", clear)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise _args.refuse("LossLog.reduce", "timeout", timeout, "seconds > 0")
         keys = list(self)
         packs = self._local_packs(keys)
         if group_list:
@@ -730,8 +744,12 @@ class LossLog(dict[str, Any]):
 
             red = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
             for group in group_list:
-                for op, pack in packs.items():
-                    dist.all_reduce(pack, op=red[op], group=group)
+                works = [
+                    dist.all_reduce(pack, op=red[op], group=group, async_op=True)
+                    for op, pack in packs.items()
+                ]
+                for work in works:
+                    _bounded_wait(work, group, timeout)
         out = self._results(keys, packs)
         if clear:
             self.clear()
@@ -804,6 +822,33 @@ class LossLog(dict[str, Any]):
             else:
                 out[key] = columns[op][i]
         return out
+
+
+def _bounded_wait(work: Any, group: Any, timeout: float) -> None:
+    """Wait for ``work`` (an all-reduce over ``group``) at most ``timeout`` seconds.
+
+    On an accelerator the host waits for the collective here rather than at the copy of
+    the results to the host that follows: still one wait per call."""
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        work.wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        if "time" not in str(e).lower():
+            raise
+        if group is None:
+            which = f"the default process group ({dist.get_world_size()} ranks)"
+        else:
+            which = f"the process group of ranks {dist.get_process_group_ranks(group)}"
+        raise TimeoutError(
+            f"LossLog.reduce: the all-reduce over {which} did not complete within "
+            f"{timeout:g} s: a rank of that group did not call reduce(). Every rank of a "
+            "group must call it; in a pipeline only the last stage has losses: reduce its "
+            "log with groups=() (this stage alone), or over a group of last stages "
+            "(groups=(dp_group,))"
+        ) from e
 
 
 def _group_list(groups: Any) -> list[Any]:

@@ -99,3 +99,34 @@ def test_two_process_reduce_unbiased_one_collective_per_op(tmp_path: Path) -> No
         assert r["collectives"] == 6
         assert r["syncs"] == 1
         assert r["cleared"]
+
+
+def _last_stage_reduces_alone(rank: int, world: int) -> dict[str, Any]:
+    import time
+
+    log = leakfree.LossLog(["loss"])
+    log["loss"].append(torch.tensor(2.0))
+    if rank == 0:  # the first stage has no losses, and never calls reduce
+        time.sleep(4)  # alive meanwhile: the collective waits for it, as in a pipeline
+        return {}
+    started = time.monotonic()
+    try:
+        log.reduce(timeout=1.5)  # the default group: every rank, rank 0 included
+    except TimeoutError as e:
+        caught = str(e)
+    waited = time.monotonic() - started
+    return {"caught": caught, "waited": waited, "kept": len(log["loss"]),
+            "alone": log.reduce(groups=())}  # fmt: skip
+
+
+def test_a_last_stage_reducing_alone_over_the_default_group_is_told_so_in_bounded_time(
+    tmp_path: Path,
+) -> None:
+    """A pipeline's last stage calling ``reduce()`` alone: the collective over the
+    default group cannot complete; it raises, naming the group and the fix, after
+    ``timeout`` (it waited for the group's 30-minute timeout before), and keeps the log."""
+    _, last = run_workers(_last_stage_reduces_alone, 2, tmp_path, timeout=60, barrier=False)
+    assert "default process group (2 ranks)" in last["caught"]
+    assert "groups=()" in last["caught"] and "did not call reduce()" in last["caught"]
+    assert 1.5 <= last["waited"] < 30
+    assert last["kept"] == 1 and last["alone"] == {"loss": 2.0}
