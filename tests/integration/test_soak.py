@@ -60,7 +60,7 @@ def _train(
             after(loss)
             opt.step()
             opt.zero_grad()
-            if reduce is not None and step % 10 == 9:
+            if reduce is not None:  # every step (a log reduced every k steps is a sawtooth)
                 reduce.reduce()
             if step % 7 == 3:  # a forward without backward: its graph dropped at once
                 with each():
@@ -114,6 +114,13 @@ def test_watch_losslog_and_patches_keep_nothing_per_step() -> None:
     """``watch()`` (its tracker, detector and boundaries), a ``LossLog`` reduced every few
     steps, and ``patch_all()``'s registries, together over a long run."""
     leakfree.patch_all()
+    try:
+        _soak_watch_and_log()
+    finally:
+        leakfree.unpatch_all()  # the suite's later tests start unpatched
+
+
+def _soak_watch_and_log() -> None:
     log = leakfree.LossLog(["lm", "aux"])
     findings: list[Any] = []
     series = MemoryTracker.MAX_POINTS + 1  # its cap (the latest value besides)
