@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 
@@ -111,10 +112,21 @@ def items(
     return out
 
 
-def mapping_or_items(call: str, name: str | None, value: object) -> Any:
-    """``value``: None, a mapping, or an iterable (not a str): objects to search."""
-    if value is None or isinstance(value, Mapping):
-        return value
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise refuse(call, name, value, "None, a {name: object} mapping or an iterable")
+def seconds(call: str, name: str | None, value: object, *, none: bool = False) -> Any:
+    """``value``, a finite number of seconds > 0 (not a bool), or None where ``none``
+    allows it."""
+    if value is None and none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise refuse(call, name, value, "None or seconds > 0" if none else "seconds > 0")
     return value
+
+
+def device(call: str, name: str | None, value: object) -> torch.device:
+    """``value`` as a ``torch.device`` (a device or its name)."""
+    import torch  # here: the scanner checks its arguments without importing torch
+
+    try:
+        return torch.device(value)  # type: ignore[call-overload, no-any-return]
+    except (RuntimeError, TypeError) as e:
+        raise ArgumentError(f"{_label(call, name, value)}: not a device ({e})") from None

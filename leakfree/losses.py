@@ -735,8 +735,7 @@ class LossLog(dict[str, Any]):
         """
         group_list = _group_list(groups)
         _args.flag("LossLog.reduce", "clear", clear)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise _args.refuse("LossLog.reduce", "timeout", timeout, "seconds > 0")
+        _args.seconds("LossLog.reduce", "timeout", timeout)
         keys = list(self)
         packs = self._local_packs(keys)
         if group_list:
@@ -896,10 +895,7 @@ def _rebuild(
 
 def _check_device(device: Any) -> torch.device:
     """``device`` as a ``torch.device`` that exists on this machine, or a ValueError."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"LossLog(device={device!r}): not a device ({e})") from None
+    dev = _args.device("LossLog", "device", device)
     if dev.type in ("cpu", "meta"):
         return dev
     try:

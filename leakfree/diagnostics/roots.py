@@ -65,14 +65,12 @@ def judged_device(owner: str, device: Any) -> Any:
     ``ValueError`` naming ``owner`` for what is not a device."""
     import torch
 
+    from leakfree._args import device as checked
     from leakfree._device import accelerator
 
     if device is None:
         return accelerator() or torch.device("cpu")
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"{owner}(device={device!r}): not a device ({e})") from None
+    return checked(owner, "device", device)
 
 
 def module_roots() -> dict[str, Any]:

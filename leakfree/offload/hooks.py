@@ -95,16 +95,6 @@ def _check_keep_small(name: str | None, value: object) -> None:
     _args.flag("OffloadActivations" if name else "OffloadActivations.keep_small", name, value)
 
 
-def _device_of(device: object) -> torch.device:
-    """``OffloadActivations(device=...)`` as a ``torch.device``."""
-    try:
-        return torch.device(cast(Any, device))
-    except (RuntimeError, TypeError):
-        raise _args.refuse(
-            "OffloadActivations", "device", device, "a torch.device or a device name"
-        ) from None
-
-
 def _pack_hook(manager_ref: weakref.ref[OffloadActivations]) -> Callable[[torch.Tensor], Any]:
     # Module-level closures over a weak reference: hooks bound to the instance would make
     # every OffloadActivations a reference cycle (and its pinned pool gc-only).
@@ -236,7 +226,7 @@ class OffloadActivations(saved_tensors_hooks):
         _check_device_budget("device_budget", device_budget)
         _check_keep_small("keep_small", keep_small)
         _check_min_offload_size("min_offload_size", min_offload_size)
-        target = _device_of(device) if device is not None else accelerator()
+        target = _args.device(call, "device", device) if device is not None else accelerator()
         if target is None and force_host_copy:
             target = torch.device("cpu")
         if target is not None and target.type == "cpu" and not force_host_copy:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -206,16 +206,8 @@ def _receiving(
         _args.items(call, "shape", shape, (int,), "ints")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise _args.refuse(call, "dtype", dtype, "None or a torch.dtype")
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not 0 < timeout < float("inf")
-    ):
-        raise _args.refuse(call, "timeout", timeout, "None or seconds > 0")
-    try:
-        return torch.device(cast(Any, device))
-    except (RuntimeError, TypeError):
-        raise _args.refuse(call, "device", device, "a torch.device or a device name") from None
+    _args.seconds(call, "timeout", timeout, none=True)
+    return _args.device(call, "device", device)
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
