@@ -93,7 +93,7 @@ def test_select_and_ignore_take_codes_and_prefixes_and_refuse_unknown_ones() -> 
         choose_rules(RULES, ignore=["XX"])
 
 
-def test_a_helper_in_another_file_is_followed_and_only_needed_files_are_parsed(
+def test_a_helper_in_another_file_is_followed_and_every_file_is_parsed(
     tmp_path: Path,
 ) -> None:
     write(
@@ -101,13 +101,17 @@ def test_a_helper_in_another_file_is_followed_and_only_needed_files_are_parsed(
         {
             "a.py": "restore(ctx)\n",
             "helpers/b.py": "def restore(ctx):\n    ctx.parked = None\n",
-            "c.py": "def unrelated(:\n",  # does not parse, and no rule needs it
+            "c.py": "def unrelated(:\n",  # does not parse, though no rule needs it
         },
     )
     result = scan([str(tmp_path)], rules=RULES, select=["LF901"])
     assert codes(result) == [("a.py", 1, "LF901")]  # b.py's own text is not "restore("
     assert result.findings[0].message.endswith(f"({tmp_path.as_posix()}/helpers/b.py)")
-    assert result.files == 3 and result.unparsed == []  # c.py was never parsed
+    # no rule wanted c.py, and it is listed all the same: a skipped file is never silent
+    assert result.files == 3 and result.status == 1
+    assert [u.split(": ", 1)[1] for u in result.unparsed] == [
+        "SyntaxError: invalid syntax (c.py, line 1)"
+    ]
 
 
 def test_files_a_rule_needs_that_do_not_parse_are_listed_not_raised(tmp_path: Path) -> None:

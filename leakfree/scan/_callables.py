@@ -12,13 +12,13 @@ that name (:meth:`Project.helpers <leakfree.scan._model.Project.helpers>`).
 from __future__ import annotations
 
 import ast
-import re
 from dataclasses import dataclass
 
 from leakfree.scan._model import Project, Source
 from leakfree.scan._syntax import (
     FunctionClass,
     FunctionNode,
+    Kind,
     Scope,
     Scopes,
     function_classes,
@@ -61,11 +61,6 @@ class Target:
         return cls(source, fn, chain, tuple(params[bound:]), tuple(params[:bound]))
 
 
-#: a file's class statements deriving from a name ending in ``Function`` (a text filter
-#: before any walk: a file without one defines no autograd Function)
-_DERIVES = re.compile(r"^[ \t]*class\s+\w+\s*\([^)]*Function\b", re.MULTILINE)
-
-
 def imported_names(project: Project, source: Source) -> dict[str, str]:
     """:func:`~leakfree.scan._syntax.imports` of ``source``, once per run."""
     return project.memo(
@@ -73,15 +68,43 @@ def imported_names(project: Project, source: Source) -> dict[str, str]:
     )
 
 
+#: how many files a base class is followed through (``from .base import Fn`` re-exported
+#: by a package's ``__init__``, defined in ``base.py`` as a subclass of another file's)
+_BASE_DEPTH = 4
+
+
 def autograd_classes(project: Project, source: Source) -> list[FunctionClass]:
     """The autograd Function classes ``source`` defines, decided once per run for every
-    rule (:func:`~leakfree.scan._syntax.function_classes`)."""
-    if not _DERIVES.search(source.text):
-        return []
+    rule (:func:`~leakfree.scan._syntax.function_classes`); a base imported from another
+    file of the scanned tree is read there."""
+    return _classes(project, source, 0)
+
+
+def _classes(project: Project, source: Source, depth: int) -> list[FunctionClass]:
+    def outside(full: str) -> Kind:
+        return _imported_kind(project, full, depth + 1)
+
     return project.memo(
         "autograd", source, source.tree,
-        lambda: function_classes(source.tree, imported_names(project, source)),
+        lambda: function_classes(source.tree, imported_names(project, source), outside),
     )  # fmt: skip
+
+
+def _imported_kind(project: Project, full: str, depth: int) -> Kind:
+    """Whether the class ``full`` (``pkg.base.MyFunction``) of another file of the scanned
+    tree is an autograd Function: read where it is defined, or followed through the
+    module that re-exports it."""
+    if depth > _BASE_DEPTH:
+        return None
+    module, _, name = full.rpartition(".")
+    other = project.module(module)
+    if other is None:
+        return None
+    for fc in _classes(project, other, depth):
+        if fc.node.name == name:
+            return (True, fc.releases)
+    again = imported_names(project, other).get(name)  # re-exported: follow it
+    return _imported_kind(project, again, depth + 1) if again and again != full else None
 
 
 class Callables:

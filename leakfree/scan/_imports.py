@@ -17,7 +17,7 @@ import tokenize
 from pathlib import Path
 
 from leakfree.scan._model import Project, parse
-from leakfree.scan._syntax import absolute
+from leakfree.scan._syntax import absolute, walk
 
 __all__ = ["add_imported", "module_of"]
 
@@ -62,7 +62,7 @@ def _imported_modules(tree: ast.Module, module: str, package: str) -> set[str]:
     name as a submodule)."""
     top = module.split(".", 1)[0]
     out: set[str] = set()
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.ImportFrom):
             source = absolute(node, package)
             if source.split(".", 1)[0] != top:

@@ -95,6 +95,8 @@ def python_files(target: Target, exclude: Iterable[str] = ()) -> Iterator[Path]:
     patterns = list(exclude)
 
     def excluded(path: Path) -> bool:
+        if not patterns:
+            return False
         text = path.as_posix()
         return any(fnmatch.fnmatch(text, p) or fnmatch.fnmatch(path.name, p) for p in patterns)
 

@@ -8,10 +8,14 @@ machine.
 from __future__ import annotations
 
 import ast
+import functools
+import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+from leakfree.scan._syntax import defined
 
 __all__ = ["Finding", "Project", "Rule", "Source", "parse"]
 
@@ -84,6 +88,8 @@ class Source:
 
 
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
+#: ``def name(`` at the start of a line: where a text may define ``name``
+_DEF = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)[ \t]*\(", re.MULTILINE)
 
 
 def parse(path: str, text: str, module: str = "") -> Source:
@@ -111,9 +117,15 @@ class Project:
 
     texts: dict[str, tuple[str, str]] = field(default_factory=dict)  #: path -> (text, module)
     parsed: dict[str, Source | None] = field(default_factory=dict)  #: None: did not parse
+    #: path -> why it did not parse (``SyntaxError: invalid syntax (line 3)``)
+    errors: dict[str, str] = field(default_factory=dict)
     context: set[str] = field(default_factory=set)  #: paths read for helpers only
     _helpers: dict[str, list[tuple[Source, FunctionNode]]] = field(default_factory=dict)
     _defs: dict[str, dict[str, list[FunctionNode]]] = field(default_factory=dict)
+    #: function name -> the paths whose text defines one (built on the first look-up)
+    _where: dict[str, list[str]] | None = None
+    #: dotted module name -> its path (built on the first look-up)
+    _modules: dict[str, str] | None = None
     #: path -> (what, id(node)) -> value: dropped with the file in one step
     _memo: dict[str, dict[tuple[str, int], object]] = field(default_factory=dict)
 
@@ -121,6 +133,7 @@ class Project:
         """Add an already parsed file."""
         self.texts[source.path] = (source.text, source.module)
         self.parsed[source.path] = source
+        self._forget_lookups()
 
     def add_text(self, path: str, text: str, module: str = "", *, context: bool = False) -> None:
         """Add a file to be parsed when a rule or a helper look-up needs it; a ``context``
@@ -128,6 +141,22 @@ class Project:
         self.texts[path] = (text, module)
         if context:
             self.context.add(path)
+        self._forget_lookups()
+
+    def _forget_lookups(self) -> None:
+        # a new file may define a helper already looked up
+        self._where = None
+        self._modules = None
+        self._helpers.clear()
+
+    def module(self, name: str) -> Source | None:
+        """The parsed file of the scanned tree (or its context) whose dotted module name is
+        ``name`` (``pkg.base`` for ``pkg/base.py`` or ``pkg/base/__init__.py``); None when
+        it is not there or does not parse."""
+        if self._modules is None:
+            self._modules = {module: path for path, (_, module) in self.texts.items() if module}
+        path = self._modules.get(name)
+        return self.source(path) if path is not None else None
 
     def source(self, path: str) -> Source | None:
         """The parsed file (None if it does not parse)."""
@@ -135,8 +164,9 @@ class Project:
             text, module = self.texts[path]
             try:
                 self.parsed[path] = parse(path, text, module)
-            except (SyntaxError, ValueError):
+            except (SyntaxError, ValueError) as e:  # ValueError: a null byte in the text
                 self.parsed[path] = None
+                self.errors[path] = f"{type(e).__name__}: {e}"
         return self.parsed[path]
 
     def release(self, path: str) -> None:
@@ -160,9 +190,8 @@ class Project:
         found = self._defs.get(source.path)
         if found is None:
             found = {}
-            for node in ast.walk(source.tree):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    found.setdefault(node.name, []).append(node)
+            for node in defined(source.tree.body):
+                found.setdefault(node.name, []).append(node)
             self._defs[source.path] = found
         return found
 
@@ -170,11 +199,13 @@ class Project:
         """The functions (and methods) named ``name`` defined anywhere in the project."""
         found = self._helpers.get(name)
         if found is None:
+            if self._where is None:  # one pass over every text, not one per name
+                self._where = {}
+                for path, (text, _) in self.texts.items():
+                    for defined in set(_DEF.findall(text)):
+                        self._where.setdefault(defined, []).append(path)
             found = []
-            needle = f"def {name}("
-            for path, (text, _) in self.texts.items():
-                if needle not in text:
-                    continue
+            for path in self._where.get(name, ()):
                 source = self.source(path)
                 if source is not None:
                     found += [(source, fn) for fn in self.defs(source).get(name, ())]
@@ -201,4 +232,12 @@ class Rule:
     needs: tuple[str, ...] = ()
 
     def wants(self, text: str) -> bool:
-        return not self.needs or any(n in text for n in self.needs)
+        if not self.needs:
+            return True
+        return _any_of(self.needs).search(text) is not None
+
+
+@functools.lru_cache(maxsize=64)
+def _any_of(needles: tuple[str, ...]) -> re.Pattern[str]:
+    """One pattern for a rule's text filter: one pass over a file, not one per string."""
+    return re.compile("|".join(map(re.escape, needles)))

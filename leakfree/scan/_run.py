@@ -24,7 +24,7 @@ from pathlib import Path
 import leakfree._args as _args
 from leakfree.scan._imports import add_imported, module_of
 from leakfree.scan._locate import Target, UsageError, python_files, resolve
-from leakfree.scan._model import WARNING, Finding, Project, Rule, Source, parse
+from leakfree.scan._model import WARNING, Finding, Project, Rule, Source
 
 __all__ = ["ScanResult", "choose_rules", "scan", "scan_sources", "suppressions"]
 
@@ -104,8 +104,8 @@ class ScanResult:
     @property
     def status(self) -> int:
         """The exit status (:data:`EXIT_STATUSES`): 1 when a leak was found, else 3 when a
-        file that could hold one did not parse (the scan could not see into it), else 0.
-        Notes alone are 0."""
+        file could not be read or parsed (the scan could not see into it, whatever it
+        holds), else 0. Notes alone are 0."""
         if self.leaks:
             return 1
         return 3 if self.unparsed else 0
@@ -116,7 +116,7 @@ EXIT_STATUSES = {
     0: "no leak found (notes alone are 0)",
     1: "leaks found",
     2: "usage error (a path or package that does not exist, an unknown rule)",
-    3: "no leak found, but files that could hold one were not parsed (listed)",
+    3: "no leak found, but files could not be read or parsed, so were not checked (listed)",
 }
 
 
@@ -160,21 +160,23 @@ _WORK: tuple[Project, Sequence[Rule]] | None = None  #: what forked workers inhe
 def _check(
     project: Project, paths: Iterable[str], rules: Sequence[Rule]
 ) -> tuple[list[Finding], list[str]]:
-    """Findings in ``paths`` (suppressed ones dropped), and the paths a rule wanted that
-    did not parse."""
+    """Findings in ``paths`` (suppressed ones dropped), and the paths that did not parse
+    with the reason (``path: SyntaxError: ...``). Every file is parsed, whether or not a
+    rule wants it: a file the scanner cannot read is never passed over in silence."""
     findings: set[Finding] = set()
     unparsed = []
     for path in paths:
-        text = project.texts[path][0]
-        wanted = [r for r in rules if r.wants(text)]
-        if not wanted:
-            continue
         source = project.source(path)
         if source is None:
-            unparsed.append(path)
+            unparsed.append(f"{path}: {project.errors.get(path, 'did not parse')}")
             continue
-        quiet = suppressions(text)
-        for rule in wanted:
+        text = source.text
+        quiet: dict[int, set[str]] | None = None
+        for rule in rules:
+            if not rule.wants(text):
+                continue
+            if quiet is None:
+                quiet = suppressions(text)
             for finding in rule.check(source, project):
                 codes = quiet.get(finding.line, ())
                 if finding.rule not in codes and ALL not in codes:
@@ -197,11 +199,7 @@ def _check_all(
     to parse (``ast.parse`` is most of the time: torch's tree is 46 MB of source). Each
     worker inherits the project's texts and parses on demand, helpers included."""
     global _WORK
-    paths = [
-        p
-        for p, (text, _) in project.texts.items()
-        if p not in project.context and any(r.wants(text) for r in rules)
-    ]
+    paths = [p for p in project.texts if p not in project.context]
     if jobs <= 1 or len(paths) < PARALLEL_FROM or "fork" not in mp.get_all_start_methods():
         return _check(project, paths, rules)
     parts = min(len(paths), jobs * 4)  # interleaved slices: big files spread out
@@ -238,8 +236,10 @@ def scan(
     ``jobs`` processes (default: one per CPU) when there are many files to parse.
 
     Raises :class:`UsageError` (before reading anything) for a path or package that does
-    not exist or a rule code that matches no rule. A file that cannot be read, or that a
-    rule needed and does not parse, is listed in :attr:`ScanResult.unparsed`, not raised.
+    not exist or a rule code that matches no rule. Every file is parsed: one that cannot be
+    read or parsed (bad encoding, a syntax error, syntax newer than this interpreter) is
+    listed in :attr:`ScanResult.unparsed` with the reason, not raised, and makes the
+    status 3 unless a leak was found.
     """
     call = "scan"
     paths = _args.items(call, "paths", paths, (str, os.PathLike), "paths or package names")
@@ -259,6 +259,7 @@ def scan(
     project = Project()
     seen: set[Path] = set()
     for target in targets:
+        base = str(target.base.resolve())
         for path in python_files(target, exclude):
             key = path.resolve()
             if key in seen:
@@ -273,7 +274,7 @@ def scan(
                 result.unparsed.append(f"{shown}: {type(e).__name__}: {e}")
                 continue
             project.add_text(shown, text, _module_name(path, target) or module_of(path))
-            result.bases[shown] = str(target.base.resolve())
+            result.bases[shown] = base
     for target in targets:
         if target.path.is_file():  # one file of a package: read what it imports from it
             add_imported(project, target.path)
@@ -281,10 +282,9 @@ def scan(
         jobs = os.cpu_count() or 1
     with _collector_paused():
         result.findings, unparsed = _check_all(project, chosen, jobs)
-    for shown in unparsed:  # a rule needed it: say why it was not checked
-        try:
-            parse(shown, project.texts[shown][0])
-        except (SyntaxError, ValueError) as e:
-            result.unparsed.append(f"{shown}: {type(e).__name__}: {e}")
+        # freed by reference counting while the collector is off: enabled again with the
+        # helper files' trees still alive, its first pass would walk every one of them
+        del project
+    result.unparsed = sorted([*result.unparsed, *unparsed])
     result.seconds = time.perf_counter() - started
     return result

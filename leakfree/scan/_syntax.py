@@ -21,21 +21,26 @@ Everything here reads :mod:`ast` only; nothing is imported or evaluated. What a 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 __all__ = [
     "FunctionClass",
     "FunctionNode",
+    "Kind",
     "Scopes",
     "attr_of",
+    "bindings",
     "bound_names",
     "calls_on",
+    "children",
+    "defined",
     "dotted",
     "elements",
     "function_classes",
     "functions",
     "imports",
+    "module_statements",
     "own_nodes",
     "parameters",
     "plain_annotation",
@@ -43,6 +48,7 @@ __all__ = [
     "root",
     "statements",
     "tail",
+    "walk",
     "words",
 ]
 
@@ -165,6 +171,54 @@ def is_static(fn: FunctionNode) -> bool:
     return any(dotted(d) in ("staticmethod", "classmethod") for d in fn.decorator_list)
 
 
+# --- walking ----------------------------------------------------------------------
+
+#: node type -> its fields that can hold nodes (``ctx`` and plain strings left out)
+_CHILD_FIELDS: dict[type, tuple[str, ...]] = {}
+_LEAF_FIELDS = frozenset({"ctx", "id", "attr", "arg", "name", "module", "type_comment", "kind"})
+
+
+def _fields(cls: type) -> tuple[str, ...]:
+    found = _CHILD_FIELDS.get(cls)
+    if found is None:
+        found = _CHILD_FIELDS[cls] = tuple(
+            f
+            for f in cls._fields
+            if f not in _LEAF_FIELDS  # type: ignore[attr-defined]
+        )
+    return found
+
+
+def children(node: ast.AST) -> list[ast.AST]:
+    """The child nodes of ``node`` in source order (as :func:`ast.iter_child_nodes`,
+    without the ``Load``/``Store`` markers)."""
+    out: list[ast.AST] = []
+    for f in _fields(type(node)):
+        v = getattr(node, f, None)
+        if isinstance(v, ast.AST):
+            out.append(v)
+        elif isinstance(v, list):
+            out.extend(x for x in v if isinstance(x, ast.AST))
+    return out
+
+
+def walk(node: ast.AST) -> Iterator[ast.AST]:
+    """``node`` and every node under it, parent before children, in source order. The
+    rules' hot loop: about three times :func:`ast.walk`'s speed, which builds a generator
+    per node."""
+    stack = [node]
+    pop, push, grow = stack.pop, stack.append, stack.extend
+    while stack:
+        n = pop()
+        yield n
+        for f in reversed(_fields(type(n))):
+            v = getattr(n, f, None)
+            if isinstance(v, ast.AST):
+                push(v)
+            elif isinstance(v, list) and v:
+                grow(x for x in reversed(v) if isinstance(x, ast.AST))
+
+
 # --- scopes --------------------------------------------------------------------------
 
 
@@ -177,12 +231,12 @@ def own_nodes(node: ast.AST) -> Iterator[ast.AST]:
     elif isinstance(node, ast.Lambda):
         stack = [node.body]
     else:
-        stack = list(reversed(list(ast.iter_child_nodes(node))))
+        stack = children(node)[::-1]
     while stack:
         n = stack.pop()
         yield n
         if not isinstance(n, _SCOPES):
-            stack.extend(reversed(list(ast.iter_child_nodes(n))))
+            stack.extend(children(n)[::-1])
 
 
 def bound_names(scope: ast.AST) -> set[str]:
@@ -214,6 +268,20 @@ def statements(tree: ast.Module) -> Iterator[ast.stmt]:
     while stack:
         node = stack.pop()
         if isinstance(node, ast.stmt):
+            yield node
+        for name in _BLOCKS:
+            inner = getattr(node, name, None)
+            if inner:
+                stack.extend(reversed(inner))
+
+
+def defined(block: list[ast.stmt]) -> Iterator[FunctionNode]:
+    """Every function defined in ``block``, nested ones too, inner ones after outer.
+    Only statements are visited (a tenth of the nodes): a ``def`` is a statement."""
+    stack: list[ast.AST] = list(reversed(block))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield node
         for name in _BLOCKS:
             inner = getattr(node, name, None)
@@ -258,7 +326,7 @@ class Scopes:
         return self._chains.get(id(node), ())
 
     def _visit(self, node: ast.AST, chain: tuple[Scope, ...]) -> None:
-        for child in ast.iter_child_nodes(node):
+        for child in children(node):
             if isinstance(child, _SCOPES):
                 self._chains[id(child)] = chain  # type: ignore[index]
                 self._visit(child, (*chain, child))
@@ -408,15 +476,77 @@ def _own_methods(cls: ast.ClassDef) -> dict[str, FunctionNode]:
     return {n.name: n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
-def function_classes(tree: ast.Module, names: dict[str, str]) -> list[FunctionClass]:
+#: a base's verdict: (is a Function, releases its ctx at run time), None when not one
+Kind = tuple[bool, bool] | None
+
+
+def module_statements(tree: ast.Module) -> Iterator[ast.stmt]:
+    """The statements that run when the module is imported: its body, and the bodies of
+    its ``if`` / ``try`` / ``with`` blocks (not functions or classes)."""
+    stack: list[ast.stmt] = list(reversed(tree.body))
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for name in _BLOCKS:
+            inner = getattr(node, name, None)
+            if inner:
+                stack.extend(reversed(inner))
+
+
+def bindings(tree: ast.Module, names: dict[str, str]) -> dict[str, list[str]]:
+    """Every dotted name a module-level name may be bound to: ``BASE =
+    torch.autograd.Function``, each branch of ``if flag: BASE = leakfree.Function`` /
+    ``else: ...`` and of ``A if flag else B``, and each import of the name (``try: from
+    leakfree import Function as BASE`` / ``except ImportError: from torch.autograd ...``).
+    """
+    out: dict[str, list[str]] = {}
+
+    def bind(name: str, value: ast.AST) -> None:
+        if isinstance(value, ast.IfExp):
+            bind(name, value.body)
+            bind(name, value.orelse)
+            return
+        full = resolve(value, names)
+        if full is not None and full != name:
+            out.setdefault(name, []).append(full)
+
+    for node in module_statements(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Name):
+                bind(target.id, node.value)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
+            bind(node.target.id, node.value)
+        elif isinstance(node, ast.ImportFrom):
+            base = absolute(node, "")  # relative bases were resolved by ``names``
+            for a in node.names:
+                local = a.asname or a.name
+                full = names.get(local) if node.level else f"{base}.{a.name}"
+                if full:
+                    out.setdefault(local, []).append(full)
+    return {k: list(dict.fromkeys(v)) for k, v in out.items()}
+
+
+def function_classes(
+    tree: ast.Module,
+    names: dict[str, str],
+    outside: Callable[[str], Kind] | None = None,
+) -> list[FunctionClass]:
     """The autograd Function classes defined in ``tree`` (``names``: :func:`imports`).
 
-    A base counts when it resolves (through the file's imports) to PyTorch's Function, to
-    ``leakfree.Function`` (then ``releases`` is set), or to a class of this file that
-    counts. A base of another name ending in ``Function`` (a project's own base, or an
-    unresolved ``Function``) counts only with the shape of one: a static ``forward`` (or
-    ``setup_context``) whose first parameter is the ctx, and a ``backward`` or ``vjp``.
-    That keeps ``sympy.Function`` and similar out.
+    A base counts however it is spelled: through the file's imports or a module-level
+    name bound to it (:func:`bindings`: an alias, a name chosen under ``if`` or by
+    ``A if flag else B``), when it is PyTorch's Function, ``leakfree.Function`` (then
+    ``releases`` is set), a class of this file that counts, or a class of another file
+    of the scanned tree that counts (``outside``, given the dotted name: subclasses of
+    subclasses across a package's imports). A name bound to several bases counts when
+    any is a Function, and releases only when every one does. A base that resolves to
+    none of these counts only with the shape of a Function: a static ``forward`` (or
+    ``setup_context``) taking the ctx first, and a ``backward`` or ``vjp``, with a base
+    named ``...Function`` or a first parameter named ``ctx``. That keeps
+    ``sympy.Function`` and ``nn.Module`` subclasses out.
     """
     classes: dict[str, ast.ClassDef] = {}
     released: set[str] = set()  # classes handed to release_after_backward
@@ -434,27 +564,45 @@ def function_classes(tree: ast.Module, names: dict[str, str]) -> list[FunctionCl
                 f = resolve(call.func, names) or ""
                 if f.rsplit(".", 1)[-1] == "release_after_backward":
                     released.add(call.args[0].id)
-    memo: dict[str, tuple[bool, bool] | None] = {}
+    bound = bindings(tree, names)
+    memo: dict[str, Kind] = {}
 
-    def kind(cls: ast.ClassDef, seen: frozenset[str]) -> tuple[bool, bool] | None:
-        # (is a Function, releases); None when not a Function
+    def named(full: str, cls: ast.ClassDef, seen: frozenset[str]) -> Kind:
+        if full.startswith("leakfree.") and full.endswith("Function"):
+            return (True, True)
+        if full in AUTOGRAD_BASES:
+            return (True, False)
+        if full in classes and full not in seen:
+            return kind(classes[full], seen | {cls.name})
+        if outside is not None and "." in full:
+            found = outside(full)
+            if found is not None:
+                return found
+        return None
+
+    def base_kind(base: ast.expr, cls: ast.ClassDef, seen: frozenset[str]) -> Kind:
+        if isinstance(base, ast.Name) and base.id in classes:
+            candidates = [base.id]
+        elif isinstance(base, ast.Name) and base.id in bound:
+            candidates = bound[base.id]
+        else:
+            full = resolve(base, names)
+            candidates = [full] if full is not None else []
+        verdicts = [v for v in (named(c, cls, seen) for c in candidates) if v is not None]
+        if verdicts:
+            return (True, all(r for _, r in verdicts))
+        if _has_shape(cls, tail(base).endswith("Function")):
+            return (True, False)
+        return None
+
+    def kind(cls: ast.ClassDef, seen: frozenset[str]) -> Kind:
         if cls.name in memo:
             return memo[cls.name]
-        result: tuple[bool, bool] | None = None
-        for base in cls.bases:
-            full = resolve(base, names)
-            if full is None:
-                continue
-            if full.startswith("leakfree.") and full.endswith("Function"):
-                result = (True, True)
-            elif full in AUTOGRAD_BASES:
-                result = result or (True, False)
-            elif isinstance(base, ast.Name) and base.id in classes and base.id not in seen:
-                inner = kind(classes[base.id], seen | {cls.name})
-                if inner is not None:
-                    result = (True, inner[1] or (result or (False, False))[1])
-            elif full.rsplit(".", 1)[-1].endswith("Function") and _has_shape(cls):
-                result = result or (True, False)
+        memo[cls.name] = None  # a cycle of bases is no Function
+        verdicts = [v for v in (base_kind(b, cls, seen) for b in cls.bases) if v is not None]
+        result: Kind = None
+        if verdicts:
+            result = (True, any(r for _, r in verdicts))
         if result is not None and cls.name in released:
             result = (True, True)
         memo[cls.name] = result
@@ -484,12 +632,11 @@ def _base_chain(cls: ast.ClassDef, classes: dict[str, ast.ClassDef]) -> list[ast
     return chain
 
 
-def _has_shape(cls: ast.ClassDef) -> bool:
+def _has_shape(cls: ast.ClassDef, function_named: bool) -> bool:
     m = _own_methods(cls)
     entry = m.get("setup_context") or m.get("forward")
-    return (
-        entry is not None
-        and is_static(entry)
-        and bool(parameters(entry))
-        and ("backward" in m or "vjp" in m)
-    )
+    if entry is None or not is_static(entry) or not parameters(entry):
+        return False
+    if not ("backward" in m or "vjp" in m):
+        return False
+    return function_named or "ctx" in parameters(entry)[0].arg

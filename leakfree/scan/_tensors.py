@@ -22,6 +22,7 @@ from leakfree.scan._syntax import (
     parameters,
     plain_annotation,
     resolve,
+    walk,
     words,
 )
 
@@ -177,6 +178,10 @@ def _through_views(e: ast.AST) -> ast.Name | None:
             return None
 
 
+#: comparisons a tensor makes element by element (``is`` and ``in`` give a bool)
+_ELEMENTWISE = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+
+
 def _literal(e: ast.AST) -> bool:
     """A constant, or a display of constants (``{"scale": 2}``, ``(1, 2)``)."""
     try:
@@ -187,13 +192,19 @@ def _literal(e: ast.AST) -> bool:
 
 
 def _operands(e: ast.AST) -> list[ast.Name]:
-    """The names ``e`` is, or is arithmetic of names only (``a``, ``a / b``, ``-a``); in
-    ``f(x) * n - shift`` the plain names may be numbers scaling a tensor."""
+    """The names ``e`` is arithmetic of (``a / b``, ``-a``, ``a * 2``); none when it holds
+    anything else (a call, an attribute): then it is not plain arithmetic of names."""
     if isinstance(e, ast.Name):
         return [e]
+    if isinstance(e, ast.Constant):
+        return []
     if isinstance(e, ast.BinOp):
         left, right = _operands(e.left), _operands(e.right)
-        return left + right if left and right else []
+        plain = all(
+            isinstance(x, (ast.Name, ast.Constant, ast.BinOp, ast.UnaryOp))
+            for x in (e.left, e.right)
+        )
+        return left + right if plain else []
     if isinstance(e, ast.UnaryOp) and not isinstance(e.op, ast.Not):
         return _operands(e.operand)
     return []
@@ -265,6 +276,9 @@ class TensorEvidence:
             if va is not None:
                 why.setdefault(va.arg, f"*{va.arg} are forward's inputs")
         nodes = list(own_nodes(fn))
+        #: names in arithmetic handed first to a torch function (``torch.round(a / b)``):
+        #: one of them is a tensor, which one only other evidence can say
+        groups: list[tuple[list[ast.Name], ast.Call]] = []
         # names only ever bound to literals (``info = {"scale": 2}``): returning one is no
         # evidence of a tensor
         bound: dict[str, list[ast.AST]] = {}
@@ -309,9 +323,13 @@ class TensorEvidence:
                     and full.rsplit(".", 1)[-1] not in _FACTORIES
                     and n.args
                 ):
-                    for v in _operands(n.args[0]):
-                        if v.id not in ctx:
-                            why.setdefault(v.id, f"{v.id} is passed to {short(n)} at L{n.lineno}")
+                    v = _through_views(n.args[0])
+                    if v is not None and v.id not in ctx:
+                        why.setdefault(v.id, f"{v.id} is passed to {short(n)} at L{n.lineno}")
+                    elif v is None:
+                        group = [o for o in _operands(n.args[0]) if o.id not in ctx]
+                        if group:
+                            groups.append((group, n))
         for s in self.flow.steps:  # ``tensors, objects = split(...)``: both halves
             if s.split and isinstance(s.node, ast.Assign) and isinstance(s.value, ast.Call):
                 halves = {
@@ -328,6 +346,19 @@ class TensorEvidence:
         self._params = {p.arg for p in every}
         self.tensors: set[str] = set(why)
         self.why = self.flow.spread(why, self._carries, self._may_hold)
+        # arithmetic none of whose names is known to be a tensor: each may be the one
+        # (``torch.round(identity / identity_scaling_factor)``); ``torch.softmax(x *
+        # scale)`` with ``x`` a tensor says nothing of ``scale``
+        unsure = [
+            (o.id, call)
+            for group, call in groups
+            if not any(o.id in self.why or o.id in self.plain for o in group)
+            for o in group
+        ]
+        if unsure:
+            for name, call in unsure:
+                why.setdefault(name, f"{name} is passed to {short(call)} at L{call.lineno}")
+            self.why = self.flow.spread(why, self._carries, self._may_hold)
         self.tensors = set(self.why)
 
     def _may_hold(self, s: Step) -> bool:
@@ -348,11 +379,11 @@ class TensorEvidence:
         """Why ``e`` holds tensors, in words: the reason of the first name it holds them
         through, followed one step back (``global_o gets SequenceChunk(...) appended at
         L774; o = torch.matmul(...) at L770``), or what ``e`` is."""
-        for n in ast.walk(e):
+        for n in walk(e):
             if isinstance(n, ast.Name) and n.id in self.why:
                 first = self.why[n.id]
                 if isinstance(first, Step):
-                    for m in ast.walk(first.value):
+                    for m in walk(first.value):
                         if isinstance(m, ast.Name) and m.id != n.id and m.id in self.why:
                             return f"{first.said()}; {said(self.why[m.id])}"
                 return said(first)
@@ -388,6 +419,11 @@ class TensorEvidence:
             return not isinstance(e.op, ast.Not) and h(e.operand)
         if isinstance(e, ast.BoolOp):
             return any(h(v) for v in e.values)
+        if isinstance(e, ast.Compare):
+            # ``rand_like(x) > p`` is a boolean tensor; ``x is None`` / ``k in d`` a bool
+            return all(isinstance(op, _ELEMENTWISE) for op in e.ops) and any(
+                h(v) for v in (e.left, *e.comparators)
+            )
         if isinstance(e, ast.IfExp):
             # ``a if not torch.is_tensor(a) else None``: the test says which branch is not
             guard = tensor_test(e.test)
@@ -402,7 +438,7 @@ class TensorEvidence:
             inner = set(local)
             for g in e.generators:
                 if h(g.iter, frozenset(inner)):
-                    inner.update(n.id for n in ast.walk(g.target) if isinstance(n, ast.Name))
+                    inner.update(n.id for n in walk(g.target) if isinstance(n, ast.Name))
             fl = frozenset(inner)
             return h(e.value, fl) if isinstance(e, ast.DictComp) else h(e.elt, fl)
         if isinstance(e, ast.Call):

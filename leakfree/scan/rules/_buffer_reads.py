@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 from leakfree.scan._flow import Flow
 from leakfree.scan._model import Project, Source
-from leakfree.scan._syntax import own_nodes, positional, tail
+from leakfree.scan._syntax import own_nodes, positional, tail, walk
 
 __all__ = [
     "ALIASES",
@@ -141,7 +141,7 @@ class Helpers:
             found = False
             for src, fn in self.project.helpers(name):
                 callees = set()
-                for n in ast.walk(fn):
+                for n in walk(fn):
                     if isinstance(n, ast.Call):
                         if creates_leaf(n):
                             found = True
@@ -157,7 +157,7 @@ class Helpers:
                     for c in callees
                     for callee in local.get(c, ())
                     if callee is not fn
-                    for n in ast.walk(callee)
+                    for n in walk(callee)
                     if isinstance(n, ast.Call)
                 )
                 if found:
@@ -287,7 +287,7 @@ def _callees(func: ast.expr, nodes: list[ast.AST]) -> list[tuple[str, int]]:
 
 
 def _mentions(expr: ast.AST, names: set[str]) -> bool:
-    return any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(expr))
+    return any(isinstance(n, ast.Name) and n.id in names for n in walk(expr))
 
 
 def _drawn(expr: ast.AST, containers: set[str]) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from leakfree.scan._model import Project, Source
-from leakfree.scan._syntax import FunctionNode, root, tail
+from leakfree.scan._syntax import FunctionNode, root, tail, walk
 from leakfree.scan.rules._loss_kinds import BACKWARD_CALLS, LOSSLOG_TYPES, Kind
 
 
@@ -44,12 +44,12 @@ def module_facts(tree: ast.Module, text: str) -> Module:
         elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
             targets = [stmt.target]
         for t in targets:
-            for n in ast.walk(t):
+            for n in walk(t):
                 if isinstance(n, ast.Name):
                     globals_.add(n.id)
     losslog: set[str] = set()
     if any(name in text for name in LOSSLOG_TYPES):
-        for node in ast.walk(tree):
+        for node in walk(tree):
             if isinstance(node, ast.Call) and tail(node.func) in LOSSLOG_TYPES:
                 losslog |= assigned_names_of_call(tree, node)
     return Module(globals_, losslog, {})
@@ -60,7 +60,7 @@ def class_backward_attrs(module: Module, cls: ast.ClassDef) -> set[str]:
     attrs = module.backward_attrs.get(id(cls))
     if attrs is None:
         attrs = set()
-        for fn in ast.walk(cls):
+        for fn in walk(cls):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 attrs |= backward_attrs(fn)
         module.backward_attrs[id(cls)] = attrs
@@ -70,7 +70,7 @@ def class_backward_attrs(module: Module, cls: ast.ClassDef) -> set[str]:
 def assigned_names_of_call(tree: ast.Module, call: ast.Call) -> set[str]:
     """Names and attribute names a ``LossLog(...)`` call is bound to (computed lazily)."""
     out: set[str] = set()
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is call:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             out |= {tail(t) for t in targets if tail(t)}
@@ -83,7 +83,7 @@ def self_attrs_and_names(nodes: Iterable[ast.AST]) -> tuple[set[str], set[str]]:
     attrs: set[str] = set()
     names: set[str] = set()
     for top in nodes:
-        for n in ast.walk(top):
+        for n in walk(top):
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
                 if n.value.id == "self":
                     attrs.add(n.attr)
@@ -97,7 +97,7 @@ def backward_attrs(fn: FunctionNode) -> set[str]:
     ``self.fwd_cache[i]`` in ``stage_backward(...)``, or ``loss = self._losses[i]``
     followed by ``loss.backward()`` (local names are followed through assignments)."""
     roots: list[ast.AST] = []
-    for n in ast.walk(fn):
+    for n in walk(fn):
         if not isinstance(n, ast.Call) or tail(n.func) not in BACKWARD_CALLS:
             continue
         if isinstance(n.func, ast.Attribute) and tail(n.func) == "backward":
@@ -111,14 +111,14 @@ def backward_attrs(fn: FunctionNode) -> set[str]:
         return set()
     attrs, names = self_attrs_and_names(roots)
     assigns: dict[str, list[ast.expr]] = {}
-    for n in ast.walk(fn):
+    for n in walk(fn):
         if isinstance(n, ast.Assign):
             for t in n.targets:
-                for leaf in ast.walk(t):
+                for leaf in walk(t):
                     if isinstance(leaf, ast.Name):
                         assigns.setdefault(leaf.id, []).append(n.value)
         elif isinstance(n, ast.For):
-            for leaf in ast.walk(n.target):
+            for leaf in walk(n.target):
                 if isinstance(leaf, ast.Name):
                     assigns.setdefault(leaf.id, []).append(n.iter)
     seen: set[str] = set()
@@ -151,9 +151,9 @@ def _stored(
     self_name = params[0] if params and params[0] in {"self", "cls"} else None
     module_globals = module_facts_cached(project, source).globals
     reassigned = {
-        n.id for n in ast.walk(func) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+        n.id for n in walk(func) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
     }
-    for node in ast.walk(func):
+    for node in walk(func):
         if not (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)

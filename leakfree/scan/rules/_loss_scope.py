@@ -11,7 +11,7 @@ import ast
 import functools
 
 from leakfree.scan._model import Finding, Project, Source
-from leakfree.scan._syntax import FunctionNode, root, symbol, tail
+from leakfree.scan._syntax import FunctionNode, root, symbol, tail, walk
 from leakfree.scan.rules._loss_facts import Env, Module, class_backward_attrs, stored_params
 from leakfree.scan.rules._loss_kinds import (
     CODE,
@@ -72,7 +72,7 @@ class Scope(Kinds):
         """(names declared ``global``, names bound locally); only a would-be finding asks."""
         declared: set[str] = set()
         bound: set[str] = set()
-        for n in ast.walk(self.func):
+        for n in walk(self.func):
             if isinstance(n, ast.Global):
                 declared.update(n.names)
             elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
@@ -155,7 +155,7 @@ class Scope(Kinds):
         if found is None:
             found = self._backward_names[id(node)] = frozenset(
                 b.id
-                for n in ast.walk(node)
+                for n in walk(node)
                 if isinstance(n, ast.Call)
                 and isinstance(n.func, ast.Attribute)
                 and n.func.attr == "backward"
@@ -175,7 +175,7 @@ class Scope(Kinds):
         rebound = any(
             isinstance(n, ast.Assign)
             and any(isinstance(t, ast.Name) and t.id == total for t in n.targets)
-            for n in ast.walk(loop)
+            for n in walk(loop)
         )
         backwarded = self._backwarded(self.func)
         in_loop = self._backwarded(loop)

@@ -57,7 +57,7 @@ from collections.abc import Iterable
 
 from leakfree.scan._flow import Flow
 from leakfree.scan._model import Finding, Project, Rule, Source
-from leakfree.scan._syntax import functions, own_nodes, tail
+from leakfree.scan._syntax import functions, own_nodes, tail, walk
 from leakfree.scan.rules._buffer_reads import (
     FACTORIES,
     Helpers,
@@ -164,7 +164,7 @@ def _leaf_sites(
                     break
     # ``x = buf.requires_grad_()``: x is the leaf too
     for name, value, _node in Flow(loop).assigned():
-        for sub in ast.walk(value):
+        for sub in walk(value):
             if id(sub) in made:
                 made[id(sub)].add(name)
     return sites

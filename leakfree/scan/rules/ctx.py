@@ -87,6 +87,7 @@ from leakfree.scan._syntax import (
     own_nodes,
     parameters,
     tail,
+    walk,
     words,
 )
 from leakfree.scan._tensors import TensorEvidence, metadata_named
@@ -149,7 +150,7 @@ _WEIGHT_WORDS = words("weight weights bias biases param params parameter paramet
 def _lives_anyway(value: ast.AST) -> str | None:
     """Why the stored value costs nothing beyond what lives anyway (a note, not a leak):
     a parameter, weight or buffer, or an RNG state (a few KB); None for anything else."""
-    for n in ast.walk(value):
+    for n in walk(value):
         if isinstance(n, ast.Call) and tail(n.func) == "get_rng_state":
             return "an RNG state (a few KB per call, not activations)"
     leaves = [
@@ -286,8 +287,9 @@ def _check_lf002(source: Source, project: Project) -> Iterable[Finding]:
     return list(_cached(source, project)[1])
 
 
-#: only a file whose base lists name a Function can define one (the runner's text filter)
-_NEEDS = ("Function)", "Function,")
+#: a file that can define a Function names one or defines its backward (the runner's text
+#: filter: a subclass of another file's Function, or of an alias, still has a backward)
+_NEEDS = ("Function", "def backward", "def setup_context")
 
 RULES: tuple[Rule, ...] = (
     Rule(

@@ -75,11 +75,13 @@ from leakfree.scan._syntax import (
     Scope,
     Scopes,
     bound_names,
+    children,
     declared,
     own_nodes,
     positional,
     root,
     tail,
+    walk,
 )
 from leakfree.scan._tensors import META_ATTRS, META_BUILTINS, META_METHODS
 
@@ -110,7 +112,7 @@ MESSAGE = (
 
 def _registrations(source: Source, resolver: Callables) -> Iterator[Target]:
     """Every pack hook registered in ``source``."""
-    for node in ast.walk(source.tree):
+    for node in walk(source.tree):
         if not isinstance(node, ast.Call):
             continue
         chain = resolver.scopes.chain(node)
@@ -172,7 +174,7 @@ def _carries(expr: ast.AST, tainted: Iterable[str]) -> bool:
         return any(_carries(p, tainted) for p in parts)
     if isinstance(expr, (ast.Compare, ast.Lambda)):
         return False  # a comparison is a bool; a lambda runs later
-    return any(_carries(c, tainted) for c in ast.iter_child_nodes(expr))
+    return any(_carries(c, tainted) for c in children(expr))
 
 
 def _taint(hook: Target) -> dict[str, Reason]:
@@ -231,7 +233,7 @@ def _weak_table(tree: ast.Module, table: ast.expr) -> bool:
     name = tail(table)
     if not name:
         return False
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call):
             if tail(node.value.func) not in _WEAK_TABLES:
                 continue

@@ -77,10 +77,12 @@ from leakfree.scan._callables import autograd_classes
 from leakfree.scan._model import Finding, Project, Rule, Source
 from leakfree.scan._syntax import (
     FunctionNode,
+    defined,
     functions,
     name_words,
     root,
     tail,
+    walk,
 )
 from leakfree.scan.rules._loss_facts import (
     module_facts_cached,
@@ -150,7 +152,7 @@ class _FunctionScan(Scope):
             return
         if isinstance(s, ast.For | ast.AsyncFor | ast.While):
             if not isinstance(s, ast.While):
-                for n in ast.walk(s.target):
+                for n in walk(s.target):
                     if isinstance(n, ast.Name):
                         self.env.kinds[n.id] = None
             self.loops.append(s)
@@ -181,7 +183,7 @@ class _FunctionScan(Scope):
     def forget_assigned(self, body: list[ast.stmt]) -> None:
         """Names assigned under no_grad carry no graph."""
         for stmt in body:
-            for n in ast.walk(stmt):
+            for n in walk(stmt):
                 if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                     self.env.kinds[n.id] = Kind.CLEAN
 
@@ -288,11 +290,7 @@ class _FunctionScan(Scope):
             isinstance(call.func.value, ast.Name) and call.func.value.id == self.self_name
         ):
             return False
-        nested = [
-            n
-            for n in ast.walk(self.func)
-            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name
-        ]
+        nested = [n for n in defined(self.func.body) if n.name == name]
         found = [(self.source, fn) for fn in nested or self.project.defs(self.source).get(name, [])]
         found = found or list(self.project.helpers(name))
         if len(found) != 1:
@@ -311,7 +309,7 @@ class _FunctionScan(Scope):
         return join(reader.returns)
 
     def check_calls(self, expr: ast.expr) -> None:
-        for node in ast.walk(expr):
+        for node in walk(expr):
             if not isinstance(node, ast.Call):
                 continue
             if not isinstance(node.func, ast.Attribute):
