@@ -323,10 +323,12 @@ class TensorEvidence:
                     and full.rsplit(".", 1)[-1] not in _FACTORIES
                     and n.args
                 ):
-                    v = _through_views(n.args[0])
-                    if v is not None and v.id not in ctx:
-                        why.setdefault(v.id, f"{v.id} is passed to {short(n)} at L{n.lineno}")
-                    elif v is None:
+                    first = _through_views(n.args[0])
+                    if first is not None and first.id not in ctx:
+                        why.setdefault(
+                            first.id, f"{first.id} is passed to {short(n)} at L{n.lineno}"
+                        )
+                    elif first is None:
                         group = [o for o in _operands(n.args[0]) if o.id not in ctx]
                         if group:
                             groups.append((group, n))
