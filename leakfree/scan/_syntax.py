@@ -178,14 +178,10 @@ _CHILD_FIELDS: dict[type, tuple[str, ...]] = {}
 _LEAF_FIELDS = frozenset({"ctx", "id", "attr", "arg", "name", "module", "type_comment", "kind"})
 
 
-def _fields(cls: type) -> tuple[str, ...]:
+def _fields(cls: type[ast.AST]) -> tuple[str, ...]:
     found = _CHILD_FIELDS.get(cls)
     if found is None:
-        found = _CHILD_FIELDS[cls] = tuple(
-            f
-            for f in cls._fields
-            if f not in _LEAF_FIELDS  # type: ignore[attr-defined]
-        )
+        found = _CHILD_FIELDS[cls] = tuple(f for f in cls._fields if f not in _LEAF_FIELDS)
     return found
 
 
