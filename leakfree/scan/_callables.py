@@ -186,11 +186,13 @@ class ReturnReader:
     def __init__(self, source: Source, project: Project) -> None:
         self.source = source
         self.project = project
-        #: (id of the callee, the parameters handed tensors) -> the verdict: a call is
-        #: judged many times while the caller's evidence reaches its fixpoint
-        self._verdicts: dict[tuple[int, frozenset[str]], bool] = {}
+        #: (id of the callee, the parameters handed tensors, the element) -> the verdict:
+        #: a call is judged many times while the caller's evidence reaches its fixpoint
+        self._verdicts: dict[tuple[int, frozenset[str], int | None], bool] = {}
 
-    def plain(self, call: ast.Call, caller: TensorEvidence) -> bool:
+    def plain(self, call: ast.Call, caller: TensorEvidence, element: int | None = None) -> bool:
+        """Does the callee return no tensor (``element``: at that position of the tuple it
+        returns, read in every ``return a, b, c`` of the callee)?"""
         if not isinstance(call.func, ast.Name):
             return False
         name = call.func.id
@@ -207,10 +209,24 @@ class ReturnReader:
             for i, a in enumerate(call.args)
             if i < len(params) and not isinstance(a, ast.Starred) and caller.holds(a)
         }
-        key = (id(fn), frozenset(seed))
+        key = (id(fn), frozenset(seed), element)
         if key not in self._verdicts:
             names = imported_names(self.project, src)
             evidence = TensorEvidence(fn, names, set(), seed=seed, inputs=False, returned=False)
-            returns = [n.value for n in own_nodes(fn) if isinstance(n, ast.Return) and n.value]
-            self._verdicts[key] = bool(returns) and not any(evidence.holds(r) for r in returns)
+            whole = [n.value for n in own_nodes(fn) if isinstance(n, ast.Return) and n.value]
+            returns = whole if element is None else [_element(r, element) for r in whole]
+            self._verdicts[key] = (
+                bool(returns)
+                and all(r is not None for r in returns)
+                and not any(evidence.holds(r) for r in returns if r is not None)
+            )
         return self._verdicts[key]
+
+
+def _element(value: ast.expr, i: int) -> ast.expr | None:
+    """The ``i``-th of a returned tuple display (``return o, lse, scale``), else None."""
+    if isinstance(value, (ast.Tuple, ast.List)) and not any(
+        isinstance(e, ast.Starred) for e in value.elts
+    ):
+        return value.elts[i] if i < len(value.elts) else None
+    return None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from leakfree.scan._syntax import (
     own_nodes,
+    plain_annotation,
     root,
     tail,
     words,
@@ -61,6 +62,8 @@ class Step:
     how: str
     split: bool = False
     not_tensors: frozenset[str] = frozenset()
+    #: for a ``split`` element of a flat ``a, b, c = f(x)``, its position (None otherwise)
+    index: int | None = None
 
     @property
     def name(self) -> str | None:
@@ -196,12 +199,14 @@ class Flow:
                 for t, v in zip(target.elts, value.elts):
                     self._pairs(t, v, node, how, guard)
                 return
-            for t in target.elts:
+            flat = not any(isinstance(t, ast.Starred) for t in target.elts)
+            for i, t in enumerate(target.elts):
                 t = t.value if isinstance(t, ast.Starred) else t
                 if isinstance(t, (ast.Tuple, ast.List)):
                     self._pairs(t, value, node, how, guard)
                 else:
-                    self.steps.append(Step(t, value, node, how, True, guard))
+                    index = i if flat else None
+                    self.steps.append(Step(t, value, node, how, True, guard, index))
             return
         self.steps.append(Step(target, value, node, how, False, guard))
 
@@ -262,7 +267,8 @@ def _element(seq: ast.expr) -> ast.AST:
 
 def tensor_test(test: ast.AST) -> tuple[bool, ast.AST] | None:
     """(True, x) for ``is_tensor(x)`` / ``isinstance(x, ...Tensor)``, (False, x) for their
-    negation, None for any other test."""
+    negation and for ``isinstance(x, int)`` (or any plain type: a number, a string...
+    is no tensor), None for any other test."""
     negated = False
     while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         negated, test = not negated, test.operand
@@ -273,4 +279,8 @@ def tensor_test(test: ast.AST) -> tuple[bool, ast.AST] | None:
         last == "isinstance" and len(test.args) == 2 and "Tensor" in ast.unparse(test.args[1])
     ):
         return not negated, test.args[0]
+    if last == "isinstance" and len(test.args) == 2:
+        kinds = test.args[1].elts if isinstance(test.args[1], ast.Tuple) else [test.args[1]]
+        if all(plain_annotation(k) for k in kinds):
+            return negated, test.args[0]
     return None

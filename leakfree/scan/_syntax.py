@@ -407,7 +407,7 @@ def resolve(node: ast.AST, names: dict[str, str]) -> str | None:
 #: annotation names that never hold a tensor
 _PLAIN_TYPES = words(
     "int float bool str bytes complex None NoneType dtype device Size Number SymInt "
-    "SymFloat SymBool Literal ProcessGroup Callable Enum"
+    "SymFloat SymBool Literal ProcessGroup Callable Enum type Type"
 )
 #: generic wrappers whose arguments decide (Optional[float], tuple[int, ...])
 _WRAPPERS = words("Optional Union Tuple tuple List list Sequence Iterable Final Annotated")
@@ -431,8 +431,8 @@ def plain_annotation(ann: ast.AST | None) -> bool:
     if isinstance(ann, ast.BinOp) and isinstance(ann.op, ast.BitOr):
         return plain_annotation(ann.left) and plain_annotation(ann.right)
     if isinstance(ann, ast.Subscript):
-        if tail(ann.value) in ("Literal", "Callable"):
-            return True
+        if tail(ann.value) in ("Literal", "Callable", "Type", "type"):
+            return True  # a class is never a tensor
         if tail(ann.value) not in _WRAPPERS:
             return False
         inner = ann.slice

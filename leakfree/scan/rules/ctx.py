@@ -117,6 +117,8 @@ class _Store:
     node: ast.AST
     #: names an enclosing ``if torch.is_tensor(x)`` proves hold no tensor here
     not_tensors: frozenset[str] = frozenset()
+    #: the position in ``a, ctx.b = f(x)`` (the value is the whole call), else None
+    index: int | None = None
 
 
 def _stores(fn: FunctionNode, flow: Flow, ctx: set[str]) -> Iterator[_Store]:
@@ -126,7 +128,7 @@ def _stores(fn: FunctionNode, flow: Flow, ctx: set[str]) -> Iterator[_Store]:
         target = step.target.value if isinstance(step.target, ast.Subscript) else step.target
         attr = attr_of(target, ctx)
         if attr is not None and (step.how in _ADDERS or step.how in ("=", "+=")):
-            yield _Store(attr, step.value, step.node, step.not_tensors)
+            yield _Store(attr, step.value, step.node, step.not_tensors, step.index)
     for n in own_nodes(fn):
         if (
             isinstance(n, ast.Call)
@@ -237,6 +239,12 @@ def _findings(source: Source, project: Project) -> tuple[list[Finding], list[Fin
                 s.value, excluded=s.not_tensors
             ):
                 continue
+            if (
+                s.index is not None
+                and isinstance(s.value, ast.Call)
+                and helpers.plain(s.value, evidence, s.index)
+            ):
+                continue  # ``o, lse, ctx.scale = helper(q)``: the helper's third is a float
             seen.add(s.attr)
             because = evidence.explain(s.value)
             anyway = _lives_anyway(s.value)
