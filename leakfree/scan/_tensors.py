@@ -30,6 +30,7 @@ __all__ = [
     "META_ATTRS",
     "META_BUILTINS",
     "META_METHODS",
+    "TENSOR_USES",
     "TensorEvidence",
     "handle_named",
     "metadata_named",
@@ -108,7 +109,34 @@ _INPUT_NAMES = words(
 def _tensor_attr(name: str) -> bool:
     if "meta" in name:
         return False  # _metadata_cache, fp8_meta: bookkeeping beside the data
-    return name in TENSOR_ATTRS or "data" in name or "tensor" in name
+    return name in TENSOR_ATTRS or "data" in name or "tensor" in name or "mask" in name
+
+
+#: last words naming a forward's parameter for the tensor it is (``attention_mask``,
+#: ``hidden_states``, ``router_logits``); a default number or a plain annotation wins
+_TENSOR_PARAM_WORDS = words("mask masks states logits probs")
+#: words naming the tensor fields of an object a call returns (a model layer's output, a
+#: sparse tensor's parts)
+_TENSOR_FIELD_WORDS = words(
+    "mask masks bucket buckets hidden states logits probs scores output outputs grad grads "
+    "activation activations tensor tensors bias"
+)
+
+
+def _last_word(name: str) -> str:
+    """What a compound name is (``attn_mask_type`` is a type, ``attention_mask`` a
+    mask): its last word, lower-cased."""
+    parts = [w for w in name.lower().split("_") if w]
+    return parts[-1] if parts else ""
+
+
+def _defaults(fn: FunctionNode) -> dict[str, ast.expr]:
+    """Parameter -> its default value."""
+    a = fn.args
+    positional = [*a.posonlyargs, *a.args]
+    out = {p.arg: d for p, d in zip(positional[len(positional) - len(a.defaults) :], a.defaults)}
+    out.update({p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+    return out
 
 
 def torch_makes_tensor(full: str) -> bool:
@@ -265,6 +293,14 @@ class TensorEvidence:
             and isinstance(n.target, ast.Name)
             and plain_annotation(n.annotation)
         }
+        defaults = _defaults(fn)
+        # a parameter whose default is a number, a bool or a string is one (``p=0.1``,
+        # ``causal=False``), whatever arithmetic it later takes part in
+        self.plain |= {
+            name
+            for name, d in defaults.items()
+            if isinstance(d, ast.Constant) and d.value is not None and d.value is not Ellipsis
+        }
         for p in every:
             ann = ast.unparse(p.annotation) if p.annotation is not None else ""
             if p.arg not in ctx and "Tensor" in ann and p.arg not in self.plain:
@@ -275,6 +311,9 @@ class TensorEvidence:
                 why.setdefault(rest[0].arg, f"{rest[0].arg} is forward's input")
             if va is not None:
                 why.setdefault(va.arg, f"*{va.arg} are forward's inputs")
+            for p in rest:  # ``attention_mask``, ``hidden_states``: named for what they are
+                if p.arg not in self.plain and _last_word(p.arg) in _TENSOR_PARAM_WORDS:
+                    why.setdefault(p.arg, f"{p.arg} is forward's input, named as a tensor")
         nodes = list(own_nodes(fn))
         #: names in arithmetic handed first to a torch function (``torch.round(a / b)``):
         #: one of them is a tensor, which one only other evidence can say
@@ -285,6 +324,14 @@ class TensorEvidence:
         for name, value, _ in self.flow.assigned():
             bound.setdefault(name, []).append(value)
         literals = {name for name, values in bound.items() if all(map(_literal, values))}
+        self.literals = literals
+        #: names bound to what a call other than a torch function returns (``out =
+        #: layer(...)``, ``inp = Inputs(*args)``): objects whose fields may be tensors
+        self.records = {
+            name
+            for name, values in bound.items()
+            if all(isinstance(v, ast.Call) and not self._tensor_call(v) for v in values)
+        }
         spread: set[str] = set()  # save_for_backward(*tensors): a list built to be saved
         for call, method in calls_on(nodes, ctx, _SAVES):
             for a in call.args:
@@ -363,6 +410,14 @@ class TensorEvidence:
             self.why = self.flow.spread(why, self._carries, self._may_hold)
         self.tensors = set(self.why)
 
+    def _tensor_call(self, call: ast.Call) -> bool:
+        """Is ``call`` a torch function or a method (a tensor's, or one of torch's)?"""
+        full = resolve(call.func, self.names) or ""
+        return full.split(".", 1)[0] == "torch" or (
+            isinstance(call.func, ast.Attribute)
+            and not (isinstance(call.func.value, ast.Name) and call.func.value.id == "self")
+        )
+
     def _may_hold(self, s: Step) -> bool:
         name = s.name
         if name is None or name in self.ctx or name in self.plain:
@@ -409,8 +464,17 @@ class TensorEvidence:
             return (e.id in self.tensors or e.id in local) and e.id not in excluded
         if isinstance(e, ast.Attribute):
             # x.T, x.grad, storage._data: tensors; any other attribute of a tensor-like
-            # object (x._spec, q.layout) is taken as metadata
-            return _tensor_attr(e.attr) and h(e.value)
+            # object (x._spec, q.layout) is taken as metadata. A field named for tensors
+            # of an object a call returned is one (``layer_outputs.buckets``,
+            # ``out.threads_masks``)
+            if _tensor_attr(e.attr):
+                return h(e.value)
+            return (
+                isinstance(e.value, ast.Name)
+                and e.value.id in self.records
+                and e.value.id not in excluded
+                and _last_word(e.attr) in _TENSOR_FIELD_WORDS
+            )
         if isinstance(e, ast.Subscript):
             return h(e.value)
         if isinstance(e, (ast.Starred, ast.NamedExpr, ast.Await)):

@@ -90,7 +90,7 @@ from leakfree.scan._syntax import (
     walk,
     words,
 )
-from leakfree.scan._tensors import TensorEvidence, metadata_named
+from leakfree.scan._tensors import TENSOR_USES, TensorEvidence, metadata_named
 from leakfree.scan.rules._ctx_outputs import is_output, outputs, tensor_element
 from leakfree.scan.rules._ctx_releases import ALL, Releases
 
@@ -170,7 +170,48 @@ def _lives_anyway(value: ast.AST) -> str | None:
     return None
 
 
+# --- what backward does with an attribute ---------------------------------------------------
+
+
+def _used_as_tensors(back: FunctionNode, names: dict[str, str]) -> dict[str, str]:
+    """Attribute -> why: the ctx attributes backward uses as tensors, directly
+    (``ctx.a.view(...)``, ``torch.gather(ctx.a, ...)``) or through a name it reads one
+    into (``idx = ctx.sorted_bucket_idx`` ... ``idx.unsqueeze(-1)``). Evidence for a
+    stored value that forward alone does not show to be a tensor (a parameter passed
+    straight through to ctx)."""
+    flow = Flow(back)
+    ctx = flow.aliases(parameters(back)[0].arg)
+    read: dict[str, str] = {}  # local name -> the attribute it was read from
+    for step in flow.steps:
+        attr = attr_of(step.value, ctx)
+        if attr is not None and step.how == "=" and isinstance(step.target, ast.Name):
+            read[step.target.id] = attr
+    out: dict[str, str] = {}
+    for n in own_nodes(back):
+        if isinstance(n, ast.Attribute) and n.attr in TENSOR_USES:
+            attr = attr_of(n.value, ctx)
+            if attr is not None:
+                out.setdefault(attr, f"backward uses {ast.unparse(n)} at L{n.lineno}")
+    if read:
+        used = TensorEvidence(back, names, ctx, flow=flow, inputs=False, returned=False)
+        for local, attr in read.items():
+            reason = used.why.get(local)
+            if isinstance(reason, str):  # direct evidence, not a flow from another name
+                out.setdefault(attr, f"backward reads it into {local}: {reason}")
+    return out
+
+
 # --- the check ---------------------------------------------------------------------------
+
+
+def _passed_through(value: ast.AST, evidence: TensorEvidence) -> bool:
+    """Is ``value`` a name forward neither shows to be a tensor nor to be a number (a
+    parameter handed straight to ctx): what backward does with it then decides."""
+    return (
+        isinstance(value, ast.Name)
+        and value.id not in evidence.plain
+        and value.id not in evidence.literals
+    )
 
 
 def _entry(fc: FunctionClass) -> tuple[FunctionNode, bool] | None:
@@ -229,24 +270,30 @@ def _findings(source: Source, project: Project) -> tuple[list[Finding], list[Fin
         if ALL in released:
             continue
         evidence: TensorEvidence | None = None
+        used: dict[str, str] | None = None
         seen: set[str] = set()
         for s in stores:
             if s.attr in seen or s.attr in released or s.attr in cycle:
                 continue
             if evidence is None:
                 evidence = TensorEvidence(fn, names, ctx, flow=flow, plain_call=helpers.plain)
-            if metadata_named(s.attr, s.value) or not evidence.holds(
-                s.value, excluded=s.not_tensors
-            ):
+            if metadata_named(s.attr, s.value):
                 continue
-            if (
-                s.index is not None
-                and isinstance(s.value, ast.Call)
-                and helpers.plain(s.value, evidence, s.index)
-            ):
-                continue  # ``o, lse, ctx.scale = helper(q)``: the helper's third is a float
+            if evidence.holds(s.value, excluded=s.not_tensors):
+                if (
+                    s.index is not None
+                    and isinstance(s.value, ast.Call)
+                    and helpers.plain(s.value, evidence, s.index)
+                ):
+                    continue  # ``o, lse, ctx.scale = helper(q)``: the helper's third is a float
+                because = evidence.explain(s.value)
+            else:
+                if used is None:
+                    used = _used_as_tensors(back, names)
+                if s.attr not in used or not _passed_through(s.value, evidence):
+                    continue
+                because = used[s.attr]
             seen.add(s.attr)
-            because = evidence.explain(s.value)
             anyway = _lives_anyway(s.value)
             if anyway is not None:
                 lf001.append(
