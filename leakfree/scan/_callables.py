@@ -177,32 +177,40 @@ class Callables:
 
 
 class ReturnReader:
-    """Whether a call's callee, read where it is defined (this file first, else the one
-    function of that name in the project), returns no tensor: its return annotation is a
-    plain type, or none of its returned values holds one on its own evidence, with the
-    parameters that received tensors taken as tensors (``_resolve_kv_heads(x, ...)``
-    returns ``x.shape[2] // n``: an int)."""
+    """What a call's callee returns, read where it is defined (this file first, else the
+    one function of that name in the project), with the parameters that received tensors
+    taken as tensors: none (its return annotation is a plain type, or no returned value
+    holds one on its own evidence: ``_resolve_kv_heads(x, ...)`` returns ``x.shape[2] //
+    n``, an int), a tensor (every return holds one: ``cast_to_fp8(x)`` returns
+    ``x.to(fp8)``), or unknown. ``element`` asks about one position of the tuple it
+    returns (``o, lse, ctx.scale = helper(q)``), read in every ``return a, b, c``."""
 
     def __init__(self, source: Source, project: Project) -> None:
         self.source = source
         self.project = project
         #: (id of the callee, the parameters handed tensors, the element) -> the verdict:
         #: a call is judged many times while the caller's evidence reaches its fixpoint
-        self._verdicts: dict[tuple[int, frozenset[str], int | None], bool] = {}
+        self._verdicts: dict[tuple[int, frozenset[str], int | None], bool | None] = {}
 
     def plain(self, call: ast.Call, caller: TensorEvidence, element: int | None = None) -> bool:
-        """Does the callee return no tensor (``element``: at that position of the tuple it
-        returns, read in every ``return a, b, c`` of the callee)?"""
+        """Does the callee return no tensor (at ``element``)?"""
+        return self.returns(call, caller, element) is False
+
+    def returns(
+        self, call: ast.Call, caller: TensorEvidence, element: int | None = None
+    ) -> bool | None:
+        """True: the callee returns a tensor (at ``element``); False: none; None: the
+        callee cannot be read (not found, several of that name) or it depends."""
         if not isinstance(call.func, ast.Name):
-            return False
+            return None
         name = call.func.id
         local = self.project.defs(self.source).get(name, [])
         found = [(self.source, fn) for fn in local] or list(self.project.helpers(name))
         if len(found) != 1:
-            return False  # not found, or several of that name: the name decides nothing
+            return None  # not found, or several of that name: the name decides nothing
         src, fn = found[0]
         if plain_annotation(fn.returns):
-            return True
+            return False
         params = [p.arg for p in parameters(fn)]
         seed = {
             params[i]
@@ -215,11 +223,12 @@ class ReturnReader:
             evidence = TensorEvidence(fn, names, set(), seed=seed, inputs=False, returned=False)
             whole = [n.value for n in own_nodes(fn) if isinstance(n, ast.Return) and n.value]
             returns = whole if element is None else [_element(r, element) for r in whole]
-            self._verdicts[key] = (
-                bool(returns)
-                and all(r is not None for r in returns)
-                and not any(evidence.holds(r) for r in returns if r is not None)
-            )
+            known = [r for r in returns if r is not None]
+            verdict: bool | None = None
+            if known and len(known) == len(returns):
+                held = [evidence.holds(r) for r in known]
+                verdict = True if all(held) else False if not any(held) else None
+            self._verdicts[key] = verdict
         return self._verdicts[key]
 
 

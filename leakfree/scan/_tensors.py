@@ -274,11 +274,12 @@ class TensorEvidence:
         inputs: bool = True,
         returned: bool = True,
         seed: Iterable[str] = (),
-        plain_call: Callable[[ast.Call, TensorEvidence], bool] | None = None,
+        callee: Callable[[ast.Call, TensorEvidence, int | None], bool | None] | None = None,
     ) -> None:
         self.names = names
-        #: does a call's callee, read where it is defined, return no tensor?
-        self.plain_call = plain_call
+        #: what a call's callee, read where it is defined, returns (at a position of its
+        #: tuple): True a tensor, False none, None unknown
+        self.callee = callee
         self.ctx = ctx
         self.flow = flow or Flow(fn)
         why: dict[str, Reason] = {name: f"{name} is handed a tensor" for name in seed}
@@ -312,7 +313,12 @@ class TensorEvidence:
             if va is not None:
                 why.setdefault(va.arg, f"*{va.arg} are forward's inputs")
             for p in rest:  # ``attention_mask``, ``hidden_states``: named for what they are
-                if p.arg not in self.plain and _last_word(p.arg) in _TENSOR_PARAM_WORDS:
+                # (an annotation, ``block_mask: tuple[Any, ...]``, says better)
+                if (
+                    p.annotation is None
+                    and p.arg not in self.plain
+                    and (_last_word(p.arg) in _TENSOR_PARAM_WORDS)
+                ):
                     why.setdefault(p.arg, f"{p.arg} is forward's input, named as a tensor")
         nodes = list(own_nodes(fn))
         #: names in arithmetic handed first to a torch function (``torch.round(a / b)``):
@@ -427,6 +433,11 @@ class TensorEvidence:
 
     def _carries(self, s: Step, reached: dict[str, Reason]) -> bool:
         self.tensors = set(reached)
+        if s.index is not None and isinstance(s.value, ast.Call) and self.callee is not None:
+            # ``w_fp8, inv_scale = cast_to_fp8(w)``: the callee's own returns say
+            said = self.callee(s.value, self, s.index)
+            if said is not None:
+                return said
         weak = not s.split or (
             isinstance(s.target, ast.Name) and bool(name_words(s.target.id) & TENSOR_WORDS)
         )
@@ -538,4 +549,4 @@ class TensorEvidence:
         # body shows it returns none of it (``_resolve_kv_heads(x, ...)`` -> an int)
         if not (weak and any(self.holds(a, local, weak, excluded) for a in args)):
             return False
-        return self.plain_call is None or not self.plain_call(e, self)
+        return self.callee is None or self.callee(e, self, None) is not False

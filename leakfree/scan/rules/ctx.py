@@ -149,6 +149,17 @@ def _stores(fn: FunctionNode, flow: Flow, ctx: set[str]) -> Iterator[_Store]:
 _WEIGHT_WORDS = words("weight weights bias biases param params parameter parameters buffer")
 
 
+#: words that make a "bias" an activation's, not a module's (``attn_bias``, ``alibi``)
+_NOT_WEIGHT_WORDS = words("attn attention alibi mask pos position rel relative")
+
+
+def _weight_named(name: str) -> bool:
+    """``weight``, ``ln_bias``, ``weight_chunked``: a module's own; not ``attn_bias`` nor
+    ``attn_bias_tensor`` (an attention bias, made per call)."""
+    found = name_words(name)
+    return bool(found & _WEIGHT_WORDS) and not found & _NOT_WEIGHT_WORDS
+
+
 def _lives_anyway(value: ast.AST) -> str | None:
     """Why the stored value costs nothing beyond what lives anyway (a note, not a leak):
     a parameter, weight or buffer, or an RNG state (a few KB); None for anything else."""
@@ -160,7 +171,7 @@ def _lives_anyway(value: ast.AST) -> str | None:
         for v in elements(value)
     ]
     if leaves and all(
-        (isinstance(v, (ast.Name, ast.Attribute)) and name_words(tail(v)) & _WEIGHT_WORDS)
+        (isinstance(v, (ast.Name, ast.Attribute)) and _weight_named(tail(v)))
         or (isinstance(v, ast.Call) and tail(v.func) in ("parameters", "buffers"))
         for v in leaves
     ):
@@ -276,7 +287,7 @@ def _findings(source: Source, project: Project) -> tuple[list[Finding], list[Fin
             if s.attr in seen or s.attr in released or s.attr in cycle:
                 continue
             if evidence is None:
-                evidence = TensorEvidence(fn, names, ctx, flow=flow, plain_call=helpers.plain)
+                evidence = TensorEvidence(fn, names, ctx, flow=flow, callee=helpers.returns)
             if metadata_named(s.attr, s.value):
                 continue
             if evidence.holds(s.value, excluded=s.not_tensors):
