@@ -95,7 +95,18 @@ SINK_METHODS = frozenset({"append", "extend", "insert", "add", "appendleft"})
 NO_GRAD_STEPS = re.compile(
     r"^(?:validation_step|test_step|predict_step|prediction_step|evaluate\w*|eval_\w*|"
     r"_?eval_step|\w*_eval)$"
+    # and any step named for evaluation or inference (NeMo's ``pair_evaluation_step``,
+    # ``inference_step``, ``_validation_step_internal``), which Lightning's and most
+    # loops' validation calls with grad off
+    r"|^\w*?(?:^|_)(?:validation|evaluation|inference|prediction|predict|test)_step(?:_\w*)?$"
 )
+#: words naming a container that collects evaluation outputs (Lightning's
+#: ``validation_step_outputs``, ``test_step_outputs``): filled with grad off
+EVAL_WORDS = frozenset(
+    {"validation", "val", "test", "eval", "evaluation", "inference", "predict", "prediction"}
+)
+#: classes that prepare data, never run with grad (``GPTQADataset.features``)
+DATA_CLASSES = re.compile(r"(?:Dataset|DataModule|Sampler|Collator|Tokenizer|DataLoader)$")
 NO_GRAD_CTX = frozenset({"no_grad", "inference_mode"})
 BACKWARD_CALLS = frozenset(
     {"backward", "grad", "stage_backward", "manual_backward", "run_backward"}
@@ -242,6 +253,11 @@ class Kinds:
         name = tail(func)
         if name in DETACH or name in METADATA:
             return Kind.CLEAN
+        if name[:1].isupper():
+            # a class: ``nn.ModuleDict(...)``, ``CrossEntropyLoss()`` build objects, not
+            # loss values; one built around a loss (``Output(loss=loss)``) holds it
+            held = join(self.kind(a) for a in (*e.args, *(k.value for k in e.keywords)))
+            return held if held in (Kind.LOSS, Kind.FORWARD) else Kind.CLEAN
         if isinstance(func, ast.Name):
             if name in CLEAN_BUILTINS:
                 return Kind.CLEAN

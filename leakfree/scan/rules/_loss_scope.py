@@ -11,11 +11,12 @@ import ast
 import functools
 
 from leakfree.scan._model import Finding, Project, Source
-from leakfree.scan._syntax import FunctionNode, root, symbol, tail, walk
+from leakfree.scan._syntax import FunctionNode, name_words, root, symbol, tail, walk
 from leakfree.scan.rules._loss_facts import Env, Module, class_backward_attrs, stored_params
 from leakfree.scan.rules._loss_kinds import (
     CODE,
     CONTEXT_PARAMS,
+    EVAL_WORDS,
     NOT_HELPERS,
     Kind,
     Kinds,
@@ -197,6 +198,8 @@ class Scope(Kinds):
             held = ".".join([symbol(self.env.aliases[base.id]), *path])
         else:
             held = symbol(recv)
+        if any(name_words(part) & EVAL_WORDS for part in held.split(".")):
+            return  # an evaluation's outputs (``self.validation_step_outputs``): no grad there
         if epoch:
             why = (
                 f"running sum {held} += {value} keeps each iteration's graph alive after its "

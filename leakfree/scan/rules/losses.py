@@ -89,6 +89,7 @@ from leakfree.scan.rules._loss_facts import (
 )
 from leakfree.scan.rules._loss_kinds import (
     CODE,
+    DATA_CLASSES,
     LOG_WORDS,
     NO_GRAD_STEPS,
     SINK_METHODS,
@@ -377,6 +378,8 @@ def check(source: Source, project: Project) -> Iterator[Finding]:
     # inside an autograd Function, ctx is LF001's business
     autograd = {id(fc.node) for fc in autograd_classes(project, source)}
     for func, cls in functions(source.tree):
+        if cls is not None and DATA_CLASSES.search(cls.name):
+            continue  # a data set builds its features once, never with grad
         if (cls is None or id(cls) not in autograd) and _may_flag(source, func):
             yield from _FunctionScan(source, project, facts, func, cls).run()
 
