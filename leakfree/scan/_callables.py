@@ -228,8 +228,37 @@ class ReturnReader:
             if known and len(known) == len(returns):
                 held = [evidence.holds(r) for r in known]
                 verdict = True if all(held) else False if not any(held) else None
+                if verdict and element is not None and any(_container(r, fn) for r in known):
+                    # ``return args, dict(zip(names, values))``: a dict that may hold the
+                    # inputs says nothing of what each key holds (``kwargs["eps"]``)
+                    verdict = None
             self._verdicts[key] = verdict
         return self._verdicts[key]
+
+
+_CONTAINER_CALLS = frozenset({"dict", "list", "tuple", "set", "zip", "sorted", "OrderedDict"})
+_DISPLAYS = (ast.Dict, ast.List, ast.Tuple, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+
+
+def _container(value: ast.expr, fn: FunctionNode) -> bool:
+    """Is ``value`` a container display, a container built by a builtin, or a name ``fn``
+    binds only to those?"""
+    if isinstance(value, _DISPLAYS):
+        return True
+    if isinstance(value, ast.Call):
+        return tail(value.func) in _CONTAINER_CALLS
+    if isinstance(value, ast.Name):
+        bound = [
+            n.value
+            for n in own_nodes(fn)
+            if isinstance(n, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == value.id for t in n.targets)
+        ]
+        return bool(bound) and all(
+            isinstance(b, ast.expr) and not isinstance(b, ast.Name) and _container(b, fn)
+            for b in bound
+        )
+    return False
 
 
 def _element(value: ast.expr, i: int) -> ast.expr | None:

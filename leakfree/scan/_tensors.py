@@ -433,8 +433,14 @@ class TensorEvidence:
 
     def _carries(self, s: Step, reached: dict[str, Reason]) -> bool:
         self.tensors = set(reached)
-        if s.index is not None and isinstance(s.value, ast.Call) and self.callee is not None:
-            # ``w_fp8, inv_scale = cast_to_fp8(w)``: the callee's own returns say
+        if (
+            s.index is not None
+            and isinstance(s.value, ast.Call)
+            and self.callee is not None
+            and not (resolve(s.value.func, self.names) or "").startswith("torch.")
+        ):
+            # ``w_fp8, inv_scale = cast_to_fp8(w)``: the callee's own returns say (torch's
+            # own functions are judged by name, as everywhere)
             said = self.callee(s.value, self, s.index)
             if said is not None:
                 return said
