@@ -169,6 +169,13 @@ class Project:
                 self.errors[path] = f"{type(e).__name__}: {e}"
         return self.parsed[path]
 
+    def close(self) -> None:
+        """Drop every tree, memo and look-up: what a rule memoised may point back at the
+        project (a cycle), and the collector would walk every tree left to find it."""
+        for table in (self.parsed, self._memo, self._helpers, self._defs, self.texts):
+            table.clear()
+        self._where = self._modules = None
+
     def release(self, path: str) -> None:
         """Forget ``path``'s syntax tree, and what rules memoised about it, unless a helper
         look-up uses it."""

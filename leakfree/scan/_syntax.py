@@ -560,53 +560,10 @@ def function_classes(
                 f = resolve(call.func, names) or ""
                 if f.rsplit(".", 1)[-1] == "release_after_backward":
                     released.add(call.args[0].id)
-    bound = bindings(tree, names)
-    memo: dict[str, Kind] = {}
-
-    def named(full: str, cls: ast.ClassDef, seen: frozenset[str]) -> Kind:
-        if full.startswith("leakfree.") and full.endswith("Function"):
-            return (True, True)
-        if full in AUTOGRAD_BASES:
-            return (True, False)
-        if full in classes and full not in seen:
-            return kind(classes[full], seen | {cls.name})
-        if outside is not None and "." in full:
-            found = outside(full)
-            if found is not None:
-                return found
-        return None
-
-    def base_kind(base: ast.expr, cls: ast.ClassDef, seen: frozenset[str]) -> Kind:
-        if isinstance(base, ast.Name) and base.id in classes:
-            candidates = [base.id]
-        elif isinstance(base, ast.Name) and base.id in bound:
-            candidates = bound[base.id]
-        else:
-            full = resolve(base, names)
-            candidates = [full] if full is not None else []
-        verdicts = [v for v in (named(c, cls, seen) for c in candidates) if v is not None]
-        if verdicts:
-            return (True, all(r for _, r in verdicts))
-        if _has_shape(cls, tail(base).endswith("Function")):
-            return (True, False)
-        return None
-
-    def kind(cls: ast.ClassDef, seen: frozenset[str]) -> Kind:
-        if cls.name in memo:
-            return memo[cls.name]
-        memo[cls.name] = None  # a cycle of bases is no Function
-        verdicts = [v for v in (base_kind(b, cls, seen) for b in cls.bases) if v is not None]
-        result: Kind = None
-        if verdicts:
-            result = (True, any(r for _, r in verdicts))
-        if result is not None and cls.name in released:
-            result = (True, True)
-        memo[cls.name] = result
-        return result
-
+    bases = _Bases(classes, released, names, bindings(tree, names), outside)
     out = []
     for cls in classes.values():
-        k = kind(cls, frozenset())
+        k = bases.kind(cls, frozenset())
         if k is None:
             continue
         methods: dict[str, FunctionNode] = {}
@@ -614,6 +571,61 @@ def function_classes(
             methods.update(_own_methods(chain))
         out.append(FunctionClass(cls, k[1], methods))
     return out
+
+
+@dataclass
+class _Bases:
+    """The verdict on each class of one file, base by base (:func:`function_classes`).
+
+    An object, not closures: mutually recursive nested functions hold each other through
+    their cells, a reference cycle that would keep the file's classes, and their syntax
+    trees, alive until the cyclic collector runs, which the scan keeps off."""
+
+    classes: dict[str, ast.ClassDef]
+    released: set[str]
+    names: dict[str, str]
+    bound: dict[str, list[str]]
+    outside: Callable[[str], Kind] | None
+    memo: dict[str, Kind] = field(default_factory=dict)
+
+    def kind(self, cls: ast.ClassDef, seen: frozenset[str]) -> Kind:
+        if cls.name in self.memo:
+            return self.memo[cls.name]
+        self.memo[cls.name] = None  # a cycle of bases is no Function
+        verdicts = [v for v in (self.base(b, cls, seen) for b in cls.bases) if v is not None]
+        result: Kind = None
+        if verdicts:
+            result = (True, any(r for _, r in verdicts))
+        if result is not None and cls.name in self.released:
+            result = (True, True)
+        self.memo[cls.name] = result
+        return result
+
+    def base(self, base: ast.expr, cls: ast.ClassDef, seen: frozenset[str]) -> Kind:
+        if isinstance(base, ast.Name) and base.id in self.classes:
+            candidates = [base.id]
+        elif isinstance(base, ast.Name) and base.id in self.bound:
+            candidates = self.bound[base.id]
+        else:
+            full = resolve(base, self.names)
+            candidates = [full] if full is not None else []
+        verdicts = [v for v in (self.named(c, cls, seen) for c in candidates) if v is not None]
+        if verdicts:
+            return (True, all(r for _, r in verdicts))
+        if _has_shape(cls, tail(base).endswith("Function")):
+            return (True, False)
+        return None
+
+    def named(self, full: str, cls: ast.ClassDef, seen: frozenset[str]) -> Kind:
+        if full.startswith("leakfree.") and full.endswith("Function"):
+            return (True, True)
+        if full in AUTOGRAD_BASES:
+            return (True, False)
+        if full in self.classes and full not in seen:
+            return self.kind(self.classes[full], seen | {cls.name})
+        if self.outside is not None and "." in full and _may_be_function(cls):
+            return self.outside(full)
+        return None
 
 
 def _base_chain(cls: ast.ClassDef, classes: dict[str, ast.ClassDef]) -> list[ast.ClassDef]:
@@ -626,6 +638,17 @@ def _base_chain(cls: ast.ClassDef, classes: dict[str, ast.ClassDef]) -> list[ast
         chain.append(c)
         todo.extend(classes[b.id] for b in c.bases if isinstance(b, ast.Name) and b.id in classes)
     return chain
+
+
+def _may_be_function(cls: ast.ClassDef) -> bool:
+    """Is the class worth reading another file for: does it define a static ``forward``,
+    ``setup_context``, ``backward`` or ``vjp``? (A module's ``forward`` is a method: the
+    thousands of ``nn.Module`` subclasses of a model zoo are never followed.)"""
+    return any(
+        is_static(fn)
+        for name, fn in _own_methods(cls).items()
+        if name in ("forward", "setup_context", "backward", "vjp")
+    )
 
 
 def _has_shape(cls: ast.ClassDef, function_named: bool) -> bool:

@@ -332,17 +332,11 @@ def _findings(source: Source, project: Project) -> tuple[list[Finding], list[Fin
     return lf001, lf002
 
 
-# Both rules read the same analysis; the runner checks one file with every rule before the
-# next, so the last file's result is kept (a strong reference to one Source, no more).
-_last: list[tuple[Source, Project, tuple[list[Finding], list[Finding]]]] = []
-
-
 def _cached(source: Source, project: Project) -> tuple[list[Finding], list[Finding]]:
-    if _last and _last[0][0] is source and _last[0][1] is project:
-        return _last[0][2]
-    result = _findings(source, project)
-    _last[:] = [(source, project, result)]
-    return result
+    """Both rules read the same analysis, once per file: kept in the project's memo and
+    dropped with the file (a module-level cache would keep the last project, and every
+    syntax tree it holds, alive after the scan)."""
+    return project.memo("ctx rules", source, source.tree, lambda: _findings(source, project))
 
 
 def _check_lf001(source: Source, project: Project) -> Iterable[Finding]:
