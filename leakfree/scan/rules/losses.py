@@ -297,17 +297,22 @@ class _FunctionScan(Scope):
         if len(found) != 1:
             return False
         src, fn = found[0]
-        facts = self.module if src is self.source else module_facts_cached(self.project, src)
-        reader = _FunctionScan(src, self.project, facts, fn, None, self.depth + 1)
         params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
         if isinstance(call.func, ast.Attribute) and params:
             params = params[1:]
-        for p, a in zip(params, call.args):
-            reader.known[p] = self.kind(a)
-        reader.block(fn.body)
-        if not reader.returns:
-            return Kind.CLEAN  # returns None
-        return join(reader.returns)
+        given = [(p, self.kind(a)) for p, a in zip(params, call.args)]
+
+        def read() -> Kind | None:
+            facts = self.module if src is self.source else module_facts_cached(self.project, src)
+            reader = _FunctionScan(src, self.project, facts, fn, None, self.depth + 1)
+            reader.known.update(given)
+            reader.block(fn.body)
+            if not reader.returns:
+                return Kind.CLEAN  # returns None
+            return join(reader.returns)
+
+        # a helper is called many times with the same kinds (a model zoo's loss helpers)
+        return self.project.memo(f"returns {self.depth} {given}", src, fn, read)
 
     def check_calls(self, expr: ast.expr) -> None:
         for node in walk(expr):
