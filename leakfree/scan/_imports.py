@@ -13,6 +13,8 @@ package's ``__init__`` that re-exports a name is followed one level further.
 from __future__ import annotations
 
 import ast
+import functools
+import os
 import tokenize
 from pathlib import Path
 
@@ -28,7 +30,12 @@ DEPTH = 2
 
 def _package_root(path: Path) -> Path | None:
     """The folder that holds ``path``'s top-level package (None outside a package)."""
-    folder = path.parent
+    return _root_of(path.parent)
+
+
+@functools.lru_cache(maxsize=4096)
+def _root_of(folder: Path) -> Path | None:
+    # once per folder: a tree's files share their folders' look-ups
     if not (folder / "__init__.py").is_file():
         return None
     while (folder.parent / "__init__.py").is_file():
@@ -39,10 +46,11 @@ def _package_root(path: Path) -> Path | None:
 def module_of(path: Path) -> str:
     """``path``'s dotted module name from the ``__init__.py`` files above it ("" outside a
     package); a package's ``__init__.py`` is named for the package."""
-    base = _package_root(path.resolve())
+    path = Path(os.path.realpath(path))
+    base = _package_root(path)
     if base is None:
         return ""
-    parts = list(path.resolve().relative_to(base).with_suffix("").parts)
+    parts = list(path.relative_to(base).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)

@@ -380,8 +380,13 @@ def check(source: Source, project: Project) -> Iterator[Finding]:
     facts = module_facts_cached(project, source)
     if any(t in text for t in _LOSS_TEXT):
         yield from _FunctionScan(source, project, facts, _module_function(source.tree), None).run()
-    # inside an autograd Function, ctx is LF001's business
-    autograd = {id(fc.node) for fc in autograd_classes(project, source)}
+    # inside an autograd Function, ctx is LF001's business (a file without a static
+    # method defines none: the look-up is skipped)
+    autograd = (
+        {id(fc.node) for fc in autograd_classes(project, source)}
+        if "staticmethod" in source.text
+        else set()
+    )
     for func, cls in functions(source.tree):
         if cls is not None and DATA_CLASSES.search(cls.name):
             continue  # a data set builds its features once, never with grad
