@@ -87,8 +87,9 @@ class Source:
 
 
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
-#: ``def name(`` at the start of a line: where a text may define ``name``
-_DEF = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)[ \t]*\(", re.MULTILINE)
+#: ``def name(``: where a text may define ``name`` (a match inside a word, a comment or a
+#: string only costs a parse; anchors made the pattern ten to twenty times slower)
+_DEF = re.compile(r"def[ \t]+(\w+)[ \t]*\(")
 
 
 def parse(path: str, text: str, module: str = "") -> Source:

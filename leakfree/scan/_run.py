@@ -261,10 +261,11 @@ def scan(
     for target in targets:
         base = str(target.base.resolve())
         for path in python_files(target, exclude):
-            key = path.resolve()
-            if key in seen:
-                continue
-            seen.add(key)
+            if len(targets) > 1:  # the same file reached through two targets: once
+                key = path.resolve()
+                if key in seen:
+                    continue
+                seen.add(key)
             result.files += 1
             shown = _display(path, target.base)
             try:
