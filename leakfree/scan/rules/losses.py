@@ -71,6 +71,8 @@ call passes a loss.
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from collections.abc import Iterator
 
 from leakfree.scan._callables import autograd_classes
@@ -291,7 +293,7 @@ class _FunctionScan(Scope):
             isinstance(call.func.value, ast.Name) and call.func.value.id == self.self_name
         ):
             return False
-        nested = [n for n in defined(self.func.body) if n.name == name]
+        nested = self.nested.get(name, [])
         found = [(self.source, fn) for fn in nested or self.project.defs(self.source).get(name, [])]
         found = found or list(self.project.helpers(name))
         if len(found) != 1:
@@ -313,6 +315,14 @@ class _FunctionScan(Scope):
 
         # a helper is called many times with the same kinds (a model zoo's loss helpers)
         return self.project.memo(f"returns {self.depth} {given}", src, fn, read)
+
+    @functools.cached_property
+    def nested(self) -> dict[str, list[FunctionNode]]:
+        """The functions defined inside this one, by name (read once, not per call)."""
+        found: dict[str, list[FunctionNode]] = {}
+        for n in defined(self.func.body):
+            found.setdefault(n.name, []).append(n)
+        return found
 
     def check_calls(self, expr: ast.expr) -> None:
         for node in walk(expr):
@@ -357,11 +367,23 @@ _FORWARD_TEXT = ("logits", "output", "model", "module", "net", "forward", "self(
 _SINK_TEXT = (".append", ".extend", ".insert", ".add", ".update", "+", "]=", "] =", "-=")
 
 
+#: the words of a function's text (identifiers split at underscores)
+_WORDS = re.compile(r"[a-z0-9]+")
+#: a forward result (not a loss) is reported only into a container named like a log
+_FORWARD_LOG_WORDS = LOG_WORDS - {"loss", "losses"}
+
+
 def _may_flag(source: Source, func: FunctionNode) -> bool:
     text = "\n".join(source.lines[func.lineno - 1 : func.end_lineno or func.lineno]).lower()
     if any(t in text for t in _LOSS_TEXT):
         return True  # a loss: stored here, or handed to a storing helper
-    return any(t in text for t in _FORWARD_TEXT) and any(t in text for t in _SINK_TEXT)
+    # else only a forward result into a log-named container can be reported: that name
+    # is in the text (three in four functions of a model zoo stop here)
+    return (
+        any(t in text for t in _FORWARD_TEXT)
+        and any(t in text for t in _SINK_TEXT)
+        and not _FORWARD_LOG_WORDS.isdisjoint(_WORDS.findall(text))
+    )
 
 
 def _module_function(tree: ast.Module) -> ast.FunctionDef:
