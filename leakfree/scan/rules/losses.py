@@ -367,14 +367,15 @@ _FORWARD_TEXT = ("logits", "output", "model", "module", "net", "forward", "self(
 _SINK_TEXT = (".append", ".extend", ".insert", ".add", ".update", "+", "]=", "] =", "-=")
 
 
+_NEWLINE = re.compile("\n")
 #: the words of a function's text (identifiers split at underscores)
 _WORDS = re.compile(r"[a-z0-9]+")
 #: a forward result (not a loss) is reported only into a container named like a log
 _FORWARD_LOG_WORDS = LOG_WORDS - {"loss", "losses"}
 
 
-def _may_flag(source: Source, func: FunctionNode) -> bool:
-    text = "\n".join(source.lines[func.lineno - 1 : func.end_lineno or func.lineno]).lower()
+def _may_flag(text: str) -> bool:
+    """Can this function's text (lower-cased) hold a finding?"""
     if any(t in text for t in _LOSS_TEXT):
         return True  # a loss: stored here, or handed to a storing helper
     # else only a forward result into a log-named container can be reported: that name
@@ -409,10 +410,14 @@ def check(source: Source, project: Project) -> Iterator[Finding]:
         if "staticmethod" in source.text
         else set()
     )
+    # where each line starts (ast counts lines by "\n"): a function's text is one slice
+    starts = [0, *(m.end() for m in _NEWLINE.finditer(source.text)), len(source.text)]
     for func, cls in functions(source.tree):
         if cls is not None and DATA_CLASSES.search(cls.name):
             continue  # a data set builds its features once, never with grad
-        if (cls is None or id(cls) not in autograd) and _may_flag(source, func):
+        end = min(func.end_lineno or func.lineno, len(starts) - 1)
+        body = source.text[starts[func.lineno - 1] : starts[end]].lower()
+        if (cls is None or id(cls) not in autograd) and _may_flag(body):
             yield from _FunctionScan(source, project, facts, func, cls).run()
 
 
