@@ -24,29 +24,31 @@ output even the cyclic collector cannot free it. ``leakfree.Function`` raises
 
 What counts, decided from the code only (see :mod:`leakfree.scan._ast`):
 
-- **A Function**: a class whose base resolves through the file's imports to
-  ``torch.autograd.Function`` (or ``InplaceFunction``), or to a same-file class that is
-  one; a base of another name ending in ``Function`` only when the class has the shape (a
-  static ``forward``/``setup_context`` taking ctx first, and a ``backward``/``vjp``).
-  ``leakfree.Function`` subclasses, and classes the file hands to
-  ``release_after_backward``, release their ctx at run time: LF001 is quiet for them,
-  LF002 is not (the cycle forms before any backward).
+- **A Function**, however its base is spelled
+  (:func:`~leakfree.scan._syntax.function_classes`): through the file's imports or a
+  module-level name (an alias, a name bound under ``if``, ``A if flag else B``), a class of
+  the same file or of another file of the scanned tree that is one, or, for a base it
+  cannot resolve, the shape of one (a static ``forward``/``setup_context`` and a
+  ``backward``/``vjp``). ``leakfree.Function`` subclasses (on every branch of a flag),
+  and classes the file hands to ``release_after_backward``, release their ctx at run
+  time: LF001 is quiet for them, LF002 is not (the cycle forms before any backward).
 - **The ctx**: the first parameter of ``setup_context`` when the class defines one, else
   of ``forward``, whatever its spelling (``ctx``, ``func_ctx``, ``context``), and plain
   names assigned from it (``c = ctx``). Stores counted: ``ctx.a = v`` (also in tuple
   targets, annotated and augmented), ``setattr(ctx, "a", v)``, ``ctx.a[k] = v`` and
   ``ctx.a.append(v)`` / ``extend`` / ``add`` / ``insert``.
-- **Can hold tensors** (LF001): the stored value holds tensors on evidence in the same
-  function (:class:`~leakfree.scan._ast.TensorEvidence`): a ``torch`` call, a tensor
-  method or attribute, a name used as a tensor or passed to ``save_for_backward``, a
-  returned name, a container or arithmetic of those, a call handed one, the other half of a
-  ``tensors, objects = split(...)`` whose first half is spread into
-  ``save_for_backward(*tensors)``. Anything without evidence is taken as metadata and
-  stays quiet: literals, ``.shape`` / ``.dtype`` / ``.size()`` / ``len()`` /
-  ``isinstance()``, parameters only passed through (quantizers, recipes, process groups,
-  modules, callables), ``self.`` attributes, constructor calls without tensor arguments,
-  the elements of ``a, b = helper(x)`` unless named for tensors, and attributes or values
-  whose name says metadata (``grad_shape``, ``s_dtype``, ``index_strides``).
+- **A tensor, a scalar or unknown** (LF001), on evidence a reader can see
+  (:class:`~leakfree.scan._tensors.TensorEvidence`); only a tensor is reported. A tensor:
+  made by a ``torch`` function or a tensor method, arithmetic or comparison of tensors, a
+  name used as one or passed to ``save_for_backward``, a forward input (its first, its
+  ``*args``, one named ``...mask``/``...states``/``...logits``/``...probs``), a
+  tensor-named field of a call's result, a call handed one whose callee (read where it is
+  defined, element by element for ``a, b = helper(x)``) does not show otherwise, and a
+  parameter passed straight to ctx that backward uses as a tensor. A scalar: literals,
+  metadata (``.shape``, ``len()``), plain annotations, number defaults, the
+  ``isinstance(x, int)`` branch, names that say metadata (``grad_shape``). Unknown:
+  everything else (parameters only passed through, ``self.`` attributes, constructors
+  without tensor arguments).
 - **Released on the backward path** (LF001): ``backward`` or ``vjp`` (the class's or a
   same-file base's) sets the attribute to ``None`` or another constant or empty container,
   deletes it (``del ctx.a``, ``delattr``), clears it (``ctx.a.clear()``), clears the whole
