@@ -22,7 +22,7 @@ FP8 buffers this way from 2.0 to 2.14::
 output even the cyclic collector cannot free it. ``leakfree.Function`` raises
 ``ReferenceCycleError`` for it at run time.
 
-What counts, decided from the code only (see :mod:`leakfree.scan._ast`):
+What counts, decided from the code only (see :mod:`leakfree.scan._syntax` and :mod:`leakfree.scan._tensors`):
 
 - **A Function**, however its base is spelled
   (:func:`~leakfree.scan._syntax.function_classes`): through the file's imports or a
