@@ -111,9 +111,14 @@ class Callables:
     """Resolves callable expressions of one file, with each file's :class:`Scopes`
     computed once."""
 
-    def __init__(self, source: Source, project: Project) -> None:
+    #: how many callees deep a verdict reads (``token_shift_fwd`` calls ``prepare_maxlens``,
+    #: annotated ``-> int``)
+    DEPTH = 2
+
+    def __init__(self, source: Source, project: Project, depth: int = 0) -> None:
         self.source = source
         self.project = project
+        self.depth = depth
         self._scopes: dict[int, Scopes] = {}
         self.scopes = self.scopes_of(source)
 
@@ -185,9 +190,14 @@ class ReturnReader:
     ``x.to(fp8)``), or unknown. ``element`` asks about one position of the tuple it
     returns (``o, lse, ctx.scale = helper(q)``), read in every ``return a, b, c``."""
 
-    def __init__(self, source: Source, project: Project) -> None:
+    #: how many callees deep a verdict reads (``token_shift_fwd`` calls ``prepare_maxlens``,
+    #: annotated ``-> int``)
+    DEPTH = 2
+
+    def __init__(self, source: Source, project: Project, depth: int = 0) -> None:
         self.source = source
         self.project = project
+        self.depth = depth
         #: (id of the callee, the parameters handed tensors, the element) -> the verdict:
         #: a call is judged many times while the caller's evidence reaches its fixpoint
         self._verdicts: dict[tuple[int, frozenset[str], int | None], bool | None] = {}
@@ -220,7 +230,14 @@ class ReturnReader:
         key = (id(fn), frozenset(seed), element)
         if key not in self._verdicts:
             names = imported_names(self.project, src)
-            evidence = TensorEvidence(fn, names, set(), seed=seed, inputs=False, returned=False)
+            inner = (
+                ReturnReader(src, self.project, self.depth + 1).returns
+                if self.depth + 1 < self.DEPTH
+                else None
+            )
+            evidence = TensorEvidence(
+                fn, names, set(), seed=seed, inputs=False, returned=False, callee=inner
+            )
             whole = [n.value for n in own_nodes(fn) if isinstance(n, ast.Return) and n.value]
             returns = whole if element is None else [_element(r, element) for r in whole]
             known = [r for r in returns if r is not None]

@@ -220,22 +220,24 @@ def _literal(e: ast.AST) -> bool:
 
 
 def _operands(e: ast.AST) -> list[ast.Name]:
-    """The names ``e`` is arithmetic of (``a / b``, ``-a``, ``a * 2``); none when it holds
-    anything else (a call, an attribute): then it is not plain arithmetic of names."""
+    """The names ``e`` is arithmetic of (``a / b``, ``-a``, ``a * 2``); none when any part
+    of it is anything else (a call, an attribute): ``torch.round(torch.clamp(x) * n -
+    shift)`` says nothing of ``n`` or ``shift``, the call is the tensor."""
+    found = _arithmetic(e)
+    return found if found is not None else []
+
+
+def _arithmetic(e: ast.AST) -> list[ast.Name] | None:
     if isinstance(e, ast.Name):
         return [e]
     if isinstance(e, ast.Constant):
         return []
     if isinstance(e, ast.BinOp):
-        left, right = _operands(e.left), _operands(e.right)
-        plain = all(
-            isinstance(x, (ast.Name, ast.Constant, ast.BinOp, ast.UnaryOp))
-            for x in (e.left, e.right)
-        )
-        return left + right if plain else []
+        left, right = _arithmetic(e.left), _arithmetic(e.right)
+        return None if left is None or right is None else left + right
     if isinstance(e, ast.UnaryOp) and not isinstance(e.op, ast.Not):
-        return _operands(e.operand)
-    return []
+        return _arithmetic(e.operand)
+    return None
 
 
 class TensorEvidence:

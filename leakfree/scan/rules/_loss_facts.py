@@ -33,6 +33,9 @@ class Module:
     globals: set[str]
     losslog_names: set[str]
     backward_attrs: dict[int, set[str]]  # id(class node) -> self attributes read near backward
+    #: functions and classes the module defines: a name bound to one holds no graph
+    #: (unsloth's ``RL_FUNCTIONS[k].append(sft_trainer_compute_loss)``, a function)
+    defined: frozenset[str] = frozenset()
 
 
 def module_facts(tree: ast.Module, text: str) -> Module:
@@ -52,7 +55,12 @@ def module_facts(tree: ast.Module, text: str) -> Module:
         for node in walk(tree):
             if isinstance(node, ast.Call) and tail(node.func) in LOSSLOG_TYPES:
                 losslog |= assigned_names_of_call(tree, node)
-    return Module(globals_, losslog, {})
+    defined = frozenset(
+        n.name
+        for n in tree.body
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    )
+    return Module(globals_ - defined, losslog, {}, defined)
 
 
 def class_backward_attrs(module: Module, cls: ast.ClassDef) -> set[str]:

@@ -189,6 +189,8 @@ class Kinds:
     #: local name -> its kind, as the statements so far left it
     known: dict[str, Kind | None]
     self_name: str | None
+    #: names the module binds to its functions and classes (no graph in them)
+    definitions: frozenset[str] = frozenset()
 
     def helper_kind(self, call: ast.Call) -> Kind | bool | None:
         """The kind ``call``'s callee returns, read from its definition; False when no
@@ -201,6 +203,8 @@ class Kinds:
                 return self.known[e.id]
             if e.id == self.self_name:
                 return None
+            if e.id in self.definitions:
+                return Kind.CLEAN  # a function or class, however it is named
             return name_kind(e.id)
         if isinstance(e, ast.Constant | ast.JoinedStr | ast.Compare | ast.Lambda):
             return Kind.CLEAN

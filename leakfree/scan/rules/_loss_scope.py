@@ -42,6 +42,7 @@ class Scope(Kinds):
         depth: int = 0,
     ) -> None:
         self.depth = depth  #: how many helpers deep this function is being read
+        self.definitions = module.defined
         #: the loops around the statement being read, innermost last
         self.loops: list[ast.For | ast.AsyncFor | ast.While] = []
         #: kinds of what the function returns (collected when read as a helper)

@@ -22,7 +22,8 @@ FP8 buffers this way from 2.0 to 2.14::
 output even the cyclic collector cannot free it. ``leakfree.Function`` raises
 ``ReferenceCycleError`` for it at run time.
 
-What counts, decided from the code only (see :mod:`leakfree.scan._syntax` and :mod:`leakfree.scan._tensors`):
+What counts, decided from the code only (see :mod:`leakfree.scan._syntax` and
+:mod:`leakfree.scan._tensors`):
 
 - **A Function**, however its base is spelled
   (:func:`~leakfree.scan._syntax.function_classes`): through the file's imports or a
@@ -74,6 +75,7 @@ reports is not reported again by LF001.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -151,6 +153,9 @@ def _stores(fn: FunctionNode, flow: Flow, ctx: set[str]) -> Iterator[_Store]:
 _WEIGHT_WORDS = words("weight weights bias biases param params parameter parameters buffer")
 
 
+#: names of packed sequences' boundaries (``cu_seqlens``, ``chunk_indices``): batch + 1
+#: integers, or one pair per chunk, kept beside varlen kernels
+_BOUNDARIES = re.compile(r"^(?:cu_seq_?lens\w*|cu_seqlens\w*|chunk_indices\w*|seq_?lens(?:_cpu)?)$")
 #: words that make a "bias" an activation's, not a module's (``attn_bias``, ``alibi``)
 _NOT_WEIGHT_WORDS = words("attn attention alibi mask pos position rel relative")
 
@@ -180,6 +185,8 @@ def _lives_anyway(value: ast.AST) -> str | None:
         return "a parameter or weight, which lives as long as its module anyway"
     if all(isinstance(v, ast.Name) and "rng" in name_words(v.id) for v in leaves):
         return "an RNG state (a few KB per call, not activations)"
+    if leaves and all(isinstance(v, ast.Name) and _BOUNDARIES.match(v.id) for v in leaves):
+        return "sequence boundaries (a few bytes per sequence, not activations)"
     return None
 
 
