@@ -167,16 +167,42 @@ def _weight_named(name: str) -> bool:
     return bool(found & _WEIGHT_WORDS) and not found & _NOT_WEIGHT_WORDS
 
 
+#: methods whose result shares (or copies without growing) the data they are called on
+_SAME_AS = frozenset({"detach", "view", "t", "contiguous", "reshape", "to", "float", "half"})
+
+
+def _leaves(value: ast.AST) -> list[ast.AST]:
+    """The values a store may hold: the elements of a display, both branches of ``a if c
+    else b`` (a ``None`` branch holds nothing), a comprehension's source."""
+    out: list[ast.AST] = []
+    for v in elements(value):
+        if isinstance(v, ast.IfExp):
+            out += [b for b in _leaves(v.body) + _leaves(v.orelse) if not _none(b)]
+        elif isinstance(v, (ast.ListComp, ast.GeneratorExp)):
+            out.append(v.generators[0].iter)
+        else:
+            out.append(v)
+    return out
+
+
+def _none(e: ast.AST) -> bool:
+    return isinstance(e, ast.Constant) and e.value is None
+
+
+def _same_data(e: ast.AST) -> ast.AST:
+    """``bias.detach()`` -> ``bias``: what a view or a detached alias is of."""
+    while isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr in _SAME_AS:
+        e = e.func.value
+    return e
+
+
 def _lives_anyway(value: ast.AST) -> str | None:
     """Why the stored value costs nothing beyond what lives anyway (a note, not a leak):
     a parameter, weight or buffer, or an RNG state (a few KB); None for anything else."""
     for n in walk(value):
         if isinstance(n, ast.Call) and tail(n.func) == "get_rng_state":
             return "an RNG state (a few KB per call, not activations)"
-    leaves = [
-        v.generators[0].iter if isinstance(v, (ast.ListComp, ast.GeneratorExp)) else v
-        for v in elements(value)
-    ]
+    leaves = [_same_data(v) for v in _leaves(value)]
     if leaves and all(
         (isinstance(v, (ast.Name, ast.Attribute)) and _weight_named(tail(v)))
         or (isinstance(v, ast.Call) and tail(v.func) in ("parameters", "buffers"))
