@@ -662,3 +662,117 @@ def test_colossalai_moe_manager_keeps_router_losses_with_their_graphs() -> None:
 def test_what_the_scanner_cannot_see_stays_unseen(code: str) -> None:
     # pinned so docs/scan.md stays true: when one of these is found, move it there
     assert leaks(source("known.py", "import torch\n" + textwrap.dedent(code))) == []
+
+
+# --- the second held-out batch: Liger-Kernel, flash-linear-attention, torchao, unsloth -------
+
+
+def test_fla_token_shift_reads_its_helper_s_helper() -> None:
+    # fla 0.5.2 modules/token_shift.py: T comes from prepare_maxlens(...) -> int, read one
+    # helper further; cu_seqlens, batch + 1 integers, is a note, not a leak
+    code = textwrap.dedent(
+        """
+        import torch
+
+
+        def prepare_maxlens(cu_seqlens: torch.LongTensor) -> int:
+            return torch.max(cu_seqlens.diff()).item()
+
+
+        def token_shift_fwd(x: torch.Tensor, cu_seqlens=None):
+            B, T, D = x.shape
+            y = torch.empty_like(x)
+            if cu_seqlens is not None:
+                T = prepare_maxlens(cu_seqlens)
+                N = len(cu_seqlens) - 1
+            else:
+                N = B
+            use_short_kernel = T <= 4096
+            return y, N, T, use_short_kernel
+
+
+        class TokenShift(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
+                output, N, T, use_short_kernel = token_shift_fwd(x, cu_seqlens)
+                ctx.cu_seqlens = cu_seqlens
+                ctx.N = N
+                ctx.T = T
+                ctx.use_short_kernel = use_short_kernel
+                return output
+
+            @staticmethod
+            def backward(ctx, dy):
+                return dy, None
+        """
+    )
+    found = check(source("token_shift.py", code))
+    assert [(f.symbol, f.level) for f in found] == [("TokenShift.cu_seqlens", "note")]
+    assert "sequence boundaries" in found[0].message
+
+
+def test_torchao_arithmetic_around_a_call_says_nothing_of_its_names() -> None:
+    # torchao 0.18 paretoq StretchedElasticQuant: torch.round(torch.clamp(...) * n_levels -
+    # shift); `shift` and `n_levels` are numbers, so is the tuple kept on ctx
+    code = textwrap.dedent(
+        """
+        import math
+        import torch
+
+
+        class StretchedElasticQuant(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, input, alpha, num_bits, layerwise):
+                grad_scale = 1.0 / math.sqrt(input.numel())
+                ctx.save_for_backward(input, alpha)
+                n_levels = 2 ** (num_bits - 1)
+                shift = 0.5
+                Qp = (n_levels - shift) / n_levels
+                ctx.other = grad_scale, -Qp, Qp, layerwise
+                q_w = torch.round(torch.clamp(input / alpha, -1, 1) * n_levels - shift) + shift
+                return q_w * alpha
+
+            @staticmethod
+            def backward(ctx, grad_output):
+                return grad_output, None, None, None
+        """
+    )
+    assert check(source("utils_quant.py", code)) == []
+
+
+def test_liger_keeps_a_detached_bias_a_note_and_unsloth_registers_functions() -> None:
+    # Liger-Kernel 0.8.2 fused_linear_cross_entropy: `bias.detach() if bias is not None
+    # else None` is the head's parameter; unsloth: a registry of compute_loss functions
+    code = textwrap.dedent(
+        """
+        import torch
+
+        RL_FUNCTIONS = {"sft_trainer": []}
+
+
+        def sft_trainer_compute_loss(function_name, function):
+            return function
+
+
+        RL_FUNCTIONS["sft_trainer"].append(sft_trainer_compute_loss)
+
+
+        class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, _input, weight, target, bias=None, ce_weight=None):
+                loss = torch.nn.functional.linear(_input, weight).sum()
+                ctx.save_for_backward(_input.detach(), weight.detach())
+                ctx.bias = bias.detach() if bias is not None else None
+                ctx.ce_weight = ce_weight.detach() if ce_weight is not None else None
+                return loss
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad, None, None, None, None
+        """
+    )
+    found = check(source("fused_linear_cross_entropy.py", code))
+    assert [(f.rule, f.symbol, f.level) for f in found] == [
+        ("LF001", "LigerFusedLinearCrossEntropyFunction.bias", "note"),
+        ("LF001", "LigerFusedLinearCrossEntropyFunction.ce_weight", "note"),
+    ]
