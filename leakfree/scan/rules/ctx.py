@@ -156,6 +156,8 @@ _WEIGHT_WORDS = words("weight weights bias biases param params parameter paramet
 #: names of packed sequences' boundaries (``cu_seqlens``, ``chunk_indices``): batch + 1
 #: integers, or one pair per chunk, kept beside varlen kernels
 _BOUNDARIES = re.compile(r"^(?:cu_seq_?lens\w*|cu_seqlens\w*|chunk_indices\w*|seq_?lens(?:_cpu)?)$")
+#: rotary embedding tables (``cos``, ``sin_cached``, ``freqs_cis``)
+_ROTARY = re.compile(r"^(?:cos|sin)(?:_\w+)?$|^freqs?_cis$|^inv_freq$")
 #: words that make a "bias" an activation's, not a module's (``attn_bias``, ``alibi``)
 _NOT_WEIGHT_WORDS = words("attn attention alibi mask pos position rel relative")
 
@@ -213,6 +215,8 @@ def _lives_anyway(value: ast.AST) -> str | None:
         return "an RNG state (a few KB per call, not activations)"
     if leaves and all(isinstance(v, ast.Name) and _BOUNDARIES.match(v.id) for v in leaves):
         return "sequence boundaries (a few bytes per sequence, not activations)"
+    if leaves and all(isinstance(v, ast.Name) and _ROTARY.match(v.id) for v in leaves):
+        return "rotary position tables (positions x head size, most often the module's cache)"
     return None
 
 
