@@ -329,6 +329,312 @@ LABELS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("LF003", "nemo/collections/nlp/models/language_modeling/megatron_retrieval_model.py",
      "self._reduced_loss_buffer"): (
         BENIGN, "its helper returns loss.clone().detach(): no graph, which the rule cannot see"),
+    # the second held-out batch: Liger-Kernel 0.8.2, fla 0.5.2, torchao 0.18.0, unsloth
+    (
+        "LF001",
+        "liger_kernel/ops/backends/_ascend/ops/cross_entropy.py",
+        "LigerCrossEntropyFunction.ce_stats",
+    ): (TRUE, "a float32 [3] stats tensor built per call (tiny)"),
+    (
+        "LF001",
+        "liger_kernel/ops/backends/_ascend/ops/fused_linear_cross_entropy.py",
+        "LigerFusedLinearCrossEntropyFunction.bias",
+    ): (BENIGN, "a weight or its scale (a note)"),
+    (
+        "LF001",
+        "liger_kernel/ops/backends/_ascend/ops/fused_linear_cross_entropy.py",
+        "LigerFusedLinearCrossEntropyFunction.ce_weight",
+    ): (BENIGN, "a weight or its scale (a note)"),
+    (
+        "LF001",
+        "fla/modules/backends/triton_ascend/grpo.py",
+        "GrpoLossNPU.ref_logp",
+    ): (TRUE, "reference log-probs, batch x length"),
+    (
+        "LF001",
+        "fla/modules/conv/cp/ops.py",
+        "CausalConv1dFunctionCP.chunk_indices",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/modules/conv/triton/ops.py",
+        "CausalConv1dFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/modules/conv/triton/ops.py",
+        "CausalConv1dFunction.cu_seqlens_cpu",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/modules/conv/triton/ops.py",
+        "CausalConv1dFunction.chunk_indices",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/modules/grpo.py",
+        "GrpoLoss.ref_logp",
+    ): (TRUE, "reference log-probs, batch x length"),
+    (
+        "LF001",
+        "fla/modules/rotary.py",
+        "RotaryEmbeddingFunction.chunk_indices",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/modules/token_shift.py",
+        "TokenShift.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/modules/token_shift.py",
+        "TokenShift.chunk_indices",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/modules/token_shift_cp.py",
+        "TokenShiftCPFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/modules/token_shift_cp.py",
+        "TokenShiftCPFunction.chunk_indices",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/attn/parallel.py",
+        "ParallelAttentionFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/attnres/backends/gluon.py",
+        "FusedAttnresGluonFunction.res",
+    ): (TRUE, "a tuple of the residual activations, beyond what is saved"),
+    (
+        "LF001",
+        "fla/ops/attnres/fused.py",
+        "FusedAttnresFunction.res",
+    ): (TRUE, "a tuple of the residual activations, beyond what is saved"),
+    (
+        "LF001",
+        "fla/ops/common/fused_chunk.py",
+        "FusedChunkFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/common/fused_recurrent.py",
+        "FusedRecurrentFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/delta_rule/fused_recurrent.py",
+        "FusedRecurrentFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/deltaformer/parallel.py",
+        "ParallelDeltaformerFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/generalized_delta_rule/dplr/chunk.py",
+        "ChunkDPLRDeltaRuleFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/generalized_delta_rule/dplr/chunk.py",
+        "ChunkDPLRDeltaRuleFunction.chunk_indices",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/generalized_delta_rule/iplr/fused_recurrent.py",
+        "FusedRecurrentIPLRDeltaRuleFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/gla/chunk.py",
+        "ChunkGLAFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/gsa/chunk.py",
+        "ChunkGSAFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/gsa/fused_recurrent.py",
+        "FusedRecurrentGSAFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/hgrn/fused_recurrent.py",
+        "FusedRecurrentHGRNFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/linear_attn/utils.py",
+        "StatefulNormalizeFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/mesa_net/chunk.py",
+        "ChunkMesaNetFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/nsa/compression.py",
+        "ParallelNSACompressionFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/nsa/compression.py",
+        "ParallelNSACompressionFunction.token_indices",
+    ): (TRUE, "a [T, 2] index tensor, per token"),
+    (
+        "LF001",
+        "fla/ops/nsa/parallel.py",
+        "ParallelNSAFunction.block_indices",
+    ): (TRUE, "a LongTensor [B, T, H, S], per token"),
+    (
+        "LF001",
+        "fla/ops/nsa/parallel.py",
+        "ParallelNSAFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/nsa/parallel.py",
+        "ParallelNSAFunction.token_indices",
+    ): (TRUE, "a [T, 2] index tensor, per token"),
+    (
+        "LF001",
+        "fla/ops/parallax/parallel.py",
+        "ParallaxFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/parallax/parallel.py",
+        "ParallaxFunction.chunk_indices",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/path_attn/parallel.py",
+        "ParallelPATHAttentionFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/rwkv6/chunk.py",
+        "ChunkRWKV6Function.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/rwkv6/fused_recurrent.py",
+        "FusedRecurrentRWKV6Function.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/rwkv7/fused_k_update.py",
+        "KUpdateFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/simple_gla/chunk.py",
+        "ChunkSimpleGLAFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/ttt/chunk.py",
+        "ChunkTTTLinearFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/ttt/fused_chunk.py",
+        "FusedChunkTTTLinearFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/utils/pack.py",
+        "PackSequenceFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/utils/pack.py",
+        "UnpackSequenceFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/utils/pooling.py",
+        "MeanPoolingFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "fla/ops/wall_attn/parallel.py",
+        "WallParallelAttentionFunction.cu_seqlens",
+    ): (BENIGN, "sequence boundaries, a few bytes per sequence (a note)"),
+    (
+        "LF001",
+        "torchao/prototype/moe_training/blockwise_fp8/grouped_mm.py",
+        "_Float8BlockwiseGroupedMM.backend",
+    ): (TRUE, "on the DeepGEMM path, per-call offset tensors (small)"),
+    (
+        "LF001",
+        "torchao/sparsity/training/autograd.py",
+        "_SparsifyLikeFunc.bitmask",
+    ): (TRUE, "the 2:4 pattern's packed bitmask, scales with the activation"),
+    (
+        "LF001",
+        "unsloth/kernels/fp8.py",
+        "FP8BlockQuantLinear.weight",
+    ): (BENIGN, "a weight or its scale (a note)"),
+    (
+        "LF001",
+        "unsloth/kernels/fp8.py",
+        "FP8BlockQuantLinear.weight_scale",
+    ): (BENIGN, "a weight or its scale (a note)"),
+    (
+        "LF001",
+        "unsloth/kernels/fp8.py",
+        "FbgemmFp8Linear_matmul.weight",
+    ): (BENIGN, "a weight or its scale (a note)"),
+    (
+        "LF001",
+        "unsloth/kernels/fp8.py",
+        "FbgemmFp8Linear_matmul.weight_scale",
+    ): (BENIGN, "a weight or its scale (a note)"),
+    (
+        "LF001",
+        "unsloth/kernels/fp8.py",
+        "FP8_fbgemm_block_linear.weight",
+    ): (BENIGN, "a weight or its scale (a note)"),
+    (
+        "LF001",
+        "unsloth/kernels/fp8.py",
+        "FP8_fbgemm_block_linear.weight_scale",
+    ): (BENIGN, "a weight or its scale (a note)"),
+    (
+        "LF001",
+        "unsloth/kernels/rope_embedding.py",
+        "Fast_RoPE_Embedding.cos",
+    ): (BENIGN, "the rotary module's cached table (a note)"),
+    (
+        "LF001",
+        "unsloth/kernels/rope_embedding.py",
+        "Fast_RoPE_Embedding.sin",
+    ): (BENIGN, "the rotary module's cached table (a note)"),
+    (
+        "LF001",
+        "unsloth/kernels/rope_embedding.py",
+        "Fast_RoPE_Embedding_QK.cos",
+    ): (BENIGN, "the rotary module's cached table (a note)"),
+    (
+        "LF001",
+        "unsloth/kernels/rope_embedding.py",
+        "Fast_RoPE_Embedding_QK.sin",
+    ): (BENIGN, "the rotary module's cached table (a note)"),
+    (
+        "LF001",
+        "unsloth/kernels/rope_embedding.py",
+        "Fast_RoPE_Embedding_QK.rope_indices",
+    ): (TRUE, "position ids as int32, one per token (tiny)"),
 }  # fmt: skip
 
 

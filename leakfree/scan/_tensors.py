@@ -114,7 +114,7 @@ def _tensor_attr(name: str) -> bool:
 
 #: last words naming a forward's parameter for the tensor it is (``attention_mask``,
 #: ``hidden_states``, ``router_logits``); a default number or a plain annotation wins
-_TENSOR_PARAM_WORDS = words("mask masks states logits probs")
+_TENSOR_PARAM_WORDS = words("mask masks states logits probs logp logprobs indices seqlens")
 #: words naming the tensor fields of an object a call returns (a model layer's output, a
 #: sparse tensor's parts)
 _TENSOR_FIELD_WORDS = words(
