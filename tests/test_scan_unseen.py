@@ -776,3 +776,50 @@ def test_liger_keeps_a_detached_bias_a_note_and_unsloth_registers_functions() ->
         ("LF001", "LigerFusedLinearCrossEntropyFunction.bias", "note"),
         ("LF001", "LigerFusedLinearCrossEntropyFunction.ce_weight", "note"),
     ]
+
+
+def test_a_helper_handed_no_tensor_that_makes_one_and_a_local_lambda_of_a_helper_s_name() -> None:
+    # fla 0.5.2 log_linear_attn: `llut = level_lut(BT, device)` builds a [BT, BT] table
+    # each call; I-BERT's `reshape = lambda x: ...` is a local, not the project's `reshape`
+    code = textwrap.dedent(
+        """
+        import torch
+
+
+        def level_lut(BT, device):
+            lut = torch.zeros((BT, BT), dtype=torch.int32, device=device)
+            return lut
+
+
+        def reshape(x):
+            return x.view(-1)
+
+
+        class ChunkLogLinearAttentionFunction(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, BT: int = 64):
+                ctx.llut = level_lut(BT, q.device)
+                return q * k
+
+            @staticmethod
+            def backward(ctx, do):
+                return do, do, None
+
+
+        class FixedPointMul(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, pre_act, identity=None, identity_scaling_factor=None):
+                reshape = lambda x: x  # noqa: E731
+                ctx.identity = identity
+                identity_scaling_factor = reshape(identity_scaling_factor)
+                return torch.round(identity / identity_scaling_factor) + pre_act
+
+            @staticmethod
+            def backward(ctx, g):
+                return g, None, None
+        """
+    )
+    assert leaks(source("chunk.py", code)) == [
+        "ChunkLogLinearAttentionFunction.llut",
+        "FixedPointMul.identity",
+    ]

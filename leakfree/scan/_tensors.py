@@ -401,6 +401,7 @@ class TensorEvidence:
         for plain in self.plain:
             why.pop(plain, None)
         self._params = {p.arg for p in every}
+        self._bound = self._params | set(bound)
         self.tensors: set[str] = set(why)
         self.why = self.flow.spread(why, self._carries, self._may_hold)
         # arithmetic none of whose names is known to be a tensor: each may be the one
@@ -554,7 +555,14 @@ class TensorEvidence:
             if full.startswith("torch."):
                 return torch_makes_tensor(full)
         # any other call: its result may keep what it was handed, unless the callee's own
-        # body shows it returns none of it (``_resolve_kv_heads(x, ...)`` -> an int)
+        # body shows it returns none of it (``_resolve_kv_heads(x, ...)`` -> an int); one
+        # handed no tensor holds one when its body makes one (fla's ``level_lut(BT, dev)``)
         if not (weak and any(self.holds(a, local, weak, excluded) for a in args)):
-            return False
+            return (
+                weak
+                and isinstance(func, ast.Name)
+                and func.id not in self._bound  # a local lambda, not a helper of that name
+                and self.callee is not None
+                and self.callee(e, self, None) is True
+            )
         return self.callee is None or self.callee(e, self, None) is not False
