@@ -329,6 +329,12 @@ LABELS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("LF003", "nemo/collections/nlp/models/language_modeling/megatron_retrieval_model.py",
      "self._reduced_loss_buffer"): (
         BENIGN, "its helper returns loss.clone().detach(): no graph, which the rule cannot see"),
+    ("LF001", "megatron/core/tensor_parallel/random.py", "CheckpointFunction.rng_states"): (
+        BENIGN, "RNG states (a note)"),
+    ("LF001", "fairscale/nn/checkpoint/checkpoint_activations.py",
+     "CheckpointFunction.fwd_rng_state"): (BENIGN, "RNG state (a note)"),
+    ("LF001", "fla/ops/log_linear_attn/chunk.py", "ChunkLogLinearAttentionFunction.llut"): (
+        TRUE, "a [BT, BT] int32 table rebuilt each call (small)"),
     # the second held-out batch: Liger-Kernel 0.8.2, fla 0.5.2, torchao 0.18.0, unsloth
     (
         "LF001",

@@ -453,6 +453,18 @@ class TensorEvidence:
         return self.holds(s.value, weak=weak, excluded=s.not_tensors)
 
     def explain(self, e: ast.AST) -> str:
+        """Why ``e`` holds tensors, in words (see :meth:`_explain`); a helper handed no
+        tensor is named for its own body."""
+        if (
+            isinstance(e, ast.Call)
+            and isinstance(e.func, ast.Name)
+            and not self.names.get(e.func.id, "").startswith("torch")
+            and not any(self.holds(a) for a in [*e.args, *(k.value for k in e.keywords)])
+        ):
+            return f"{short(e)} returns a tensor, read where {e.func.id} is defined"
+        return self._explain(e)
+
+    def _explain(self, e: ast.AST) -> str:
         """Why ``e`` holds tensors, in words: the reason of the first name it holds them
         through, followed one step back (``global_o gets SequenceChunk(...) appended at
         L774; o = torch.matmul(...) at L770``), or what ``e`` is."""

@@ -202,7 +202,8 @@ def _lives_anyway(value: ast.AST) -> str | None:
     """Why the stored value costs nothing beyond what lives anyway (a note, not a leak):
     a parameter, weight or buffer, or an RNG state (a few KB); None for anything else."""
     for n in walk(value):
-        if isinstance(n, ast.Call) and tail(n.func) == "get_rng_state":
+        if isinstance(n, ast.Call) and "rng" in name_words(tail(n.func)):
+            # get_rng_state(), Megatron's _get_all_rng_states()
             return "an RNG state (a few KB per call, not activations)"
     leaves = [_same_data(v) for v in _leaves(value)]
     if leaves and all(
