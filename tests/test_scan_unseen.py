@@ -823,3 +823,33 @@ def test_a_helper_handed_no_tensor_that_makes_one_and_a_local_lambda_of_a_helper
         "ChunkLogLinearAttentionFunction.llut",
         "FixedPointMul.identity",
     ]
+
+
+def test_an_rng_state_from_a_helper_is_a_note() -> None:
+    # Megatron-Core 0.16.1 tensor_parallel/random.py: `_get_all_rng_states()` returns the
+    # CPU and device generators' state tensors, a few KB, read where it is defined
+    code = textwrap.dedent(
+        """
+        import torch
+
+
+        def _get_all_rng_states():
+            return torch.get_rng_state(), torch.cuda.get_rng_state()
+
+
+        class CheckpointFunction(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, run_function, *args):
+                ctx.run_function = run_function
+                ctx.rng_states = _get_all_rng_states()
+                ctx.save_for_backward(*args)
+                with torch.no_grad():
+                    return run_function(*args)
+
+            @staticmethod
+            def backward(ctx, *grads):
+                return (None, *grads)
+        """
+    )
+    found = check(source("random.py", code))
+    assert [(f.symbol, f.level) for f in found] == [("CheckpointFunction.rng_states", "note")]
