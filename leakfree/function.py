@@ -559,8 +559,11 @@ def released_attributes(cls: type) -> tuple[str, ...] | Literal["all"]:
     """What a class releases after its last backward: ``"all"`` (all ctx state, minus
     ``keep`` and metadata: a :class:`Function`, or ``release_after_backward(cls)``), the
     names it releases, or ``()``: nothing (no release is installed for the backward that
-    autograd runs for it)."""
-    if not isinstance(cls, type) or not issubclass(cls, torch.autograd.Function):
+    autograd runs for it). A class that is not an autograd Function releases nothing;
+    anything that is not a class is refused (``released_attributes(3)``)."""
+    if not isinstance(cls, type):
+        raise TypeError(f"released_attributes(cls={cls!r}): expected a class")
+    if not issubclass(cls, torch.autograd.Function):
         return ()
     method = _backward_name(cls)
     if method is None:

@@ -81,6 +81,7 @@ ROWS: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], str]] = [
     # functions
     (leakfree.release_after_backward, (_F,), {"attrs": 3}, "attrs"),
     (leakfree.release_after_backward, (3,), {}, "cls"),
+    (leakfree.released_attributes, (3,), {}, "cls"),
     (leakfree.patch_functions, ("not a module!",), {}, "prefix"),
     (leakfree.patch_all, (), {"strict": "yes"}, "strict"),
     (leakfree.patch_all, (), {"no_such_integration": False}, "no_such_integration"),
