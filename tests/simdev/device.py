@@ -346,6 +346,7 @@ class _State:
         #: and ``to_host_bytes`` / ``to_device_bytes``
         self.copies: Counter[str] = Counter()
         self.sanitizer: Any = None  # a Sanitizer while one is attached
+        self.timer: Any = None  # a timing.Timer while one is attached
         self.allocated = 0
         self.peak = 0
         self.pinned: weakref.WeakValueDictionary[int, torch.UntypedStorage] = (
@@ -371,6 +372,8 @@ class _State:
     def trace(self, handler: str, *args: Any) -> None:
         if self.sanitizer is not None:
             self.sanitizer.event(handler, *args)
+        if self.timer is not None:
+            self.timer.event(handler, *args)
 
     def count_sync(self, kind: str) -> None:
         if self.on:
@@ -404,8 +407,11 @@ def _free(ptr: int, nbytes: int) -> None:
 def _launch(
     schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, index: int
 ) -> None:
+    stream = _STATE.current[index].stream_id
     if _STATE.sanitizer is not None:
-        _STATE.sanitizer.launch(schema, args, kwargs, out, _STATE.current[index].stream_id)
+        _STATE.sanitizer.launch(schema, args, kwargs, out, stream)
+    if _STATE.timer is not None:
+        _STATE.timer.launch(schema, args, kwargs, out, stream)
 
 
 def _host_waits(index: int) -> None:
