@@ -96,3 +96,37 @@ def test_the_simulated_device_feeds_kernels_copies_and_events(sim: Any) -> None:
     assert copy.start >= mm[0].end  # the event ordered it after the first matmul
     assert t.host >= copy.end  # the host waited for the side stream
     assert torch.equal(host, (a @ b).cpu()) and torch.equal(d.cpu(), host)
+
+
+def test_a_dry_step_models_a_full_size_step_in_a_fraction_of_its_memory(sim: Any) -> None:
+    # dry mode: results shaped on the meta device, nothing computed or copied; the model
+    # still sees every launch, with its FLOPs and bytes, and leakfree's offloader runs as is
+    import leakfree
+
+    sim.dry = True
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).to(sim.device)
+    x = torch.empty(2048, 1024, device=sim.device)
+
+    def step(offload: bool) -> Timeline:
+        with attach(UNIT) as t:
+            with leakfree.OffloadActivations(min_offload_size=1) if offload else _nothing():
+                loss = model(x).sum()
+            loss.backward()
+            sim.module.synchronize()
+        return t
+
+    plain, offloaded = step(False), step(True)
+    flops = sum(op.flops for op in plain.ops)
+    # 4 forward matmuls, 4 for the weights' gradients, 3 for the inputs' (x needs none)
+    assert flops == pytest.approx(11 * 2 * 2048 * 1024 * 1024, rel=0.01)
+    assert plain.busy(TO_HOST) == 0 and offloaded.busy(TO_HOST) > 0
+    assert offloaded.busy(TO_DEVICE) > 0 and offloaded.end > plain.end
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

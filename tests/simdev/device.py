@@ -357,6 +357,10 @@ class _State:
         #: a slow device: events and streams report completion only once the host has
         #: waited for them (``synchronize``, or a blocking copy), never on their own
         self.lazy = False
+        #: shapes only: kernels make uninitialized results of the right shape (on the meta
+        #: device) and copies move nothing, so a full-size step runs in seconds for the
+        #: timing model; values are garbage, ``.item()`` answers 0
+        self.dry = False
         self._generations: Counter[int] = Counter()  # stream -> host waits for it
 
     def reset_streams(self) -> None:
@@ -459,7 +463,8 @@ def _pinned(t: torch.Tensor) -> bool:
 
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     to_host, from_host = dst.device.type == "cpu", src.device.type == "cpu"
-    (host_alias(dst) if _is_sim(dst) else dst).copy_(host_alias(src) if _is_sim(src) else src)
+    if not _STATE.dry:
+        (host_alias(dst) if _is_sim(dst) else dst).copy_(host_alias(src) if _is_sim(src) else src)
     index = (src if to_host else dst).device.index
     _launch(aten.copy_.default._schema, (dst, src), {}, dst, index)
     if to_host != from_host:  # one end on the host: a transfer
@@ -500,6 +505,8 @@ def _local_scalar_dense(self: torch.Tensor) -> Any:
     _launch(aten._local_scalar_dense.default._schema, (self,), {}, None, self.device.index)
     _STATE.count_sync("_local_scalar_dense")
     _host_waits(self.device.index)
+    if _STATE.dry:
+        return torch.zeros((), dtype=self.dtype).item()
     return host_alias(self).item()
 
 
@@ -522,6 +529,26 @@ def _data_dependent(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
     return False
 
 
+def _dry(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``op``'s results, uninitialized, shaped by running it on the meta device (the
+    simulated device's dry mode: no compute, no data)."""
+
+    def meta(x: Any) -> Any:
+        return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+    def empty(r: Any) -> Any:
+        if isinstance(r, torch.Tensor) and r.device.type == "meta":
+            return torch.empty_strided(r.shape, r.stride(), dtype=r.dtype)
+        return r
+
+    margs, mkwargs = pytree.tree_map(meta, (args, kwargs))
+    result = op(*margs, **mkwargs)
+    for name, value in mkwargs.items():  # out= results were sized on meta: size them here
+        if isinstance(value, torch.Tensor) and isinstance(kwargs.get(name), torch.Tensor):
+            kwargs[name].resize_(value.shape)
+    return pytree.tree_map(empty, result)
+
+
 def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     """Run ``op`` on host aliases of its device arguments (views stay device views)."""
     schema = op._schema
@@ -541,13 +568,14 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     for name in outs:  # out=: let the host kernel size its result, then copy it over
         if _is_sim(kwargs.get(name)):
             host_kwargs[name] = torch.empty(0, dtype=kwargs[name].dtype)
-    result = op(*host_args, **host_kwargs)
+    result = _dry(op, host_args, host_kwargs) if _STATE.dry else op(*host_args, **host_kwargs)
     for name in outs:
         out = kwargs.get(name)
         if _is_sim(out):
             if out.shape != host_kwargs[name].shape:
                 _resize_(out, host_kwargs[name].shape)
-            host_alias(out).copy_(host_kwargs[name])
+            if not _STATE.dry:
+                host_alias(out).copy_(host_kwargs[name])
     given = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args) :]]
     index = next(x.device.index for x in pytree.tree_leaves((args, kwargs)) if _is_sim(x))
 
@@ -796,6 +824,16 @@ class SimDevice:
     def lazy(self, value: bool) -> None:
         _STATE.lazy = value
 
+    @property
+    def dry(self) -> bool:
+        """Shapes only (default False): no compute, no data moved (the timing model's
+        full-size runs)."""
+        return _STATE.dry
+
+    @dry.setter
+    def dry(self, value: bool) -> None:
+        _STATE.dry = value
+
     def allocated(self) -> int:
         return _STATE.allocated
 
@@ -811,6 +849,7 @@ def enabled() -> Iterator[SimDevice]:
     _SWITCH.on()
     _STATE.on = True
     _STATE.lazy = False
+    _STATE.dry = False
     _STATE.syncs.clear()
     _STATE.copies.clear()
     _STATE.log.clear()
