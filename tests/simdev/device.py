@@ -529,6 +529,51 @@ def _data_dependent(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
     return False
 
 
+def _sdp_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> int:
+    """The attention backend the CPU would choose for the same inputs (``requires_grad``
+    included: it decides what the fused kernels accept)."""
+
+    def host(x: torch.Tensor) -> torch.Tensor:
+        h = host_alias(x).detach()
+        return h.requires_grad_(x.requires_grad) if x.is_floating_point() else h
+
+    mask = kwargs.get("attn_mask")
+    if isinstance(mask, torch.Tensor) and _is_sim(mask):
+        kwargs = {**kwargs, "attn_mask": host_alias(mask)}
+    return int(torch.ops.aten._fused_sdp_choice(host(query), host(key), host(value), **kwargs))
+
+
+_FLASH = 1  #: ``torch.nn.attention.SDPBackend.FLASH_ATTENTION``
+
+
+def _scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Attention as the CPU runs it (its flash kernel where it would choose it). The
+    composite kernel asks a dispatch stub a Python backend cannot fill, and falls back to
+    the math path, which saves the batch x heads x length x length probabilities that no
+    accelerator's fused kernel keeps: what an offloader moves would be wrong."""
+    named = {"attn_mask": attn_mask, "dropout_p": dropout_p, "is_causal": is_causal,
+             "scale": scale, "enable_gqa": enable_gqa}  # fmt: skip
+    if _sdp_choice(query, key, value, **named) == _FLASH and not enable_gqa:
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )
+        return out
+    out, _ = torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
+        enable_gqa=enable_gqa,
+    )  # fmt: skip
+    return out
+
+
 def _dry(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``op``'s results, uninitialized, shaped by running it on the meta device (the
     simulated device's dry mode: no compute, no data)."""
@@ -681,6 +726,7 @@ def _register() -> None:
     }
     for name, fn in special.items():
         lib.impl(name, fn, "PrivateUse1")
+    lib.impl("scaled_dot_product_attention", _scaled_dot_product_attention, "AutogradPrivateUse1")
     # A composite kernel would otherwise win over the fallback, and may decompose
     # differently from the CPU kernel (native_layer_norm does): run every aten op that has
     # a CPU kernel through the CPU kernel, so results are bit-identical to CPU.
