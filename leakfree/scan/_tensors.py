@@ -123,6 +123,26 @@ _TENSOR_FIELD_WORDS = words(
 )
 
 
+def _scalars(fn: FunctionNode, every: list[ast.arg]) -> set[str]:
+    """Names the function shows are no tensor: annotated as a plain type (parameters and
+    annotated locals), or parameters whose default is a number, a bool or a string
+    (``p=0.1``, ``causal=False``), whatever arithmetic they later take part in."""
+    plain = {p.arg for p in every if plain_annotation(p.annotation)}
+    plain |= {
+        n.target.id
+        for n in own_nodes(fn)
+        if isinstance(n, ast.AnnAssign)
+        and isinstance(n.target, ast.Name)
+        and plain_annotation(n.annotation)
+    }
+    plain |= {
+        name
+        for name, d in _defaults(fn).items()
+        if isinstance(d, ast.Constant) and d.value is not None and d.value is not Ellipsis
+    }
+    return plain
+
+
 def _last_word(name: str) -> str:
     """What a compound name is (``attn_mask_type`` is a type, ``attention_mask`` a
     mask): its last word, lower-cased."""
@@ -284,62 +304,81 @@ class TensorEvidence:
         self.callee = callee
         self.ctx = ctx
         self.flow = flow or Flow(fn)
-        why: dict[str, Reason] = {name: f"{name} is handed a tensor" for name in seed}
-        params = parameters(fn)
         va = fn.args.vararg
-        every = params + ([va] if va else [])
-        self.plain = {p.arg for p in every if plain_annotation(p.annotation)}
-        self.plain |= {
-            n.target.id
-            for n in own_nodes(fn)
-            if isinstance(n, ast.AnnAssign)
-            and isinstance(n.target, ast.Name)
-            and plain_annotation(n.annotation)
-        }
-        defaults = _defaults(fn)
-        # a parameter whose default is a number, a bool or a string is one (``p=0.1``,
-        # ``causal=False``), whatever arithmetic it later takes part in
-        self.plain |= {
-            name
-            for name, d in defaults.items()
-            if isinstance(d, ast.Constant) and d.value is not None and d.value is not Ellipsis
-        }
-        for p in every:
-            ann = ast.unparse(p.annotation) if p.annotation is not None else ""
-            if p.arg not in ctx and "Tensor" in ann and p.arg not in self.plain:
-                why[p.arg] = f"{p.arg} is annotated {ann}"
-        if inputs and fn.name == "forward":
-            rest = [p for p in fn.args.posonlyargs + fn.args.args if p.arg not in ctx]
-            if rest and (rest[0].arg in _INPUT_NAMES or (len(rest) == 1 and va is None)):
-                why.setdefault(rest[0].arg, f"{rest[0].arg} is forward's input")
-            if va is not None:
-                why.setdefault(va.arg, f"*{va.arg} are forward's inputs")
-            for p in rest:  # ``attention_mask``, ``hidden_states``: named for what they are
-                # (an annotation, ``block_mask: tuple[Any, ...]``, says better)
-                if (
-                    p.annotation is None
-                    and p.arg not in self.plain
-                    and (_last_word(p.arg) in _TENSOR_PARAM_WORDS)
-                ):
-                    why.setdefault(p.arg, f"{p.arg} is forward's input, named as a tensor")
-        nodes = list(own_nodes(fn))
-        #: names in arithmetic handed first to a torch function (``torch.round(a / b)``):
-        #: one of them is a tensor, which one only other evidence can say
-        groups: list[tuple[list[ast.Name], ast.Call]] = []
-        # names only ever bound to literals (``info = {"scale": 2}``): returning one is no
-        # evidence of a tensor
+        every = parameters(fn) + ([va] if va else [])
+        self.plain = _scalars(fn, every)
+        why: dict[str, Reason] = {name: f"{name} is handed a tensor" for name in seed}
+        self._from_parameters(fn, every, inputs, why)
+        # each name's values: names only ever bound to literals (``info = {"scale": 2}``)
+        # are no evidence when returned; names bound to what a call other than a torch
+        # function returns (``out = layer(...)``) are objects whose fields may be tensors
         bound: dict[str, list[ast.AST]] = {}
         for name, value, _ in self.flow.assigned():
             bound.setdefault(name, []).append(value)
-        literals = {name for name, values in bound.items() if all(map(_literal, values))}
-        self.literals = literals
-        #: names bound to what a call other than a torch function returns (``out =
-        #: layer(...)``, ``inp = Inputs(*args)``): objects whose fields may be tensors
+        self.literals = {name for name, values in bound.items() if all(map(_literal, values))}
         self.records = {
             name
             for name, values in bound.items()
             if all(isinstance(v, ast.Call) and not self._tensor_call(v) for v in values)
         }
+        groups = self._from_uses(fn, returned, why)
+        for plain in self.plain:
+            why.pop(plain, None)
+        self._params = {p.arg for p in every}
+        self._bound = self._params | set(bound)
+        self.tensors: set[str] = set(why)
+        self.why = self.flow.spread(why, self._carries, self._may_hold)
+        # arithmetic none of whose names is known to be a tensor: each may be the one
+        # (``torch.round(identity / identity_scaling_factor)``); ``torch.softmax(x *
+        # scale)`` with ``x`` a tensor says nothing of ``scale``
+        unsure = [
+            (o.id, call)
+            for group, call in groups
+            if not any(o.id in self.why or o.id in self.plain for o in group)
+            for o in group
+        ]
+        if unsure:
+            for name, call in unsure:
+                why.setdefault(name, f"{name} is passed to {short(call)} at L{call.lineno}")
+            self.why = self.flow.spread(why, self._carries, self._may_hold)
+        self.tensors = set(self.why)
+
+    def _from_parameters(
+        self, fn: FunctionNode, every: list[ast.arg], inputs: bool, why: dict[str, Reason]
+    ) -> None:
+        """Parameters that are tensors by their annotation, or as ``forward``'s inputs
+        (its first, its ``*args``, those named for a tensor)."""
+        for p in every:
+            ann = ast.unparse(p.annotation) if p.annotation is not None else ""
+            if p.arg not in self.ctx and "Tensor" in ann and p.arg not in self.plain:
+                why[p.arg] = f"{p.arg} is annotated {ann}"
+        if not (inputs and fn.name == "forward"):
+            return
+        va = fn.args.vararg
+        rest = [p for p in fn.args.posonlyargs + fn.args.args if p.arg not in self.ctx]
+        if rest and (rest[0].arg in _INPUT_NAMES or (len(rest) == 1 and va is None)):
+            why.setdefault(rest[0].arg, f"{rest[0].arg} is forward's input")
+        if va is not None:
+            why.setdefault(va.arg, f"*{va.arg} are forward's inputs")
+        for p in rest:  # ``attention_mask``, ``hidden_states``: named for what they are
+            # (an annotation, ``block_mask: tuple[Any, ...]``, says better)
+            if (
+                p.annotation is None
+                and p.arg not in self.plain
+                and _last_word(p.arg) in _TENSOR_PARAM_WORDS
+            ):
+                why.setdefault(p.arg, f"{p.arg} is forward's input, named as a tensor")
+
+    def _from_uses(
+        self, fn: FunctionNode, returned: bool, why: dict[str, Reason]
+    ) -> list[tuple[list[ast.Name], ast.Call]]:
+        """Names the function uses as tensors: saved, used with a tensor-only attribute,
+        returned by ``forward``, handed first to a torch function, or split beside what is
+        saved. Returns the arithmetic handed to torch functions (``torch.round(a / b)``):
+        one of its names is a tensor, which one only other evidence can say."""
+        ctx = self.ctx
+        nodes = list(own_nodes(fn))
+        groups: list[tuple[list[ast.Name], ast.Call]] = []
         spread: set[str] = set()  # save_for_backward(*tensors): a list built to be saved
         for call, method in calls_on(nodes, ctx, _SAVES):
             for a in call.args:
@@ -364,29 +403,13 @@ class TensorEvidence:
                         isinstance(r, ast.Name)
                         and r.id not in ctx
                         and not handle_named(r.id)
-                        and r.id not in literals
+                        and r.id not in self.literals
                     ):
                         why.setdefault(r.id, f"forward returns {r.id} at L{n.lineno}")
             if isinstance(n, ast.Call):
-                # a name handed first to a torch function (torch.matmul(a, b), F.linear(x, w));
-                # later arguments are often sizes, dims or split lists
-                full = resolve(n.func, names)
-                if (
-                    full is not None
-                    and full.startswith("torch.")
-                    and torch_makes_tensor(full)
-                    and full.rsplit(".", 1)[-1] not in _FACTORIES
-                    and n.args
-                ):
-                    first = _through_views(n.args[0])
-                    if first is not None and first.id not in ctx:
-                        why.setdefault(
-                            first.id, f"{first.id} is passed to {short(n)} at L{n.lineno}"
-                        )
-                    elif first is None:
-                        group = [o for o in _operands(n.args[0]) if o.id not in ctx]
-                        if group:
-                            groups.append((group, n))
+                group = self._handed_to_torch(n, why)
+                if group:
+                    groups.append((group, n))
         for s in self.flow.steps:  # ``tensors, objects = split(...)``: both halves
             if s.split and isinstance(s.node, ast.Assign) and isinstance(s.value, ast.Call):
                 halves = {
@@ -398,26 +421,27 @@ class TensorEvidence:
                         f"{s.target.id} is split from {short(s.value)} "
                         f"beside what is saved at L{s.node.lineno}",
                     )
-        for plain in self.plain:
-            why.pop(plain, None)
-        self._params = {p.arg for p in every}
-        self._bound = self._params | set(bound)
-        self.tensors: set[str] = set(why)
-        self.why = self.flow.spread(why, self._carries, self._may_hold)
-        # arithmetic none of whose names is known to be a tensor: each may be the one
-        # (``torch.round(identity / identity_scaling_factor)``); ``torch.softmax(x *
-        # scale)`` with ``x`` a tensor says nothing of ``scale``
-        unsure = [
-            (o.id, call)
-            for group, call in groups
-            if not any(o.id in self.why or o.id in self.plain for o in group)
-            for o in group
-        ]
-        if unsure:
-            for name, call in unsure:
-                why.setdefault(name, f"{name} is passed to {short(call)} at L{call.lineno}")
-            self.why = self.flow.spread(why, self._carries, self._may_hold)
-        self.tensors = set(self.why)
+        return groups
+
+    def _handed_to_torch(self, n: ast.Call, why: dict[str, Reason]) -> list[ast.Name]:
+        """A name handed first to a torch function (``torch.matmul(a, b)``, ``F.linear(x,
+        w)``; later arguments are often sizes, dims or split lists) is a tensor; for
+        arithmetic of names handed first, the names, left for the caller to settle."""
+        full = resolve(n.func, self.names)
+        if not (
+            full is not None
+            and full.startswith("torch.")
+            and torch_makes_tensor(full)
+            and full.rsplit(".", 1)[-1] not in _FACTORIES
+            and n.args
+        ):
+            return []
+        first = _through_views(n.args[0])
+        if first is None:
+            return [o for o in _operands(n.args[0]) if o.id not in self.ctx]
+        if first.id not in self.ctx:
+            why.setdefault(first.id, f"{first.id} is passed to {short(n)} at L{n.lineno}")
+        return []
 
     def _tensor_call(self, call: ast.Call) -> bool:
         """Is ``call`` a torch function or a method (a tensor's, or one of torch's)?"""
