@@ -276,6 +276,72 @@ def _entry(fc: FunctionClass) -> tuple[FunctionNode, bool] | None:
     return fwd, False
 
 
+class _Judge:
+    """Whether a store holds tensors (LF001), and why: the forward's own evidence, read
+    once per Function; what backward does with each attribute, read only when forward's
+    evidence says nothing."""
+
+    def __init__(
+        self,
+        fn: FunctionNode,
+        back: FunctionNode,
+        names: dict[str, str],
+        ctx: set[str],
+        flow: Flow,
+        helpers: ReturnReader,
+    ) -> None:
+        self.fn, self.back, self.names, self.ctx, self.flow = fn, back, names, ctx, flow
+        self.helpers = helpers
+        self._evidence: TensorEvidence | None = None
+        self._used: dict[str, str] | None = None
+
+    def because(self, s: _Store) -> str | None:
+        """Why ``s`` holds tensors, or None when it does not on the evidence."""
+        if self._evidence is None:  # only for a Function with a store left to judge
+            self._evidence = TensorEvidence(
+                self.fn, self.names, self.ctx, flow=self.flow, callee=self.helpers.returns
+            )
+        evidence = self._evidence
+        if metadata_named(s.attr, s.value):
+            return None
+        if evidence.holds(s.value, excluded=s.not_tensors):
+            if (
+                s.index is not None
+                and isinstance(s.value, ast.Call)
+                and self.helpers.plain(s.value, evidence, s.index)
+            ):
+                return None  # ``o, lse, ctx.scale = helper(q)``: the helper's third is a float
+            return evidence.explain(s.value)
+        if self._used is None:
+            self._used = _used_as_tensors(self.back, self.names)
+        if s.attr in self._used and _passed_through(s.value, evidence):
+            return self._used[s.attr]
+        return None
+
+
+def _lf001(source: Source, fc: FunctionClass, s: _Store, because: str) -> Finding:
+    """The finding for a store that holds tensors: a note for what lives anyway."""
+    anyway = _lives_anyway(s.value)
+    if anyway is not None:
+        return source.finding(
+            s.node,
+            "LF001",
+            f"{fc.node.name}.{s.attr}",
+            f"ctx.{s.attr} is never released by backward, but it holds {anyway}: "
+            "the graph keeps it a little longer, no activations",
+            NOTE,
+        )
+    return source.finding(
+        s.node,
+        "LF001",
+        f"{fc.node.name}.{s.attr}",
+        f"ctx.{s.attr} can hold tensors (because {because}) and backward never "
+        "releases it, so they stay alive as long as the graph does; set it to "
+        "None in backward after its last use (or save tensors with "
+        "ctx.save_for_backward), or subclass leakfree.Function",
+    )
+
+
 def _findings(source: Source, project: Project) -> tuple[list[Finding], list[Finding]]:
     """LF001's and LF002's findings in one file (both come from the same analysis)."""
     lf001: list[Finding] = []
@@ -320,55 +386,16 @@ def _findings(source: Source, project: Project) -> tuple[list[Finding], list[Fin
         released = releases.of(back, parameters(back)[0].arg)
         if ALL in released:
             continue
-        evidence: TensorEvidence | None = None
-        used: dict[str, str] | None = None
+        judge = _Judge(fn, back, names, ctx, flow, helpers)
         seen: set[str] = set()
         for s in stores:
             if s.attr in seen or s.attr in released or s.attr in cycle:
                 continue
-            if evidence is None:
-                evidence = TensorEvidence(fn, names, ctx, flow=flow, callee=helpers.returns)
-            if metadata_named(s.attr, s.value):
+            because = judge.because(s)
+            if because is None:
                 continue
-            if evidence.holds(s.value, excluded=s.not_tensors):
-                if (
-                    s.index is not None
-                    and isinstance(s.value, ast.Call)
-                    and helpers.plain(s.value, evidence, s.index)
-                ):
-                    continue  # ``o, lse, ctx.scale = helper(q)``: the helper's third is a float
-                because = evidence.explain(s.value)
-            else:
-                if used is None:
-                    used = _used_as_tensors(back, names)
-                if s.attr not in used or not _passed_through(s.value, evidence):
-                    continue
-                because = used[s.attr]
             seen.add(s.attr)
-            anyway = _lives_anyway(s.value)
-            if anyway is not None:
-                lf001.append(
-                    source.finding(
-                        s.node,
-                        "LF001",
-                        f"{fc.node.name}.{s.attr}",
-                        f"ctx.{s.attr} is never released by backward, but it holds {anyway}: "
-                        "the graph keeps it a little longer, no activations",
-                        NOTE,
-                    )
-                )
-                continue
-            lf001.append(
-                source.finding(
-                    s.node,
-                    "LF001",
-                    f"{fc.node.name}.{s.attr}",
-                    f"ctx.{s.attr} can hold tensors (because {because}) and backward never "
-                    "releases it, so they stay alive as long as the graph does; set it to "
-                    "None in backward after its last use (or save tensors with "
-                    "ctx.save_for_backward), or subclass leakfree.Function",
-                )
-            )
+            lf001.append(_lf001(source, fc, s, because))
     return lf001, lf002
 
 
