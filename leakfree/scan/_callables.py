@@ -201,6 +201,14 @@ class ReturnReader:
         #: (id of the callee, the parameters handed tensors, the element) -> the verdict:
         #: a call is judged many times while the caller's evidence reaches its fixpoint
         self._verdicts: dict[tuple[int, frozenset[str], int | None], bool | None] = {}
+        self._readers: dict[str, ReturnReader] = {}
+
+    def _inner(self, src: Source) -> ReturnReader:
+        """The reader of the callees' own callees, one per file, its verdicts kept."""
+        found = self._readers.get(src.path)
+        if found is None:
+            found = self._readers[src.path] = ReturnReader(src, self.project, self.depth + 1)
+        return found
 
     def plain(self, call: ast.Call, caller: TensorEvidence, element: int | None = None) -> bool:
         """Does the callee return no tensor (at ``element``)?"""
@@ -230,11 +238,7 @@ class ReturnReader:
         key = (id(fn), frozenset(seed), element)
         if key not in self._verdicts:
             names = imported_names(self.project, src)
-            inner = (
-                ReturnReader(src, self.project, self.depth + 1).returns
-                if self.depth + 1 < self.DEPTH
-                else None
-            )
+            inner = self._inner(src).returns if self.depth + 1 < self.DEPTH else None
             evidence = TensorEvidence(
                 fn, names, set(), seed=seed, inputs=False, returned=False, callee=inner
             )

@@ -257,32 +257,36 @@ def declared(scope: ast.AST, kind: type[ast.Global] | type[ast.Nonlocal]) -> set
 _BLOCKS = ("body", "orelse", "finalbody", "handlers", "cases")
 
 
-def statements(tree: ast.Module) -> Iterator[ast.stmt]:
-    """Every statement of a file, nested ones included, without walking expressions (a
-    tenth of the nodes): imports, classes and functions are statements."""
-    stack: list[ast.AST] = list(reversed(tree.body))
+def _walk_block(block: list[ast.stmt], scopes: bool = True) -> Iterator[ast.stmt]:
+    """The statements of ``block``, nested blocks' in source order, without walking
+    expressions (a tenth of the nodes); into function and class bodies unless ``scopes``
+    is off. The one statement walk :func:`statements`, :func:`defined` and
+    :func:`module_statements` share."""
+    stack: list[ast.AST] = list(reversed(block))
     while stack:
         node = stack.pop()
         if isinstance(node, ast.stmt):
             yield node
+        if not scopes and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
         for name in _BLOCKS:
             inner = getattr(node, name, None)
             if inner:
                 stack.extend(reversed(inner))
+
+
+def statements(tree: ast.Module) -> Iterator[ast.stmt]:
+    """Every statement of a file, nested ones included: imports, classes and functions
+    are statements."""
+    return _walk_block(tree.body)
 
 
 def defined(block: list[ast.stmt]) -> Iterator[FunctionNode]:
-    """Every function defined in ``block``, nested ones too, inner ones after outer.
-    Only statements are visited (a tenth of the nodes): a ``def`` is a statement."""
-    stack: list[ast.AST] = list(reversed(block))
-    while stack:
-        node = stack.pop()
+    """Every function defined in ``block``, nested ones too, inner ones after outer: a
+    ``def`` is a statement."""
+    for node in _walk_block(block):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield node
-        for name in _BLOCKS:
-            inner = getattr(node, name, None)
-            if inner:
-                stack.extend(reversed(inner))
 
 
 def functions(tree: ast.Module) -> Iterator[tuple[FunctionNode, ast.ClassDef | None]]:
@@ -479,16 +483,7 @@ Kind = tuple[bool, bool] | None
 def module_statements(tree: ast.Module) -> Iterator[ast.stmt]:
     """The statements that run when the module is imported: its body, and the bodies of
     its ``if`` / ``try`` / ``with`` blocks (not functions or classes)."""
-    stack: list[ast.stmt] = list(reversed(tree.body))
-    while stack:
-        node = stack.pop()
-        yield node
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            continue
-        for name in _BLOCKS:
-            inner = getattr(node, name, None)
-            if inner:
-                stack.extend(reversed(inner))
+    return _walk_block(tree.body, scopes=False)
 
 
 def bindings(tree: ast.Module, names: dict[str, str]) -> dict[str, list[str]]:
