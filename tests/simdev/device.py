@@ -165,6 +165,8 @@ class Stream(torch.Stream):
         return event
 
     def query(self) -> bool:
+        if _STATE.timer is not None:  # the timing model says, and the host does not wait
+            return bool(_STATE.timer.timeline.stream_done(self.stream_id))
         if _STATE.lazy:
             return False
         _STATE.trace("_handle_stream_synchronization", self.stream_id)
@@ -210,6 +212,8 @@ class Event:
         if self.done_after is None:
             return True
         stream_id, generation = self.done_after
+        if _STATE.timer is not None:  # the timing model says, and the host does not wait
+            return bool(_STATE.timer.timeline.done(self.id))
         if _STATE.lazy and _STATE.generation(stream_id) <= generation:
             return False  # a slow device: not complete until the host waited for it
         _STATE.trace("_handle_event_synchronization", self.id)
@@ -398,6 +402,8 @@ def _allocate(host: torch.Tensor, index: int | None) -> torch.Tensor:
         _STATE.allocated += nbytes
         _STATE.peak = max(_STATE.peak, _STATE.allocated)
     _STATE.trace("allocate", ptr, _STATE.current[out.device.index].stream_id)
+    if _STATE.timer is not None:
+        _STATE.timer.timeline.allocate(ptr, nbytes)
     weakref.finalize(storage, _free, ptr, nbytes)
     return out
 
@@ -406,6 +412,8 @@ def _free(ptr: int, nbytes: int) -> None:
     with _STATE.lock:
         _STATE.allocated -= nbytes
     _STATE.trace("free", ptr)
+    if _STATE.timer is not None:
+        _STATE.timer.timeline.free(ptr)
 
 
 def _launch(

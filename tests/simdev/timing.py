@@ -31,6 +31,7 @@ and stream events (``with attach(H100) as timeline:``), FLOPs counted by
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,13 +58,16 @@ class Rates:
     kernel_min: float  #: the shortest a kernel takes, seconds
 
 
-#: one H100 80GB (SXM), torch 2.11, bf16: the copy bandwidths measured in
-#: ``shared/GPU.md`` (pinned, non-blocking, 1 GiB); compute and memory rates provisional
-#: until fitted to the step times there
+#: one H100 80GB (SXM), torch 2.11, bf16. Measured in ``shared/GPU.md``: the copy
+#: bandwidths (pinned, non-blocking, 1 GiB). Assumed: memory-bound kernels at 2.8 TB/s
+#: (84% of HBM3's 3.35). Fitted: the FLOP rate, so that the step of ``shared/GPU.md``'s
+#: Llama without offloading is the measured 78.7 ms (``tests/simdev/predict.py``); 572
+#: TFLOP/s is 58% of the bf16 dense peak, what eager matmuls and flash attention reach.
+#: Only the offloading rows of that table were left to check the model against.
 H100 = Rates(
     name="H100",
-    flops=3.4e14,
-    memory=2.4e12,
+    flops=5.72e14,
+    memory=2.8e12,
     to_host=55.0e9,
     to_device=54.3e9,
     launch=6e-6,
@@ -99,6 +103,17 @@ class Timeline:
     _waits: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     _engine_free: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ENGINES, 0.0))
     _events: dict[int, float] = field(default_factory=dict)
+    #: device memory as the caching allocator counts it, in host order: ``allocated``
+    #: (``memory_allocated``: a block counts until the host frees it) and its ``peak``;
+    #: ``held`` also counts a freed block recorded on other streams until their work
+    #: issued before the free has completed (it cannot be handed out again before: a
+    #: lower bound of what the allocator must reserve), and its ``held_peak``
+    allocated: int = 0
+    peak: int = 0
+    held: int = 0
+    held_peak: int = 0
+    _blocks: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
+    _deferred: list[tuple[float, int]] = field(default_factory=list)  # (free at, bytes)
 
     # -- the device's work ----------------------------------------------------------------
 
@@ -149,6 +164,50 @@ class Timeline:
         """The host waits for everything issued."""
         self.host = max(self.host, *self._stream_end.values(), 0.0)
 
+    def done(self, event: int) -> bool:
+        """``event.query()``: whether it has completed by the host's clock (an event never
+        recorded has)."""
+        return self._events.get(event, 0.0) <= self.host
+
+    def stream_done(self, stream: int) -> bool:
+        """``stream.query()``: whether everything issued to it has completed by now."""
+        return max(self._stream_end[stream], self._waits[stream]) <= self.host
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def allocate(self, ptr: int, nbytes: int) -> None:
+        """The host allocates ``nbytes`` at ``ptr`` (blocks freed on other streams whose
+        work has completed by now are returned first, as the caching allocator does)."""
+        deferred = self._deferred
+        while deferred and deferred[0][0] <= self.host:
+            self.held -= heapq.heappop(deferred)[1]
+        self._blocks[ptr] = (nbytes, set())
+        self.allocated += nbytes
+        self.held += nbytes
+        self.peak = max(self.peak, self.allocated)
+        self.held_peak = max(self.held_peak, self.held)
+
+    def record_stream(self, ptr: int, stream: int) -> None:
+        """``tensor.record_stream(stream)``: its block is not reused before the work issued
+        to ``stream`` by the time it is freed has completed."""
+        block = self._blocks.get(ptr)
+        if block is not None:
+            block[1].add(stream)
+
+    def free(self, ptr: int) -> None:
+        """The host frees the block at ``ptr``: at once, or (recorded on other streams)
+        once their work issued so far has completed."""
+        block = self._blocks.pop(ptr, None)
+        if block is None:
+            return
+        nbytes, streams = block
+        self.allocated -= nbytes
+        until = max((self._stream_end[s] for s in streams), default=0.0)
+        if until <= self.host:
+            self.held -= nbytes
+        else:
+            heapq.heappush(self._deferred, (until, nbytes))
+
     # -- reading it -----------------------------------------------------------------------
 
     @property
@@ -192,7 +251,27 @@ def _device_bytes(values: Any) -> int:
     return total
 
 
+#: the CPU's flash attention, which the simulated device runs where a GPU runs its own:
+#: 2 matmuls of B x H x Sq x Sk x D forward, 5 backward, half of them under a causal mask
+#: (a flash kernel skips the masked blocks); ``torch.utils.flop_counter`` has no formula
+_ATTENTION = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": (2, 0, 4),
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": (5, 1, 7),
+}
+
+
+def _attention_flops(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    matmuls, query_at, causal_at = _ATTENTION[name]
+    q, k = args[query_at], args[query_at + 1]
+    b, h, sq, d = q.shape
+    flops = matmuls * 2 * b * h * sq * k.shape[-2] * d
+    causal = args[causal_at] if len(args) > causal_at else kwargs.get("is_causal", False)
+    return flops / 2 if causal else flops
+
+
 def _flops(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float:
+    if name in _ATTENTION:
+        return _attention_flops(name, args, kwargs)
     namespace, _, op = name.partition("::")
     packet = getattr(getattr(torch.ops, namespace, None), op.split(".")[0], None)
     formula = flop_registry.get(packet) if packet is not None else None
@@ -235,6 +314,8 @@ class Timer:
             t.sync_event(args[0])
         elif handler == "_handle_device_synchronization":
             t.sync_device()
+        elif handler == "record_stream":
+            t.record_stream(args[0], args[1])
 
 
 class attach:

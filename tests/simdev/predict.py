@@ -1,0 +1,184 @@
+"""Predicted H100 steps of ``shared/GPU.md``'s Llama, on the simulated device in dry mode.
+
+The model of ``shared/GPU.md`` (hidden 2048, 8 layers, 16 heads, intermediate 5440, vocab
+32000, bf16, sdpa, batch 2 x sequence 4096) is built on the meta device and given
+uninitialised memory on the simulated device; its steps run in dry mode (shapes only), so
+a full-size step takes a fraction of a second on the CPU. Each mode runs warm-up steps
+(the offloader plans from them, as on the GPU), then one step under :func:`timing.attach`
+with :data:`timing.H100`: its predicted step time, activation peak (the caching
+allocator's count, streams included) and bytes each way.
+
+:data:`MEASURED` is the calibration data: the H100 tables of ``shared/GPU.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import device as _device
+from . import timing
+
+GiB = 1 << 30
+#: the pinned host memory of the H100 machine's pool (a quarter of its 128 GiB)
+PINNED = 32 * GiB
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One row of ``shared/GPU.md``: step ms, its ratio to no offloading, the activation
+    peak (GiB) and what was sent to the host per step (GiB)."""
+
+    step_ms: float
+    ratio: float
+    activation_gib: float
+    to_host_gib: float | None = None
+
+
+#: ``shared/GPU.md``, the second run (the ``device_budget`` table; the first run's default
+#: and ``use_streams=False`` rows where the second has none, as ratios to that run's none)
+MEASURED: dict[str, Measured] = {
+    "none": Measured(78.7, 1.00, 8.73),
+    "default": Measured(207.5, 2.64, 4.18, 4.78),
+    "budget 0.75": Measured(140.6, 1.79, 5.55, 3.18),
+    "budget 0.50": Measured(187.1, 2.38, 4.35, 4.37),
+    "budget 0.25": Measured(235.0, 2.99, 3.15, 5.58),
+    "use_streams=False": Measured(272.5, 3.58, 3.87, 4.95),
+    "save_on_cpu": Measured(554.1, 7.27, 2.93, 10.81),
+    "trl": Measured(289.4, 3.68, 4.82),
+}
+#: the modes whose ratios the timing model is held to (within 15%)
+CALIBRATED = ("none", "default", "budget 0.75", "budget 0.50", "budget 0.25", "use_streams=False")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One mode's predicted step on the H100 model."""
+
+    mode: str
+    step: float  #: seconds
+    activation_peak: int  #: bytes the step allocates beyond what was allocated before it
+    held_peak: int  #: the same, counting freed blocks until their other streams' work ends
+    to_host: int  #: bytes copied to the host
+    to_device: int  #: bytes copied back
+    copy_overlap: float  #: seconds both copy engines are busy at once
+    compute: float  #: seconds the compute engine is busy
+    plan: Any = None  #: leakfree's ``ctx.plan`` after the step, where leakfree runs
+
+
+def llama(device: torch.device, layers: int = 8) -> torch.nn.Module:
+    """``shared/GPU.md``'s Llama, its parameters uninitialised on ``device`` (bf16)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5440,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return model.to(dtype=torch.bfloat16).to_empty(device=device)
+
+
+def leakfree_context(model: torch.nn.Module, **options: Any) -> Callable[[], Any]:
+    import leakfree
+
+    options.setdefault("pin_memory_budget", PINNED)
+    ctx = leakfree.OffloadActivations(**options)
+    ctx.update_model_params(model)
+    return lambda: ctx
+
+
+def _context(mode: str, model: torch.nn.Module, moved: int | None) -> Callable[[], Any]:
+    if mode == "none":
+        return contextlib.nullcontext
+    if mode == "default":
+        return leakfree_context(model)
+    if mode == "use_streams=False":
+        return leakfree_context(model, use_streams=False)
+    if mode.startswith("budget "):
+        if moved is None:
+            raise ValueError(f"mode {mode!r}: needs the bytes the default moves")
+        return leakfree_context(model, device_budget=int(float(mode.split()[1]) * moved))
+    if mode == "save_on_cpu":
+        return lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
+    if mode == "trl":
+        from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+        trl_ctx = get_act_offloading_ctx_manager(model)
+        return lambda: trl_ctx
+    raise ValueError(f"mode {mode!r}: unknown")
+
+
+@contextlib.contextmanager
+def dry_device() -> Iterator[_device.SimDevice]:
+    """The simulated device, on and dry, for one block."""
+    with _device.enabled() as sim:
+        sim.dry = True
+        yield sim
+
+
+def predict(
+    sim: _device.SimDevice,
+    mode: str | Callable[[torch.nn.Module], Callable[[], Any]],
+    *,
+    moved: int | None = None,
+    warmup: int = 2,
+    rates: timing.Rates = timing.H100,
+    layers: int = 8,
+    batch: int = 2,
+) -> Prediction:
+    """Mode ``mode`` (a name of :data:`MEASURED`, or a function of the model giving the
+    context of one step) on a fresh model: ``warmup`` steps, then one predicted.
+    ``moved``: the bytes the default moves (for the ``budget`` modes)."""
+    model = llama(sim.device, layers)
+    ids = torch.zeros(batch, 4096, dtype=torch.long, device=sim.device)
+    context = mode(model) if callable(mode) else _context(mode, model, moved)
+    name = mode if isinstance(mode, str) else getattr(mode, "__name__", "custom")
+    for _ in range(warmup):
+        _step(sim, model, ids, context)
+    ctx = context()
+    stats = getattr(ctx, "stats", None)
+    before = (stats.to_host_bytes, stats.to_device_bytes) if stats is not None else (0, 0)
+    with timing.attach(rates) as t:
+        _step(sim, model, ids, lambda: ctx)
+    to_host = sum(op.nbytes for op in t.ops if op.engine == timing.TO_HOST)
+    to_device = sum(op.nbytes for op in t.ops if op.engine == timing.TO_DEVICE)
+    if stats is not None:  # what leakfree says it moved is what the model saw move
+        assert (stats.to_host_bytes - before[0], stats.to_device_bytes - before[1]) == (
+            to_host,
+            to_device,
+        ), (stats, before, to_host, to_device)
+    prediction = Prediction(
+        mode=name,
+        step=t.end,
+        activation_peak=t.peak,
+        held_peak=t.held_peak,
+        to_host=to_host,
+        to_device=to_device,
+        copy_overlap=t.overlap(timing.TO_HOST, timing.TO_DEVICE),
+        compute=t.busy(timing.COMPUTE),
+        plan=getattr(ctx, "plan", None),
+    )
+    return prediction
+
+
+def _step(
+    sim: _device.SimDevice, model: torch.nn.Module, ids: torch.Tensor, context: Callable[[], Any]
+) -> None:
+    for p in model.parameters():
+        p.grad = None
+    with context():
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    del loss
+    sim.module.synchronize()
