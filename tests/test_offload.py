@@ -20,8 +20,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import leakfree
 from leakfree.offload import OffloadWarning, offload_model, remove_offload_hooks
 from leakfree.offload.handles import _Offloaded
+from leakfree.offload.plan import _plan, _small_below
 from leakfree.offload.pool import HostBlockPool, _size_class
-from leakfree.offload.streams import _follow, _Pass, _plan, _small_below, _to_prefetch
+from leakfree.offload.streams import _follow, _Pass, _to_prefetch
 
 
 class Block(nn.Module):

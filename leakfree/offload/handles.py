@@ -187,6 +187,7 @@ class _Group:
         "prefetched",
         "remaining",
         "restored",
+        "sent",
         "seq",
         "task",
         "unsent",
@@ -221,6 +222,7 @@ class _Group:
         self.restored: tuple[Any, Any] | None = None
         self.prefetched: tuple[torch.Tensor, Any] | None = None  # (device bytes, event)
         self.written: Any = None  # the event its copies out recorded (None: synchronous)
+        self.sent = -1  # its place in its manager's order of sends (-1: not sent)
         #: the backward pass (graph task id) that last unpacked it, the device tensor kept
         #: for that pass's other handles, and how many are still to unpack
         self.task = -1
@@ -455,8 +457,8 @@ _orphan_lock = threading.Lock()
 
 def _restore_without_manager(group: _Group | None) -> torch.Tensor:
     """The context manager was dropped while its graph lived on: bring the group's bytes
-    back with a plain synchronous copy on the current stream (its copies out all completed
-    by its ``__exit__``; no prefetch is left to use)."""
+    back with a plain synchronous copy on the current stream, once that stream has waited
+    for the group's copies out (no prefetch is left to use)."""
     if group is None or group.block is None:  # its manager's __exit__ sent every group
         raise RuntimeError(
             "leakfree: a saved tensor was unpacked before it was moved to the host or "
@@ -466,6 +468,8 @@ def _restore_without_manager(group: _Group | None) -> torch.Tensor:
         sibling = group.live_restored()
         if sibling is not None:
             return sibling[0]
+        if group.written is not None:  # its copies out ran on a side stream
+            group.written.wait()
         restored = group.to_device()
         group.restored = (weakref.ref(restored.untyped_storage()), None)
         return restored

@@ -31,16 +31,23 @@ from leakfree.offload.handles import (
     _Offloaded,
     _span,
 )
+from leakfree.offload.measure import Marks, bandwidth
+from leakfree.offload.plan import (
+    Measurement,
+    OffloadPlan,
+    _plan,
+    _small_below,
+    choose,
+    head_start,
+    predict,
+)
 from leakfree.offload.pool import HostBlock, HostBlockPool
 from leakfree.offload.streams import (
     Flight,
-    OffloadPlan,
     Order,
     _Copies,
     _follow,
     _Pass,
-    _plan,
-    _small_below,
     _to_prefetch,
 )
 
@@ -77,6 +84,12 @@ def _end_pass(manager_ref: weakref.ref[OffloadActivations], task: int) -> None:
 #: a group holds at most this fraction (1 / _GROUP_SHARE) of the bytes a forward moves
 _GROUP_SHARE = 8
 
+#: a budget nothing reaches (a step measured for ``max_overhead`` keeps everything)
+_UNLIMITED = 1 << 62
+
+#: the bytes of the one copy each way that measures the bandwidth for a goal's plan
+_PROBE_BYTES = 64 << 20
+
 
 def _check_min_offload_size(name: str | None, value: object) -> None:
     """The one check of ``min_offload_size``, at construction and on assignment."""
@@ -88,6 +101,24 @@ def _check_device_budget(name: str | None, value: object) -> None:
     """The one check of ``device_budget``, at construction and on assignment."""
     call = "OffloadActivations" if name else "OffloadActivations.device_budget"
     _args.count(call, name, value, 0, none=True, unit="bytes of saved activations to keep")
+
+
+def _check_max_overhead(name: str | None, value: object) -> None:
+    """The one check of ``max_overhead``, at construction and on assignment."""
+    call = "OffloadActivations" if name else "OffloadActivations.max_overhead"
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(
+            f"{call}({name or 'value'}={value!r}): expected None or a number >= 0 (the "
+            "step time offloading may add, as a fraction of the step's compute: 0.05 for 5%)"
+        )
+
+
+def _check_device_limit(name: str | None, value: object) -> None:
+    """The one check of ``device_limit``, at construction and on assignment."""
+    call = "OffloadActivations" if name else "OffloadActivations.device_limit"
+    _args.count(call, name, value, 0, none=True, unit="bytes the step may allocate on the device")
 
 
 def _check_keep_small(name: str | None, value: object) -> None:
@@ -211,6 +242,8 @@ class OffloadActivations(saved_tensors_hooks):
         device_budget: int | None = None,
         batch_bytes: int = 256 << 10,
         keep_small: bool = True,
+        max_overhead: float | None = None,
+        device_limit: int | None = None,
     ) -> None:
         call = "OffloadActivations"
         for name, value in (
@@ -224,6 +257,14 @@ class OffloadActivations(saved_tensors_hooks):
         _args.count(call, "batch_bytes", batch_bytes, 0, unit="bytes; 0: every copy alone")
         _args.count(call, "pin_memory_budget", pin_memory_budget, 0, none=True, unit="bytes")
         _check_device_budget("device_budget", device_budget)
+        _check_max_overhead("max_overhead", max_overhead)
+        _check_device_limit("device_limit", device_limit)
+        if device_budget is not None and (max_overhead is not None or device_limit is not None):
+            other = "max_overhead" if max_overhead is not None else "device_limit"
+            raise ValueError(
+                f"OffloadActivations(device_budget=..., {other}=...): a device budget fixes "
+                f"the bytes kept, {other} plans them from the step: give one of the two"
+            )
         _check_keep_small("keep_small", keep_small)
         _check_min_offload_size("min_offload_size", min_offload_size)
         target = _args.device(call, "device", device) if device is not None else accelerator()
@@ -242,6 +283,19 @@ class OffloadActivations(saved_tensors_hooks):
         self.max_fwd_stash_size = max_fwd_stash_size
         self.prefetch_bytes = prefetch_bytes
         self._device_budget = device_budget
+        #: the goals a plan is chosen for, from a measured step (see leakfree.offload.plan)
+        self._max_overhead = max_overhead
+        self._device_limit = device_limit
+        self._goal = max_overhead is not None or device_limit is not None
+        #: a step being measured for them: its marks (the forward's start, each copy's
+        #: save, the forward's end, backward's start and end), sizes, the device memory
+        #: allocated before it and the bytes it moved; and the plan's prediction
+        self._measuring: dict[str, Any] | None = None
+        self._prediction: tuple[float, int] | None = None
+        self._bandwidth: tuple[float, float] | None = None
+        self._early = 0  # bytes a goal's plan brings back as backward begins
+        self._ceiling = 0  # the device bytes allocated that bringing them back stays under
+        self._rises: tuple[int, ...] = ()  # less these, by position in backward's order
         self.batch_bytes = batch_bytes
         self._keep_small = keep_small
         #: storages smaller than this stay where they are (the plan's, without a budget);
@@ -253,14 +307,16 @@ class OffloadActivations(saved_tensors_hooks):
         #: forward moved; 0 (every copy alone) until a forward has been planned
         self._capacity = 0
         #: whether moved tensors stay on the device while their copies are in flight
-        self._window = self.use_streams and device_budget is None
+        self._window = self.use_streams and device_budget is None and not self._goal
         self._device_type = target.type if target is not None else None  # for the pack hook
         self.pool = HostBlockPool(pin_memory_budget, pin=self.use_pin_memory)
         self._device_module: Any = device_module(target) if accelerated and target else None
         #: force_host_copy on the CPU: the "device" is the host itself, so copies out are
         #: plain host copies and restored tensors view the host bytes (no copy back)
         self._on_host = target is not None and target.type == "cpu"
-        self._side_streams: dict[torch.device, Any] = {}  # device (with index) -> side stream
+        #: (device, direction) -> its side stream: one for copies out and one for prefetch
+        #: back per device, so the two directions run at once (a stream runs in order)
+        self._side_streams: dict[tuple[torch.device, bool], Any] = {}
         self._param_storages: frozenset[int] = frozenset()
         self._forward = _Forward()  # what this forward saved, for dedup and the plan
         self._depth = 0
@@ -342,6 +398,7 @@ class OffloadActivations(saved_tensors_hooks):
         the same.)"""
         self._budget_plan = None
         self._small_below = 0
+        self._measuring = None
 
     def update_model_params(self, model: nn.Module) -> None:
         """Never offload ``model``'s parameters and buffers (matched by storage address).
@@ -434,7 +491,9 @@ class OffloadActivations(saved_tensors_hooks):
                 if not whole:  # the small-storage rule weighs the storage it keeps
                     forward.spans[len(sizes)] = (ptr, version, total)
                 sizes.append(copy.nbytes)  # this forward's copies, for the plan
-                if self._budget_plan is None and self._device_budget is None:
+                if self._measuring is not None:  # when it was saved, for the plan
+                    self._measuring["copies"].append(self._measuring["marks"].mark())
+                if self._budget_plan is None and self._device_budget is None and not self._goal:
                     self._copy_out(t, copy, ref)  # a first forward with no budget: all move
                 else:
                     self._budgeted(copy, t, ref)
@@ -559,6 +618,12 @@ class OffloadActivations(saved_tensors_hooks):
         bring back at once anyway."""
         if self._device_budget is not None:
             return self._device_budget
+        if self._goal:  # a goal's plan keeps what it does not move; a step measured for
+            # one keeps everything, or (under a limit) moves everything
+            plan = self._budget_plan
+            if plan is not None and self._on_plan:
+                return sum(plan[0])
+            return 0 if self._device_limit is not None else _UNLIMITED
         if sizes is None:
             plan = self._budget_plan
             sizes = plan[0] if plan is not None else ()
@@ -579,6 +644,15 @@ class OffloadActivations(saved_tensors_hooks):
             return
         plan = self._budget_plan
         if plan is not None and tuple(sizes) == plan[0]:
+            return
+        if self._goal:  # planned once the step is measured, at the end of its backward
+            measuring = self._measuring
+            if measuring is not None and "forward" not in measuring:
+                measuring["sizes"] = tuple(sizes)
+                measuring["forward"] = measuring["marks"].mark()
+            else:  # a forward of other shapes: the next one is measured
+                self._budget_plan = None
+                self._measuring = None
             return
         # each copy's storage bytes (a span's storage may be larger than the span), and
         # every storage the forward saved, once: whole copies are one per storage (the
@@ -612,8 +686,15 @@ class OffloadActivations(saved_tensors_hooks):
             return None
         sizes, moved = plan
         small, small_bytes = self._small_kept
+        goal = overhead = peak = None
+        if self._goal:
+            goal = "device_limit" if self._device_limit is not None else "max_overhead"
+            if self._max_overhead is not None and self._device_limit is not None:
+                goal = "device_limit, max_overhead"
+            if self._prediction is not None:
+                overhead, peak = self._prediction
         return OffloadPlan(
-            budget=self._budget(),
+            budget=self._budget() if not self._goal else sum(sizes[moved:]),
             kept=len(sizes) - moved,
             kept_bytes=sum(sizes[moved:]),
             moved=moved,
@@ -622,7 +703,104 @@ class OffloadActivations(saved_tensors_hooks):
             small=small,
             small_bytes=small_bytes,
             small_below=self._small_below,
+            goal=goal or "device_budget",
+            overhead=overhead,
+            peak=peak,
         )
+
+    # -- a goal: measure one step, then plan ------------------------------------------------
+
+    def _measure(self) -> None:
+        """Measure this step for a goal's plan (lock held): marks from the forward's start,
+        and the device's peak statistic reset (its allocator's; the host's saved bytes on
+        the CPU)."""
+        module = self._device_module
+        device = cast(torch.device, self.device)
+        allocated = 0
+        if module is not None and hasattr(module, "reset_peak_memory_stats"):
+            module.reset_peak_memory_stats(device)
+            allocated = int(module.memory_allocated(device))
+        marks = Marks(device, module)
+        self._measuring = {
+            "marks": marks,
+            "start": marks.mark(),
+            "copies": [],
+            "allocated": allocated,
+            "moved": self.stats.to_host_bytes,
+            "samples": [],
+        }
+
+    def _sample(self) -> None:
+        """In a measured step's backward (lock held): the device's allocated bytes now."""
+        measuring = self._measuring
+        module = self._device_module
+        if measuring is not None and "backward" in measuring and module is not None:
+            device = self.device
+            allocated = int(module.memory_allocated(device))
+            peak = int(module.max_memory_allocated(device))
+            measuring["samples"].append((allocated, peak))
+
+    def _plan_measured(self, measuring: dict[str, Any]) -> None:
+        """The measured step's backward is over (lock held): the plan for its shapes, from
+        what it measured (one host wait, for its last mark, and the bandwidth probe once)."""
+        self._measuring = None
+        marks = measuring["marks"]
+        end = marks.mark()
+        seconds = marks.seconds()
+        sizes = measuring["sizes"]
+        start = seconds[measuring["start"]]
+        made = tuple(seconds[i] - start for i in measuring["copies"])
+        if len(made) != len(sizes):  # saves the plan did not see: measure again
+            return
+        forward = seconds[measuring["forward"]] - start
+        backward = seconds[end] - seconds[measuring["backward"]]
+        moved = self.stats.to_host_bytes - measuring["moved"]
+        if moved:  # backward waited for copies back: its compute, about twice the forward's
+            backward = min(backward, 2 * forward)
+        module = self._device_module
+        device = cast(torch.device, self.device)
+        allocated = measuring["allocated"]
+        if module is not None and hasattr(module, "max_memory_allocated"):
+            peak = int(module.max_memory_allocated(device)) - allocated
+        else:
+            peak = sum(sizes)
+        if self._bandwidth is None:
+            nbytes = max(1 << 20, min(_PROBE_BYTES, max(sizes, default=0)))
+            if module is not None and self.use_streams:
+                streams = (self._side(device, False), self._side(device, True))
+            elif module is not None:
+                current = module.current_stream(device)
+                streams = (current, current)
+            else:
+                streams = (None, None)
+            self._bandwidth = bandwidth(device, module, streams, nbytes)
+        measurement = Measurement(
+            sizes, made, forward, backward, *self._bandwidth, peak=peak, moved=moved
+        )
+        count = choose(
+            measurement,
+            max_overhead=self._max_overhead,
+            device_limit=self._device_limit,
+            allocated=allocated,
+        )
+        self._early = head_start(measurement, count)
+        stall, predicted_peak = predict(measurement, count, self._early)
+        compute = forward + backward
+        self._prediction = (stall / compute if compute > 0 else 0.0, allocated + predicted_peak)
+        # what bringing groups back early stays under: the plan's ceiling, and at each
+        # point of backward (its n-th first unpack) the most the measured backward's
+        # allocations rose above that point later on (the early groups stay until their
+        # use, near its end)
+        ceiling = allocated + predicted_peak
+        if self._device_limit is not None:
+            ceiling = max(ceiling, self._device_limit)
+        self._ceiling = ceiling
+        self._rises = _rises(measuring["samples"])
+        self._budget_plan = (sizes, count)
+        self._small_below = 0
+        self._small_kept = (0, 0)
+        self._replans += 1
+        self._capacity = min(self.batch_bytes, sum(sizes[:count]) // _GROUP_SHARE)
 
     # -- copies -----------------------------------------------------------------------------
 
@@ -673,6 +851,7 @@ class OffloadActivations(saved_tensors_hooks):
         if opened is not None and opened() is group:
             del self._open[key]
         block, pairs = group.take_block(self.pool)
+        group.sent = self.stats.groups  # copies out run in this order
         self.stats.groups += 1
         # Outside the pack hook (a full group, __exit__) autograd would record a copy
         # from t: grad mode off, as torch.no_grad() does, in two calls.
@@ -687,7 +866,7 @@ class OffloadActivations(saved_tensors_hooks):
             module = self._device_module
             side = None
             if self.use_streams:
-                side = self._side_streams.get(device) or self._side(device)
+                side = self._side_streams.get((device, False)) or self._side(device, False)
             if side is not None:
                 side.wait_stream(module.current_stream(device))  # the activations are made
             with module.stream(side):  # stream(None): stay on the current one
@@ -747,9 +926,10 @@ class OffloadActivations(saved_tensors_hooks):
                     if group.prefetched is not None:
                         dev, event = group.prefetched
                         group.prefetched = None
-                        if state is not None:
+                        early = state.early if state is not None else None
+                        if state is not None and (early is None or group.seq not in early):
                             state.outstanding -= group.used
-                        self._device_module.current_stream(dev.device).wait_event(event)
+                        self._use_here(dev, event)
                     else:
                         dev, event = self._copy_in(group)
                     # a later pass may find it alive (a double-backward graph keeps it)
@@ -760,6 +940,10 @@ class OffloadActivations(saved_tensors_hooks):
                     group.remaining = group.users
                     state.order.append((group.seq, group.used))
                     state.held.append(weakref.ref(group))
+                    if self._measuring is not None:
+                        self._sample()
+                    if state.plan and self.use_streams and self._early:
+                        self._prefetch_early(state, group)
                     if state.plan and self.use_streams:  # what the order needs next
                         window = self.prefetch_bytes
                         if window is None:
@@ -792,6 +976,50 @@ class OffloadActivations(saved_tensors_hooks):
                 out = views[key] = handle.view_of(dev, copy.offset, False)
             return out
 
+    def _prefetch_early(self, state: _Pass, first: _Group | _HostCopy) -> None:
+        """Bring back up to ``_early`` bytes of this pass's groups ahead of their turn
+        (lock held; ``first``: what the pass is unpacking now): the ones sent first, whose
+        copies out ended first (the forward's earliest activations, which backward needs
+        last), in the order sent, so the copy back engine works while the last copies out
+        run and never waits for a later one. Paced by what backward frees: each
+        comes once the device's allocated bytes leave room for it under the plan's ceiling
+        (``device_limit``, or the peak the plan predicts), so the step's peak does not
+        grow; they do not count against the prefetch window."""
+        if state.early is None:  # the pass begins: its queue, once
+            state.early = set()
+            sent = [r() for r in state.plan]
+            chosen = [g for g in sent if isinstance(g, _Group) and g is not first and g.block]
+            budget = self._early
+            for candidate in sorted(chosen, key=lambda g: g.sent):
+                if candidate.used > budget:
+                    break
+                budget -= candidate.used
+                state.early_queue.append(weakref.ref(candidate))
+        queue = state.early_queue
+        if not queue:
+            return
+        device = cast(torch.device, self.device)
+        allocated = int(self._device_module.memory_allocated(device))
+        position = len(state.order) - 1
+        rises = self._rises
+        ceiling = self._ceiling - (rises[position] if position < len(rises) else 0)
+        while queue:
+            group = queue[0]()
+            if group is not None and allocated + group.used > ceiling:
+                return  # no room yet: the next first unpack looks again
+            queue.pop(0)
+            if (
+                group is None
+                or group.prefetched is not None
+                or group.block is None
+                or (group.restored is not None and group.restored[0]() is not None)
+            ):
+                continue
+            allocated += group.used
+            group.prefetched = self._copy_in(group, prefetch=True)
+            state.prefetched.append(weakref.ref(group))
+            state.early.add(group.seq)
+
     def _note(self, copy: _HostCopy) -> None:
         """A copy held on the device was unpacked: its place in this pass's order (so the
         order of the next pass lines up, whichever copies it holds)."""
@@ -802,6 +1030,10 @@ class OffloadActivations(saved_tensors_hooks):
             state = self._pass(task, copy)
             copy.task = task
             state.order.append((copy.seq, copy.nbytes))
+            if self._measuring is not None:
+                self._sample()
+            if state.plan and self._early and self.use_streams:
+                self._prefetch_early(state, copy)
 
     def _pass(self, task: int, first: _Group | _HostCopy) -> _Pass:
         """The state of backward pass ``task`` (lock held); begun by its first unpack, of
@@ -810,6 +1042,9 @@ class OffloadActivations(saved_tensors_hooks):
         if state is None:
             self._forward.over = True  # the next save outside a pass begins a new forward
             state = self._passes[task] = _Pass()
+            measuring = self._measuring
+            if measuring is not None and "forward" in measuring and "backward" not in measuring:
+                measuring["backward"] = measuring["marks"].mark()
             _follow(self._order, first, self._copies, state)
             _queue_callback(functools.partial(_end_pass, self._ref, task))
         return state
@@ -827,13 +1062,14 @@ class OffloadActivations(saved_tensors_hooks):
             for ref in state.prefetched:
                 group = ref()
                 if group is not None and group.prefetched is not None:
-                    # brought back and never used: free it, once the current stream (whose
-                    # memory it is) waits for the copy writing it
-                    dev, event = group.prefetched
-                    self._device_module.current_stream(dev.device).wait_event(event)
+                    # brought back and never used: freed (the side stream's memory, which
+                    # only its later work reuses)
                     group.prefetched = None
             if state.order:
                 self._order = state.learned()
+            measuring = self._measuring
+            if measuring is not None and "backward" in measuring:
+                self._plan_measured(measuring)
 
     def _copy_in(self, group: _Group, *, prefetch: bool = False) -> tuple[torch.Tensor, Any]:
         """Bring ``group``'s bytes back: needed now, on the current stream (after the copies
@@ -854,10 +1090,11 @@ class OffloadActivations(saved_tensors_hooks):
         module = self._device_module
         current = module.current_stream(group.device)
         if prefetch and self.use_streams:
-            dev = torch.empty(host.shape, dtype=host.dtype, device=group.device)
-            side = self._side_streams.get(group.device) or self._side(group.device)
-            side.wait_stream(current)
-            with module.stream(side):
+            side = self._side_streams.get((group.device, True)) or self._side(group.device, True)
+            if group.written is not None:  # the copy out, on the other side stream
+                side.wait_event(group.written)
+            with module.stream(side):  # the side stream's memory: waits for nothing else
+                dev = torch.empty(host.shape, dtype=host.dtype, device=group.device)
                 dev.copy_(host, non_blocking=block.pinned)
                 event = side.record_event()
         else:
@@ -878,7 +1115,7 @@ class OffloadActivations(saved_tensors_hooks):
             if event is not seen:
                 seen, running = event, not event.query()
             if running:
-                t.record_stream(self._side(t.device))
+                t.record_stream(self._side(t.device, False))
 
     def _use_here(self, dev: torch.Tensor, event: Any) -> None:
         """Make ``dev``, written on another stream up to ``event``, usable on the current
@@ -888,14 +1125,15 @@ class OffloadActivations(saved_tensors_hooks):
         current.wait_event(event)
         dev.record_stream(current)
 
-    def _side(self, device: torch.device) -> Any:
-        """The side stream of ``device`` (made on first use; kept under the device as given
-        and with its index, so a tensor's own ``device`` finds it in one look-up)."""
+    def _side(self, device: torch.device, back: bool) -> Any:
+        """The side stream of ``device`` for copies out (``back`` False) or prefetch back
+        (True): made on first use, and kept under the device as given and with its index,
+        so a tensor's own ``device`` finds it in one look-up."""
         indexed = torch.device(device.type, device_index(device))
-        side = self._side_streams.get(indexed)
+        side = self._side_streams.get((indexed, back))
         if side is None:
-            side = self._side_streams[indexed] = self._device_module.Stream(device=indexed)
-        self._side_streams[device] = side
+            side = self._side_streams[(indexed, back)] = self._device_module.Stream(device=indexed)
+        self._side_streams[(device, back)] = side
         return side
 
     # -- context ------------------------------------------------------------------------------
@@ -907,6 +1145,8 @@ class OffloadActivations(saved_tensors_hooks):
         self._small_room = self._small_kept[1]
         self._on_plan = True
         plan = self._budget_plan
+        if self._goal and plan is None:
+            self._measure()
         self._keep_all = plan is not None and plan[1] == 0
         if self._held or self._kept:
             self._forget_dead_held()
@@ -954,11 +1194,28 @@ class OffloadActivations(saved_tensors_hooks):
                 self._depth -= 1
                 if self._depth == 0:
                     self._close_forward()
-                for device, side in self._side_streams.items():
-                    self._device_module.current_stream(device).wait_stream(side)
-                self._in_flight.clear()  # the compute streams now wait for the copies
+                # The window's tensors go: those whose copies are still running are
+                # recorded on the side stream, so the compute stream never waits for the
+                # copies out here (backward may begin while they run: only the copies
+                # back of their groups wait for them).
+                self._let_go(list(self._in_flight))
+                self._in_flight.clear()
         finally:
             super().__exit__(*exc)
+
+
+def _rises(samples: list[tuple[int, int]]) -> tuple[int, ...]:
+    """For each of a measured backward's points (``samples``: the device's allocated bytes
+    and its peak statistic at each first unpack), how far its allocations rose above that
+    point later on: at a later point, or between two (where the peak statistic grew)."""
+    rises = [0] * len(samples)
+    ahead = 0  # the most allocated at any later point
+    for i in range(len(samples) - 1, -1, -1):
+        allocated, peak = samples[i]
+        rises[i] = max(0, ahead - allocated)
+        before = samples[i - 1][1] if i else 0
+        ahead = max(ahead, allocated, peak if peak > before else 0)
+    return tuple(rises)
 
 
 def _bytes_of(

@@ -16,8 +16,6 @@ brought back that backward will not use.
 from __future__ import annotations
 
 import weakref
-from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -82,6 +80,8 @@ class _Pass:
     """One backward pass (one graph task) through a manager's groups of host copies."""
 
     __slots__ = (
+        "early",
+        "early_queue",
         "held",
         "next",
         "order",
@@ -103,6 +103,10 @@ class _Pass:
         #: the default prefetch window: twice the plan's largest copy (so about two copies
         #: ahead, as many as fit in whole groups; one group at least)
         self.window = 0
+        #: the groups brought back early, as the pass began (a goal's plan): None until then
+        self.early: set[int] | None = None
+        #: the groups still to bring back early, in the order sent
+        self.early_queue: list[weakref.ref[_Group]] = []
 
     def learned(self) -> Order:
         """This pass's order, relative to its first unpacked unit (empty if none)."""
@@ -165,70 +169,3 @@ def _to_prefetch(state: _Pass, current: _Group, window: int) -> list[_Group]:
         j += 1
     state.next = j
     return out
-
-
-@dataclass(frozen=True)
-class OffloadPlan:
-    """What a device budget keeps on the device and moves to the host, per forward: the
-    plan made from the last forward whose saved tensors it saw (``budget``: bytes;
-    ``kept`` / ``moved``: how many copies, by storage; ``*_bytes``: their sizes, so
-    ``moved_bytes`` go to the host in forward and back in backward). ``replans``: how
-    many times a forward of another shape made a new plan. ``small`` storages
-    (``small_bytes`` in all), each under ``small_below`` bytes, stay on the device besides
-    the budget's: too small to be worth moving (``keep_small``, without a budget)."""
-
-    budget: int
-    kept: int
-    kept_bytes: int
-    moved: int
-    moved_bytes: int
-    replans: int
-    small: int = 0
-    small_bytes: int = 0
-    small_below: int = 0
-
-    def __str__(self) -> str:
-        from leakfree._text import format_bytes
-
-        small = ""
-        if self.small:
-            small = (
-                f", and {self.small} small ones ({format_bytes(self.small_bytes)}, each "
-                f"under {format_bytes(self.small_below)}) stay as well"
-            )
-        return (
-            f"device budget {format_bytes(self.budget)}: {self.kept} saved tensors "
-            f"({format_bytes(self.kept_bytes)}) stay on the device, {self.moved} "
-            f"({format_bytes(self.moved_bytes)}) go to the host and back{small}; "
-            f"{self.replans} re-plan(s)"
-        )
-
-
-def _plan(sizes: list[int], budget: int) -> int:
-    """How many of ``sizes`` (a forward's copies, in creation order) move: the earliest
-    ones, which backward needs last. The kept ones are the latest that fit in ``budget``
-    together; the first that does not fit, and all before it, move."""
-    kept = 0
-    for i in range(len(sizes) - 1, -1, -1):
-        if kept + sizes[i] > budget:
-            return i + 1
-        kept += sizes[i]
-    return 0
-
-
-#: the smallest saved storages stay on the device while they add up to at most this
-#: fraction (1 / _SMALL_SHARE) of the bytes a forward saves
-_SMALL_SHARE = 64
-
-
-def _small_below(sizes: list[int]) -> int:
-    """The size under which saved storages stay on the device: the smallest of ``sizes``
-    (a forward's saved storages, in bytes), as long as together they are at most
-    1 / ``_SMALL_SHARE`` of all of them; all of one size or none. 0: none stays."""
-    allowance = sum(sizes) // _SMALL_SHARE
-    kept = 0
-    for n, count in sorted(Counter(sizes).items()):
-        if kept + n * count > allowance:
-            return n if kept else 0
-        kept += n * count
-    return 0  # only when every size is 0

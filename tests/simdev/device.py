@@ -219,6 +219,15 @@ class Event:
         _STATE.trace("_handle_event_synchronization", self.id)
         return True
 
+    def elapsed_time(self, end: Event) -> float:
+        """Milliseconds from this event to ``end``, as the timing model has them (0.0
+        without one: the simulated device itself takes no time)."""
+        timer = _STATE.timer
+        if timer is None:
+            return 0.0
+        timeline = timer.timeline
+        return (timeline.event_time(end.id) - timeline.event_time(self.id)) * 1e3
+
     def synchronize(self) -> None:
         _STATE.count_sync("Event.synchronize")
         if self.done_after is not None:

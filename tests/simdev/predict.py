@@ -63,6 +63,7 @@ class Prediction:
     step: float  #: seconds
     activation_peak: int  #: bytes the step allocates beyond what was allocated before it
     held_peak: int  #: the same, counting freed blocks until their other streams' work ends
+    allocated_before: int  #: bytes allocated on the device when the step began
     to_host: int  #: bytes copied to the host
     to_device: int  #: bytes copied back
     copy_overlap: float  #: seconds both copy engines are busy at once
@@ -109,6 +110,10 @@ def _context(mode: str, model: torch.nn.Module, moved: int | None) -> Callable[[
         if moved is None:
             raise ValueError(f"mode {mode!r}: needs the bytes the default moves")
         return leakfree_context(model, device_budget=int(float(mode.split()[1]) * moved))
+    if mode.startswith("max_overhead="):
+        return leakfree_context(model, max_overhead=float(mode.partition("=")[2]))
+    if mode.startswith("device_limit="):
+        return leakfree_context(model, device_limit=int(mode.partition("=")[2]))
     if mode == "save_on_cpu":
         return lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
     if mode == "trl":
@@ -117,6 +122,40 @@ def _context(mode: str, model: torch.nn.Module, moved: int | None) -> Callable[[
         trl_ctx = get_act_offloading_ctx_manager(model)
         return lambda: trl_ctx
     raise ValueError(f"mode {mode!r}: unknown")
+
+
+@contextlib.contextmanager
+def as_measured() -> Iterator[None]:
+    """leakfree's offloader with the schedule ``shared/GPU.md`` measured (e7732f1): one
+    side stream for both directions, the compute stream waiting for it at ``__exit__``,
+    and prefetch waiting for the compute stream. (The calibration compares the model
+    with those measurements: it must run what they ran.)"""
+    from leakfree.offload.hooks import OffloadActivations as Offload
+
+    side, exit_, copy_in = Offload._side, Offload.__exit__, Offload._copy_in
+
+    def one_side(self: Any, device: torch.device, back: bool) -> Any:
+        return side(self, device, False)
+
+    def waiting_exit(self: Any, *exc: object) -> None:
+        if self._depth == 1 and self._device_module is not None:
+            for (device, _), stream in list(self._side_streams.items()):
+                self._device_module.current_stream(device).wait_stream(stream)
+        exit_(self, *exc)
+
+    def waiting_copy_in(self: Any, group: Any, *, prefetch: bool = False) -> Any:
+        if prefetch and self.use_streams:
+            stream = self._side(group.device, True)
+            stream.wait_stream(self._device_module.current_stream(group.device))
+        return copy_in(self, group, prefetch=prefetch)
+
+    Offload._side = one_side  # type: ignore[method-assign]
+    Offload.__exit__ = waiting_exit  # type: ignore[method-assign]
+    Offload._copy_in = waiting_copy_in  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Offload._side, Offload.__exit__, Offload._copy_in = side, exit_, copy_in  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -144,11 +183,13 @@ def predict(
     ids = torch.zeros(batch, 4096, dtype=torch.long, device=sim.device)
     context = mode(model) if callable(mode) else _context(mode, model, moved)
     name = mode if isinstance(mode, str) else getattr(mode, "__name__", "custom")
-    for _ in range(warmup):
-        _step(sim, model, ids, context)
+    for _ in range(warmup):  # timed too: a plan is made from a measured step
+        with timing.attach(rates):
+            _step(sim, model, ids, context)
     ctx = context()
     stats = getattr(ctx, "stats", None)
     before = (stats.to_host_bytes, stats.to_device_bytes) if stats is not None else (0, 0)
+    allocated_before = sim.allocated()
     with timing.attach(rates) as t:
         _step(sim, model, ids, lambda: ctx)
     to_host = sum(op.nbytes for op in t.ops if op.engine == timing.TO_HOST)
@@ -163,6 +204,7 @@ def predict(
         step=t.end,
         activation_peak=t.peak,
         held_peak=t.held_peak,
+        allocated_before=allocated_before,
         to_host=to_host,
         to_device=to_device,
         copy_overlap=t.overlap(timing.TO_HOST, timing.TO_DEVICE),
@@ -175,10 +217,10 @@ def predict(
 def _step(
     sim: _device.SimDevice, model: torch.nn.Module, ids: torch.Tensor, context: Callable[[], Any]
 ) -> None:
-    for p in model.parameters():
-        p.grad = None
     with context():
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     del loss
     sim.module.synchronize()
+    for p in model.parameters():  # as an optimizer's zero_grad(set_to_none=True)
+        p.grad = None

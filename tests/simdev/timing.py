@@ -164,6 +164,10 @@ class Timeline:
         """The host waits for everything issued."""
         self.host = max(self.host, *self._stream_end.values(), 0.0)
 
+    def event_time(self, event: int) -> float:
+        """When ``event`` completes (seconds; 0.0 if it was never recorded)."""
+        return self._events.get(event, 0.0)
+
     def done(self, event: int) -> bool:
         """``event.query()``: whether it has completed by the host's clock (an event never
         recorded has)."""

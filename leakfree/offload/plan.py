@@ -1,0 +1,226 @@
+"""What a forward moves to the host and what stays on the device: the plan.
+
+Every plan moves a *prefix* of a forward's saved storages (in the order they were saved)
+and keeps the rest: the earliest saved are needed last by backward, so their copies have
+the longest to go out and come back. Three ways to choose how long the prefix is:
+
+* ``device_budget`` (bytes): the latest saved storages that fit in the budget stay
+  (:func:`_plan`);
+* ``max_overhead`` (a fraction of the step): the longest prefix whose predicted stall is
+  within that fraction of the step's compute (:func:`choose`);
+* ``device_limit`` (bytes the step may allocate on the device): the shortest prefix whose
+  predicted peak is under it, none when the step fits (:func:`choose`).
+
+The last two are planned from a :class:`Measurement` of one step on the device itself
+(when each storage was saved, the forward's and backward's compute time, the copy
+bandwidth each way, the step's peak), by :func:`predict`, a schedule of the copies: out
+on one copy engine in the order saved, back on the other, each as early as its copy out
+has ended, backward waiting where a copy back is late. Plain Python over numbers; it
+owns no tensor.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+__all__ = ["Measurement", "OffloadPlan", "choose", "head_start", "predict"]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One step of a forward's shapes, measured on the device.
+
+    ``sizes``: the saved storages' bytes, in the order saved; ``made``: seconds from the
+    forward's start to each save; ``forward`` / ``backward``: seconds of each pass's
+    compute (backward's as measured without copies, or estimated from the forward's);
+    ``to_host`` / ``to_device``: copy bandwidths, bytes per second; ``peak``: the most
+    the step allocated on the device, and ``moved`` the bytes it had moved to the host
+    while measuring (so ``peak + moved`` is what it would allocate moving nothing)."""
+
+    sizes: tuple[int, ...]
+    made: tuple[float, ...]
+    forward: float
+    backward: float
+    to_host: float
+    to_device: float
+    peak: int
+    moved: int = 0
+
+
+def _copies_out(m: Measurement, moved: int) -> list[float]:
+    """When each of the first ``moved`` copies out ends: one at a time in the order saved,
+    each once it is saved and the one before it is done."""
+    end = 0.0
+    ends = []
+    for k in range(moved):
+        end = max(m.made[k], end) + m.sizes[k] / m.to_host
+        ends.append(end)
+    return ends
+
+
+def head_start(m: Measurement, moved: int) -> int:
+    """Bytes of the earliest moved storages (which backward needs last) to bring back as
+    soon as backward begins, while the last copies out still run: as many, in the order
+    saved, as the copy back engine finishes before the last copy out ends (so they delay
+    nothing), within the bytes the plan keeps (backward frees those first: the early
+    ones take their room, not more)."""
+    if moved < 2:
+        return 0
+    ends = _copies_out(m, moved)
+    room = sum(m.sizes[moved:])
+    engine, total = m.forward, 0
+    for k in range(moved - 1):
+        engine = max(ends[k], engine) + m.sizes[k] / m.to_device
+        if engine > ends[-1] or total + m.sizes[k] > room:
+            break
+        total += m.sizes[k]
+    return total
+
+
+def predict(m: Measurement, moved: int, early: int | None = None) -> tuple[float, int]:
+    """The stall (seconds) and the peak (bytes) of a step that moves ``m``'s first
+    ``moved`` storages, bringing ``early`` bytes of them back ahead (default:
+    :func:`head_start`'s).
+
+    The forward does not wait for its copies out (their memory is the copy stream's until
+    they end). Backward needs storage ``k`` after ``backward * (forward - made[k]) /
+    forward`` seconds of its compute (the forward, mirrored), plus what it waited so far.
+    Copies back run one at a time, each once its copy out is done: the early ones first,
+    from the forward's end, then the rest in the order backward needs them. The peak
+    falls by the bytes moved."""
+    sizes, made = m.sizes, m.made
+    ends = _copies_out(m, moved)
+    if early is None:
+        early = head_start(m, moved)
+    engine = m.forward  # the copy back engine is free from the forward's end on
+    first = 0  # the early ones: the first storages, up to ``early`` bytes
+    while first < moved and sizes[first] <= early:
+        early -= sizes[first]
+        engine = max(ends[first], engine) + sizes[first] / m.to_device
+        first += 1
+    rate = m.backward / m.forward if m.forward > 0 else 0.0
+    stall = 0.0
+    for k in range(moved - 1, first - 1, -1):
+        engine = max(ends[k], engine) + sizes[k] / m.to_device
+        need = m.forward + stall + rate * (m.forward - made[k])
+        stall += max(0.0, engine - need)
+    peak = m.peak + m.moved - sum(sizes[:moved])
+    return stall, peak
+
+
+def choose(
+    m: Measurement,
+    *,
+    max_overhead: float | None = None,
+    device_limit: int | None = None,
+    allocated: int = 0,
+) -> int:
+    """How many of ``m``'s first storages to move.
+
+    ``max_overhead``: the most whose predicted stall is at most that fraction of the
+    step's compute. ``device_limit``: the fewest whose predicted peak, on top of
+    ``allocated`` (what the device held before the step), is at most the limit: 0 when
+    the step fits, all when nothing does. Both given: the limit first, then as many more
+    as the overhead allows."""
+    n = len(m.sizes)
+    least = 0
+    if device_limit is not None:
+        least = n
+        for moved in range(n + 1):
+            if allocated + predict(m, moved)[1] <= device_limit:
+                least = moved
+                break
+    if max_overhead is None:
+        return least
+    allowed = max_overhead * (m.forward + m.backward)
+    best = least
+    for moved in range(least + 1, n + 1):
+        if predict(m, moved)[0] <= allowed:
+            best = moved
+    return best
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """What stays on the device and what moves to the host, per forward: the plan made
+    from the last forward whose saved tensors it saw.
+
+    ``goal``: what chose it (``"device_budget"``, ``"max_overhead"``, ``"device_limit"``);
+    ``budget``: the bytes of saved activations kept (the device budget's, or what the
+    goal's plan keeps); ``kept`` / ``moved``: how many copies, by storage; ``*_bytes``:
+    their sizes, so ``moved_bytes`` go to the host in forward and back in backward.
+    ``replans``: how many times a forward of another shape made a new plan. ``small``
+    storages (``small_bytes`` in all), each under ``small_below`` bytes, stay on the
+    device besides the budget's: too small to be worth moving (``keep_small``, without a
+    budget). ``overhead``: the predicted stall, a fraction of the step's compute, and
+    ``peak``: the step's predicted peak on the device, in bytes (goals only)."""
+
+    budget: int
+    kept: int
+    kept_bytes: int
+    moved: int
+    moved_bytes: int
+    replans: int
+    small: int = 0
+    small_bytes: int = 0
+    small_below: int = 0
+    goal: str = "device_budget"
+    overhead: float | None = None
+    peak: int | None = None
+
+    def __str__(self) -> str:
+        from leakfree._text import format_bytes
+
+        small = ""
+        if self.small:
+            small = (
+                f", and {self.small} small ones ({format_bytes(self.small_bytes)}, each "
+                f"under {format_bytes(self.small_below)}) stay as well"
+            )
+        if self.goal == "device_budget":
+            head = f"device budget {format_bytes(self.budget)}"
+        else:
+            head = self.goal
+        predicted = ""
+        if self.overhead is not None and self.peak is not None:
+            predicted = (
+                f"; predicted: {self.overhead:.1%} of the step's compute waiting for "
+                f"copies, a peak of {format_bytes(self.peak)}"
+            )
+        return (
+            f"{head}: {self.kept} saved tensors "
+            f"({format_bytes(self.kept_bytes)}) stay on the device, {self.moved} "
+            f"({format_bytes(self.moved_bytes)}) go to the host and back{small}; "
+            f"{self.replans} re-plan(s){predicted}"
+        )
+
+
+def _plan(sizes: list[int] | tuple[int, ...], budget: int) -> int:
+    """How many of ``sizes`` (a forward's copies, in creation order) move: the earliest
+    ones, which backward needs last. The kept ones are the latest that fit in ``budget``
+    together; the first that does not fit, and all before it, move."""
+    kept = 0
+    for i in range(len(sizes) - 1, -1, -1):
+        if kept + sizes[i] > budget:
+            return i + 1
+        kept += sizes[i]
+    return 0
+
+
+#: the smallest saved storages stay on the device while they add up to at most this
+#: fraction (1 / _SMALL_SHARE) of the bytes a forward saves
+_SMALL_SHARE = 64
+
+
+def _small_below(sizes: list[int]) -> int:
+    """The size under which saved storages stay on the device: the smallest of ``sizes``
+    (a forward's saved storages, in bytes), as long as together they are at most
+    1 / ``_SMALL_SHARE`` of all of them; all of one size or none. 0: none stays."""
+    allowance = sum(sizes) // _SMALL_SHARE
+    kept = 0
+    for n, count in sorted(Counter(sizes).items()):
+        if kept + n * count > allowance:
+            return n if kept else 0
+        kept += n * count
+    return 0  # only when every size is 0
