@@ -38,7 +38,6 @@ from leakfree.offload.plan import (
     _plan,
     _small_below,
     choose,
-    head_start,
     predict,
 )
 from leakfree.offload.pool import HostBlock, HostBlockPool
@@ -728,17 +727,28 @@ class OffloadActivations(saved_tensors_hooks):
             "allocated": allocated,
             "moved": self.stats.to_host_bytes,
             "samples": [],
+            "needed": 0,
+            "restored": 0,
+            "peak": (0, 0, 0),
+            "last": 0,
         }
 
-    def _sample(self) -> None:
-        """In a measured step's backward (lock held): the device's allocated bytes now."""
+    def _sample(self, nbytes: int, *, moved: bool) -> None:
+        """In a measured step's backward (lock held), at the first unpack of ``nbytes``
+        (brought back if ``moved``, else held): the device's allocated bytes and peak
+        statistic now, and the bytes backward has needed and brought back so far."""
         measuring = self._measuring
         module = self._device_module
         if measuring is not None and "backward" in measuring and module is not None:
             device = self.device
+            measuring["needed"] += nbytes
+            measuring["restored"] += nbytes if moved else 0
             allocated = int(module.memory_allocated(device))
-            peak = int(module.max_memory_allocated(device))
+            peak = int(module.max_memory_allocated(device))  # since the last sample
+            module.reset_peak_memory_stats(device)
             measuring["samples"].append((allocated, peak))
+            if peak > measuring["peak"][0]:  # a new peak: what backward needed by then
+                measuring["peak"] = (peak, measuring["needed"], measuring["restored"])
 
     def _plan_measured(self, measuring: dict[str, Any]) -> None:
         """The measured step's backward is over (lock held): the plan for its shapes, from
@@ -760,8 +770,17 @@ class OffloadActivations(saved_tensors_hooks):
         module = self._device_module
         device = cast(torch.device, self.device)
         allocated = measuring["allocated"]
+        # The step's peak had nothing moved: what it allocated at most, plus what it moved,
+        # less what it had brought back by its peak (needed there, moved or not); and the
+        # bytes of the latest storages backward needed by then (moving them lowers nothing)
+        needed = 0
         if module is not None and hasattr(module, "max_memory_allocated"):
-            peak = int(module.max_memory_allocated(device)) - allocated
+            at_peak, needed, restored = measuring["peak"]
+            last = measuring["last"] = int(module.max_memory_allocated(device))  # since the last
+            if last > at_peak:  # at the end of backward (all it needed was needed by then)
+                at_peak, restored = last, measuring["restored"]
+                needed = measuring["needed"]
+            peak = at_peak - allocated + moved - restored
         else:
             peak = sum(sizes)
         if self._bandwidth is None:
@@ -775,15 +794,14 @@ class OffloadActivations(saved_tensors_hooks):
                 streams = (None, None)
             self._bandwidth = bandwidth(device, module, streams, nbytes)
         measurement = Measurement(
-            sizes, made, forward, backward, *self._bandwidth, peak=peak, moved=moved
+            sizes, made, forward, backward, *self._bandwidth, peak=peak, needed_at_peak=needed
         )
-        count = choose(
+        count, self._early = choose(
             measurement,
             max_overhead=self._max_overhead,
             device_limit=self._device_limit,
             allocated=allocated,
         )
-        self._early = head_start(measurement, count)
         stall, predicted_peak = predict(measurement, count, self._early)
         compute = forward + backward
         self._prediction = (stall / compute if compute > 0 else 0.0, allocated + predicted_peak)
@@ -795,7 +813,7 @@ class OffloadActivations(saved_tensors_hooks):
         if self._device_limit is not None:
             ceiling = max(ceiling, self._device_limit)
         self._ceiling = ceiling
-        self._rises = _rises(measuring["samples"])
+        self._rises = _rises([*measuring["samples"], (0, measuring["last"])])
         self._budget_plan = (sizes, count)
         self._small_below = 0
         self._small_kept = (0, 0)
@@ -941,7 +959,7 @@ class OffloadActivations(saved_tensors_hooks):
                     state.order.append((group.seq, group.used))
                     state.held.append(weakref.ref(group))
                     if self._measuring is not None:
-                        self._sample()
+                        self._sample(group.used, moved=True)
                     if state.plan and self.use_streams and self._early:
                         self._prefetch_early(state, group)
                     if state.plan and self.use_streams:  # what the order needs next
@@ -1031,7 +1049,7 @@ class OffloadActivations(saved_tensors_hooks):
             copy.task = task
             state.order.append((copy.seq, copy.nbytes))
             if self._measuring is not None:
-                self._sample()
+                self._sample(copy.nbytes, moved=False)
             if state.plan and self._early and self.use_streams:
                 self._prefetch_early(state, copy)
 
@@ -1206,15 +1224,14 @@ class OffloadActivations(saved_tensors_hooks):
 
 def _rises(samples: list[tuple[int, int]]) -> tuple[int, ...]:
     """For each of a measured backward's points (``samples``: the device's allocated bytes
-    and its peak statistic at each first unpack), how far its allocations rose above that
-    point later on: at a later point, or between two (where the peak statistic grew)."""
+    at each first unpack, and the most it allocated since the point before), how far its
+    allocations rose above that point later on."""
     rises = [0] * len(samples)
-    ahead = 0  # the most allocated at any later point
+    ahead = 0  # the most allocated after the point at hand
     for i in range(len(samples) - 1, -1, -1):
         allocated, peak = samples[i]
         rises[i] = max(0, ahead - allocated)
-        before = samples[i - 1][1] if i else 0
-        ahead = max(ahead, allocated, peak if peak > before else 0)
+        ahead = max(ahead, allocated, peak)
     return tuple(rises)
 
 

@@ -35,8 +35,9 @@ class Measurement:
     forward's start to each save; ``forward`` / ``backward``: seconds of each pass's
     compute (backward's as measured without copies, or estimated from the forward's);
     ``to_host`` / ``to_device``: copy bandwidths, bytes per second; ``peak``: the most
-    the step allocated on the device, and ``moved`` the bytes it had moved to the host
-    while measuring (so ``peak + moved`` is what it would allocate moving nothing)."""
+    the step allocates on the device beyond what it held before, moving nothing; and
+    ``needed_at_peak``: the bytes of the latest saved storages backward has used by that
+    peak (moving those lowers nothing)."""
 
     sizes: tuple[int, ...]
     made: tuple[float, ...]
@@ -45,7 +46,7 @@ class Measurement:
     to_host: float
     to_device: float
     peak: int
-    moved: int = 0
+    needed_at_peak: int = 0
 
 
 def _copies_out(m: Measurement, moved: int) -> list[float]:
@@ -88,7 +89,7 @@ def predict(m: Measurement, moved: int, early: int | None = None) -> tuple[float
     forward`` seconds of its compute (the forward, mirrored), plus what it waited so far.
     Copies back run one at a time, each once its copy out is done: the early ones first,
     from the forward's end, then the rest in the order backward needs them. The peak
-    falls by the bytes moved."""
+    falls by the bytes moved, but for the latest ones backward needs by its peak."""
     sizes, made = m.sizes, m.made
     ends = _copies_out(m, moved)
     if early is None:
@@ -105,7 +106,8 @@ def predict(m: Measurement, moved: int, early: int | None = None) -> tuple[float
         engine = max(ends[k], engine) + sizes[k] / m.to_device
         need = m.forward + stall + rate * (m.forward - made[k])
         stall += max(0.0, engine - need)
-    peak = m.peak + m.moved - sum(sizes[:moved])
+    lowers = sum(sizes) - m.needed_at_peak
+    peak = m.peak - min(sum(sizes[:moved]), max(0, lowers))
     return stall, peak
 
 
@@ -115,30 +117,37 @@ def choose(
     max_overhead: float | None = None,
     device_limit: int | None = None,
     allocated: int = 0,
-) -> int:
-    """How many of ``m``'s first storages to move.
+) -> tuple[int, int]:
+    """How many of ``m``'s first storages to move, and how many bytes of them to bring
+    back early (:func:`head_start`, within what the plan leaves under a limit).
 
-    ``max_overhead``: the most whose predicted stall is at most that fraction of the
-    step's compute. ``device_limit``: the fewest whose predicted peak, on top of
-    ``allocated`` (what the device held before the step), is at most the limit: 0 when
-    the step fits, all when nothing does. Both given: the limit first, then as many more
-    as the overhead allows."""
+    ``device_limit``: of the plans whose predicted peak, on top of ``allocated`` (what
+    the device held before the step), is at most the limit, the one with the least
+    predicted stall, the fewest bytes among equals: nothing when the step fits, all when
+    nothing does. ``max_overhead``: the most whose predicted stall is at most that
+    fraction of the step's compute (with a limit too: among the plans under it)."""
     n = len(m.sizes)
-    least = 0
-    if device_limit is not None:
-        least = n
-        for moved in range(n + 1):
-            if allocated + predict(m, moved)[1] <= device_limit:
-                least = moved
-                break
-    if max_overhead is None:
-        return least
+    if device_limit is None:
+        candidates = range(n + 1)
+    else:
+        fits = [k for k in range(n + 1) if allocated + predict(m, k, 0)[1] <= device_limit]
+        candidates = range(fits[0], n + 1) if fits else range(n, n + 1)
+
+    def early(moved: int) -> int:
+        head = head_start(m, moved)
+        if device_limit is not None:  # early bytes stay under the limit too
+            head = min(head, max(0, device_limit - allocated - predict(m, moved, 0)[1]))
+        return head
+
+    if max_overhead is None:  # the limit alone: the least stall
+        best = min(candidates, key=lambda k: (predict(m, k, early(k))[0], k))
+        return best, early(best)
     allowed = max_overhead * (m.forward + m.backward)
-    best = least
-    for moved in range(least + 1, n + 1):
-        if predict(m, moved)[0] <= allowed:
+    best = candidates[0]
+    for moved in candidates:
+        if predict(m, moved, early(moved))[0] <= allowed:
             best = moved
-    return best
+    return best, early(best)
 
 
 @dataclass(frozen=True)
