@@ -8,6 +8,7 @@ are.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 import threading
@@ -104,14 +105,9 @@ def _check_device_budget(name: str | None, value: object) -> None:
 
 def _check_max_overhead(name: str | None, value: object) -> None:
     """The one check of ``max_overhead``, at construction and on assignment."""
-    call = "OffloadActivations" if name else "OffloadActivations.max_overhead"
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(
-            f"{call}({name or 'value'}={value!r}): expected None or a number >= 0 (the "
-            "step time offloading may add, as a fraction of the step's compute: 0.05 for 5%)"
-        )
+    if value is not None:
+        call = "OffloadActivations" if name else "OffloadActivations.max_overhead"
+        _args.number(call, name, value, 0.0)
 
 
 def _check_device_limit(name: str | None, value: object) -> None:
@@ -260,9 +256,9 @@ class OffloadActivations(saved_tensors_hooks):
         _check_device_limit("device_limit", device_limit)
         if device_budget is not None and (max_overhead is not None or device_limit is not None):
             other = "max_overhead" if max_overhead is not None else "device_limit"
-            raise ValueError(
+            raise _args.ArgumentError(
                 f"OffloadActivations(device_budget=..., {other}=...): a device budget fixes "
-                f"the bytes kept, {other} plans them from the step: give one of the two"
+                f"the bytes kept, {other} plans them from a measured step: give one of the two"
             )
         _check_keep_small("keep_small", keep_small)
         _check_min_offload_size("min_offload_size", min_offload_size)
@@ -292,6 +288,10 @@ class OffloadActivations(saved_tensors_hooks):
         self._measuring: dict[str, Any] | None = None
         self._prediction: tuple[float, int] | None = None
         self._bandwidth: tuple[float, float] | None = None
+        #: under a limit, the measurement a new plan came from and what the device held
+        #: then, until a step under it has held the limit; and that step's start
+        self._check: tuple[Measurement, int] | None = None
+        self._checking: int | None = None
         self._early = 0  # bytes a goal's plan brings back as backward begins
         self._ceiling = 0  # the device bytes allocated that bringing them back stays under
         self._rises: tuple[int, ...] = ()  # less these, by position in backward's order
@@ -371,11 +371,51 @@ class OffloadActivations(saved_tensors_hooks):
     @device_budget.setter
     def device_budget(self, value: int | None) -> None:
         _check_device_budget(None, value)
+        if value is not None and self._goal:
+            raise _args.ArgumentError(
+                f"OffloadActivations.device_budget = {value!r}: max_overhead or "
+                "device_limit is set; set them to None first"
+            )
         with self._lock:
             if value != self._device_budget:
                 self._forget_plan()
             self._device_budget = value
-            self._window = self.use_streams and value is None
+            self._window = self.use_streams and value is None and not self._goal
+
+    @property
+    def max_overhead(self) -> float | None:
+        """The step time offloading may add, a fraction of the step's compute (settable:
+        the next step is measured and planned again)."""
+        return self._max_overhead
+
+    @max_overhead.setter
+    def max_overhead(self, value: float | None) -> None:
+        _check_max_overhead(None, value)
+        self._set_goal(value, self._device_limit)
+
+    @property
+    def device_limit(self) -> int | None:
+        """Bytes the step may allocate on the device (settable: the next step is measured
+        and planned again)."""
+        return self._device_limit
+
+    @device_limit.setter
+    def device_limit(self, value: int | None) -> None:
+        _check_device_limit(None, value)
+        self._set_goal(self._max_overhead, value)
+
+    def _set_goal(self, max_overhead: float | None, device_limit: int | None) -> None:
+        goal = max_overhead is not None or device_limit is not None
+        if goal and self._device_budget is not None:
+            raise _args.ArgumentError(
+                "OffloadActivations: a goal (max_overhead, device_limit) with a "
+                "device_budget set: set device_budget = None first"
+            )
+        with self._lock:
+            if (max_overhead, device_limit) != (self._max_overhead, self._device_limit):
+                self._forget_plan()
+            self._max_overhead, self._device_limit, self._goal = max_overhead, device_limit, goal
+            self._window = self.use_streams and self._device_budget is None and not goal
 
     @property
     def keep_small(self) -> bool:
@@ -398,6 +438,7 @@ class OffloadActivations(saved_tensors_hooks):
         self._budget_plan = None
         self._small_below = 0
         self._measuring = None
+        self._check = self._checking = None
 
     def update_model_params(self, model: nn.Module) -> None:
         """Never offload ``model``'s parameters and buffers (matched by storage address).
@@ -729,7 +770,7 @@ class OffloadActivations(saved_tensors_hooks):
             "samples": [],
             "needed": 0,
             "restored": 0,
-            "peak": (0, 0, 0),
+            "used": [],
             "last": 0,
         }
 
@@ -747,8 +788,7 @@ class OffloadActivations(saved_tensors_hooks):
             peak = int(module.max_memory_allocated(device))  # since the last sample
             module.reset_peak_memory_stats(device)
             measuring["samples"].append((allocated, peak))
-            if peak > measuring["peak"][0]:  # a new peak: what backward needed by then
-                measuring["peak"] = (peak, measuring["needed"], measuring["restored"])
+            measuring["used"].append((measuring["needed"], measuring["restored"]))
 
     def _plan_measured(self, measuring: dict[str, Any]) -> None:
         """The measured step's backward is over (lock held): the plan for its shapes, from
@@ -770,17 +810,13 @@ class OffloadActivations(saved_tensors_hooks):
         module = self._device_module
         device = cast(torch.device, self.device)
         allocated = measuring["allocated"]
-        # The step's peak had nothing moved: what it allocated at most, plus what it moved,
-        # less what it had brought back by its peak (needed there, moved or not); and the
-        # bytes of the latest storages backward needed by then (moving them lowers nothing)
-        needed = 0
+        needed = floor = 0
         if module is not None and hasattr(module, "max_memory_allocated"):
-            at_peak, needed, restored = measuring["peak"]
-            last = measuring["last"] = int(module.max_memory_allocated(device))  # since the last
-            if last > at_peak:  # at the end of backward (all it needed was needed by then)
-                at_peak, restored = last, measuring["restored"]
-                needed = measuring["needed"]
-            peak = at_peak - allocated + moved - restored
+            measuring["last"] = int(module.max_memory_allocated(device))  # since the last
+            peak, needed, floor = _peaks(
+                measuring["samples"], measuring["used"], measuring["last"], moved
+            )
+            peak, floor = peak - allocated, max(0, floor - allocated)
         else:
             peak = sum(sizes)
         if self._bandwidth is None:
@@ -794,8 +830,24 @@ class OffloadActivations(saved_tensors_hooks):
                 streams = (None, None)
             self._bandwidth = bandwidth(device, module, streams, nbytes)
         measurement = Measurement(
-            sizes, made, forward, backward, *self._bandwidth, peak=peak, needed_at_peak=needed
+            sizes,
+            made,
+            forward,
+            backward,
+            *self._bandwidth,
+            peak=peak,
+            needed_at_peak=needed,
+            floor=floor,
         )
+        self._adopt(measurement, allocated)
+        samples = [*measuring["samples"], (0, measuring["last"])]
+        self._rises = _rises(samples)
+        self._replans += 1
+
+    def _adopt(self, measurement: Measurement, allocated: int) -> None:
+        """Plan from ``measurement`` (lock held; ``allocated``: what the device held before
+        the measured step). Under a limit, the next step's peak is checked against it."""
+        sizes = measurement.sizes
         count, self._early = choose(
             measurement,
             max_overhead=self._max_overhead,
@@ -803,7 +855,7 @@ class OffloadActivations(saved_tensors_hooks):
             allocated=allocated,
         )
         stall, predicted_peak = predict(measurement, count, self._early)
-        compute = forward + backward
+        compute = measurement.forward + measurement.backward
         self._prediction = (stall / compute if compute > 0 else 0.0, allocated + predicted_peak)
         # what bringing groups back early stays under: the plan's ceiling, and at each
         # point of backward (its n-th first unpack) the most the measured backward's
@@ -813,12 +865,39 @@ class OffloadActivations(saved_tensors_hooks):
         if self._device_limit is not None:
             ceiling = max(ceiling, self._device_limit)
         self._ceiling = ceiling
-        self._rises = _rises([*measuring["samples"], (0, measuring["last"])])
         self._budget_plan = (sizes, count)
         self._small_below = 0
         self._small_kept = (0, 0)
-        self._replans += 1
         self._capacity = min(self.batch_bytes, sum(sizes[:count]) // _GROUP_SHARE)
+        checkable = self._device_module is not None and count < len(sizes)
+        self._check = (
+            (measurement, allocated) if self._device_limit is not None and checkable else None
+        )
+        self._checking = None
+
+    def _check_start(self) -> None:
+        """A step under a limit's new plan begins (lock held): its peak is read at its end."""
+        module, device = self._device_module, self.device
+        module.reset_peak_memory_stats(device)
+        self._checking = int(module.memory_allocated(device))
+
+    def _check_end(self) -> None:
+        """The checked step is over (lock held): over the limit, the plan's prediction of
+        its peak was short by what the step went over it, and a plan moving more follows
+        (checked again); else the plan stands."""
+        assert self._check is not None
+        measurement, allocated = self._check
+        self._checking = None
+        peak = int(self._device_module.max_memory_allocated(self.device))
+        limit = cast(int, self._device_limit)
+        if peak <= limit:
+            self._check = None
+            return
+        short = peak - cast(tuple[float, int], self._prediction)[1]  # > 0: it was over
+        corrected = dataclasses.replace(
+            measurement, peak=measurement.peak + short, floor=measurement.floor + short
+        )
+        self._adopt(corrected, allocated)
 
     # -- copies -----------------------------------------------------------------------------
 
@@ -1088,6 +1167,8 @@ class OffloadActivations(saved_tensors_hooks):
             measuring = self._measuring
             if measuring is not None and "backward" in measuring:
                 self._plan_measured(measuring)
+            elif self._checking is not None:
+                self._check_end()
 
     def _copy_in(self, group: _Group, *, prefetch: bool = False) -> tuple[torch.Tensor, Any]:
         """Bring ``group``'s bytes back: needed now, on the current stream (after the copies
@@ -1165,6 +1246,8 @@ class OffloadActivations(saved_tensors_hooks):
         plan = self._budget_plan
         if self._goal and plan is None:
             self._measure()
+        elif self._check is not None:
+            self._check_start()
         self._keep_all = plan is not None and plan[1] == 0
         if self._held or self._kept:
             self._forget_dead_held()
@@ -1220,6 +1303,40 @@ class OffloadActivations(saved_tensors_hooks):
                 self._in_flight.clear()
         finally:
             super().__exit__(*exc)
+
+
+#: the first unpacks of backward that still count as its beginning (the loss and the
+#: output head, where a step's peak usually is: all its activations, and the head's
+#: gradients)
+_BEGINNING = 2
+
+
+def _peaks(
+    samples: list[tuple[int, int]], used: list[tuple[int, int]], last: int, moved: int
+) -> tuple[int, int, int]:
+    """From a measured step's samples (the device's allocated bytes at each first unpack of
+    backward, the most it allocated since the one before, and the bytes backward had used
+    and brought back by then) and what it allocated at most after the last one: the peak
+    had it moved nothing, the bytes backward had used by then, and the floor a plan's peak
+    cannot go under.
+
+    A step measured keeping everything (``moved`` 0) peaks where it peaks, and moving
+    what it had used by then lowers nothing. A step that moved everything: had it moved
+    nothing, it would have peaked as it began backward (all of its activations on the
+    device, and the head's gradients), the bytes it moved higher, less what it had
+    brought back by then; what it allocated later (brought back and made by backward,
+    as any plan's backward would) is the floor."""
+    peaks = [peak for _, peak in samples] + [last]
+    if not samples:
+        return last, 0, 0
+    if moved == 0:
+        at = max(range(len(peaks)), key=peaks.__getitem__)
+        needed = used[min(at, len(used) - 1)][0]
+        return peaks[at], needed, 0
+    begin = min(_BEGINNING, len(samples)) - 1
+    start = max(peaks[: begin + 1])
+    needed, restored = used[begin]
+    return start + moved - restored, needed, max(peaks[begin + 1 :], default=0)
 
 
 def _rises(samples: list[tuple[int, int]]) -> tuple[int, ...]:

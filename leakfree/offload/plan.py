@@ -37,7 +37,8 @@ class Measurement:
     ``to_host`` / ``to_device``: copy bandwidths, bytes per second; ``peak``: the most
     the step allocates on the device beyond what it held before, moving nothing; and
     ``needed_at_peak``: the bytes of the latest saved storages backward has used by that
-    peak (moving those lowers nothing)."""
+    peak (moving those lowers nothing); ``floor``: a peak no plan goes under (what
+    backward allocates later on, as it brings back and makes its gradients)."""
 
     sizes: tuple[int, ...]
     made: tuple[float, ...]
@@ -47,6 +48,7 @@ class Measurement:
     to_device: float
     peak: int
     needed_at_peak: int = 0
+    floor: int = 0
 
 
 def _copies_out(m: Measurement, moved: int) -> list[float]:
@@ -89,7 +91,8 @@ def predict(m: Measurement, moved: int, early: int | None = None) -> tuple[float
     forward`` seconds of its compute (the forward, mirrored), plus what it waited so far.
     Copies back run one at a time, each once its copy out is done: the early ones first,
     from the forward's end, then the rest in the order backward needs them. The peak
-    falls by the bytes moved, but for the latest ones backward needs by its peak."""
+    falls by the bytes moved, but for the latest ones backward needs by its peak, and not
+    under the measured floor."""
     sizes, made = m.sizes, m.made
     ends = _copies_out(m, moved)
     if early is None:
@@ -107,7 +110,7 @@ def predict(m: Measurement, moved: int, early: int | None = None) -> tuple[float
         need = m.forward + stall + rate * (m.forward - made[k])
         stall += max(0.0, engine - need)
     lowers = sum(sizes) - m.needed_at_peak
-    peak = m.peak - min(sum(sizes[:moved]), max(0, lowers))
+    peak = max(m.peak - min(sum(sizes[:moved]), max(0, lowers)), m.floor)
     return stall, peak
 
 

@@ -224,3 +224,39 @@ def _step(
     sim.module.synchronize()
     for p in model.parameters():  # as an optimizer's zero_grad(set_to_none=True)
         p.grad = None
+
+
+def calibration(sim: _device.SimDevice) -> dict[str, Prediction]:
+    """:data:`CALIBRATED`'s modes predicted with the schedule ``shared/GPU.md`` measured
+    (:func:`as_measured`); the budgets are fractions of what its default moved."""
+    out: dict[str, Prediction] = {}
+    with as_measured():
+        for mode in CALIBRATED:
+            moved = out["default"].to_host if "default" in out else None
+            out[mode] = predict(sim, mode, moved=moved)
+    return out
+
+
+def frontier(sim: _device.SimDevice, *, trl: bool = True) -> dict[str, Prediction]:
+    """Today's modes on the same model: no offloading, the default, the goals (a time cap;
+    a memory ceiling 1 GiB under the step's peak, at the default's peak, at TRL's), the
+    budgets, ``save_on_cpu`` and (``trl``, where installed) TRL's manager."""
+    out: dict[str, Prediction] = {}
+    none = out["none"] = predict(sim, "none")
+    default = out["default"] = predict(sim, "default")
+    base = none.allocated_before
+
+    def limit(name: str, activation_bytes: int) -> None:
+        out[name] = predict(sim, f"device_limit={base + activation_bytes}")
+
+    for fraction in ("0.05", "0.25", "1.0"):
+        out[f"max_overhead={fraction}"] = predict(sim, f"max_overhead={fraction}")
+    limit("device_limit=peak-1GiB", none.activation_peak - GiB)
+    limit("device_limit=default's peak", default.activation_peak)
+    for mode in ("budget 0.75", "budget 0.50", "budget 0.25", "use_streams=False"):
+        out[mode] = predict(sim, mode, moved=default.to_host)
+    out["save_on_cpu"] = predict(sim, "save_on_cpu")
+    if trl:
+        out["trl"] = predict(sim, "trl")
+        limit("device_limit=TRL's peak", out["trl"].activation_peak)
+    return out

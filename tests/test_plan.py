@@ -1,0 +1,259 @@
+"""Plans steered by a goal (``max_overhead``, ``device_limit``) and copies both ways at once.
+
+The schedule arithmetic of ``leakfree/offload/plan.py`` is checked by hand; the plans
+themselves run on the simulated device with the timing model attached to every step
+(``tests/simdev/timing.py``), so the measured step, the copies' engines and the device's
+peak are the model's, and gradients are compared with plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import leakfree
+from leakfree.offload.plan import Measurement, OffloadPlan, choose, head_start, predict
+from tests.simdev.timing import COMPUTE, TO_DEVICE, TO_HOST, Rates, Timeline, attach
+
+MiB = 1 << 20
+
+# --- the schedule, by hand -------------------------------------------------------------------
+
+
+def _m(**kw: Any) -> Measurement:
+    base: dict[str, Any] = {
+        "sizes": (100, 100, 100, 100),
+        "made": (0.0, 1.0, 2.0, 3.0),
+        "forward": 4.0,
+        "backward": 8.0,
+        "to_host": 100.0,  # one second a copy
+        "to_device": 100.0,
+        "peak": 1000,
+    }
+    return Measurement(**{**base, **kw})
+
+
+def test_copies_that_hide_behind_compute_cost_nothing_and_late_ones_stall() -> None:
+    m = _m()
+    # the first storage: out over [0, 1], back over [4, 5]; needed after 8 * (4 - 0) / 4
+    # = 8 s of backward: at 12 s
+    assert predict(m, 1) == (0.0, 900)
+    # all four: out over [0, 4]; back, latest first, from 4 s: the last one saved (made at
+    # 3 s, needed at 4 + 2 = 6 s) comes back over [4, 5]: no stall
+    assert predict(m, 4, early=0) == (0.0, 600)
+    slow = _m(to_device=25.0)  # four seconds a copy back: the latest is back at 8 s, not 6
+    stall, _ = predict(slow, 4, early=0)
+    assert stall == pytest.approx(2.0 + 2.0 + 2.0 + 2.0)
+
+
+def test_moving_what_backward_needs_by_its_peak_lowers_nothing() -> None:
+    m = _m(needed_at_peak=200)  # the two latest are in use at the peak
+    assert [predict(m, k)[1] for k in range(5)] == [1000, 900, 800, 800, 800]
+
+
+def test_a_head_start_brings_early_ones_back_while_the_last_copies_out_run() -> None:
+    # copies out take 4 s each: the last one ends at 16 s, long after the forward (4 s)
+    m = _m(to_host=25.0)
+    assert head_start(m, 4) == 0  # nothing kept: no room for anything early
+    kept = _m(sizes=(100, 100, 100, 100, 300), made=(0.0, 1.0, 2.0, 3.0, 3.5), to_host=25.0)
+    early = head_start(kept, 4)
+    # three: back over [4, 5], [8, 9], [12, 13], each after its copy out and before the
+    # last copy out ends (16 s), in the 300 bytes the plan keeps
+    assert early == 300
+    assert head_start(_m(sizes=(100, 100, 100, 100, 150), made=kept.made, to_host=25.0), 4) == 100
+    # with copies back as slow as out (4 s), the early ones save the stall of three
+    slow = _m(sizes=kept.sizes, made=kept.made, to_host=25.0, to_device=25.0)
+    assert head_start(slow, 4) == 300
+    assert predict(slow, 4, 0)[0] == pytest.approx(20.0)
+    assert predict(slow, 4, 300)[0] == pytest.approx(14.0)
+
+
+def test_choose_meets_the_goal_moving_the_fewest_or_the_most() -> None:
+    m = _m(to_device=25.0)  # copies back are slow: moving more stalls more
+    assert choose(m, device_limit=10_000) == (0, 0)  # the step fits: nothing moves
+    assert choose(m, device_limit=0)[0] == 4  # nothing fits: everything moves
+    assert choose(m, device_limit=750, allocated=0)[0] == 3  # the fewest under it
+    assert choose(m, max_overhead=0.0)[0] == predict_free(m)
+    assert choose(m, max_overhead=10.0)[0] == 4
+
+
+def predict_free(m: Measurement) -> int:
+    return max(k for k in range(len(m.sizes) + 1) if predict(m, k)[0] == 0.0)
+
+
+def test_a_plan_says_what_moves_what_stays_and_what_it_predicts() -> None:
+    plan = OffloadPlan(
+        budget=600, kept=3, kept_bytes=600, moved=1, moved_bytes=100, replans=0,
+        goal="max_overhead", overhead=0.031, peak=5 << 30,
+    )  # fmt: skip
+    text = str(plan)
+    assert text.startswith("max_overhead: 3 saved tensors")
+    assert "3.1% of the step's compute waiting for copies, a peak of 5.0 GiB" in text
+
+
+# --- on the simulated device, timed ------------------------------------------------------------
+
+#: a small device whose compute and copies take comparable times on a small model
+SMALL = Rates("small", flops=2e11, memory=4e10, to_host=2e9, to_device=2e9, launch=1e-6,
+              kernel_min=1e-6)  # fmt: skip
+
+
+def _model(width: int = 256, depth: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+def _step(model: nn.Module, x: torch.Tensor, ctx: Any, sim: Any) -> Timeline:
+    with attach(SMALL) as t:
+        with ctx if ctx is not None else _Nothing():
+            loss = model(x).square().mean()
+        loss.backward()
+        sim.module.synchronize()
+    return t
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    out = [p.grad.cpu().clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _run(
+    sim: Any, make: Callable[[int], Any], steps: int = 3, batch: int = 512
+) -> tuple[Any, Timeline, Timeline, int]:
+    """One step without a context, then ``steps`` steps under ``make(peak)``'s (``peak``:
+    the device's peak in the plain step): the context, the last timed step of each, and
+    the device's peak in the last step with the context."""
+    model = _model().to(sim.device)
+    x = torch.randn(batch, 256, device=sim.device)
+    sim.module.reset_peak_memory_stats()
+    plain = _step(model, x, None, sim)
+    expected = _grads(model)
+    ctx = make(sim.module.max_memory_allocated())
+    for _ in range(steps):
+        sim.module.reset_peak_memory_stats()
+        t = _step(model, x, ctx, sim)
+        got = _grads(model)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    peak = sim.module.max_memory_allocated()
+    return ctx, plain, t, peak
+
+
+def test_a_time_cap_moves_what_hides_and_predicts_its_overhead(sim: Any) -> None:
+    ctx, plain, planned, _ = _run(sim, lambda _: leakfree.OffloadActivations(max_overhead=0.05))
+    plan = ctx.plan
+    assert plan.goal == "max_overhead" and plan.moved > 0 and plan.kept > 0
+    assert plan.overhead <= 0.05
+    assert planned.busy(TO_HOST) > 0  # it moves, and the step stays within the cap
+    assert planned.end <= 1.10 * plain.end
+
+
+def test_the_first_step_of_a_time_cap_is_measured_keeping_everything(sim: Any) -> None:
+    model = _model().to(sim.device)
+    x = torch.randn(512, 256, device=sim.device)
+    ctx = leakfree.OffloadActivations(max_overhead=0.05)
+    _step(model, x, ctx, sim)
+    assert ctx.stats.to_host == 0 and ctx.plan is not None  # measured, then planned
+    _step(model, x, ctx, sim)
+    assert ctx.stats.to_host == ctx.plan.moved > 0
+
+
+def test_a_ceiling_that_the_step_fits_under_moves_nothing_after_its_first_step(sim: Any) -> None:
+    ctx, _, _, _ = _run(sim, lambda _: leakfree.OffloadActivations(device_limit=1 << 40))
+    assert ctx.plan.moved == 0 and ctx.plan.goal == "device_limit"
+    moved = ctx.stats.to_host  # the first step's, measured moving everything
+    model = _model().to(sim.device)
+    _step(model, torch.randn(512, 256, device=sim.device), ctx, sim)
+    assert ctx.stats.to_host == moved
+
+
+def test_a_ceiling_is_held_moving_the_least(sim: Any) -> None:
+    """The plan moves part of the activations; a step over the limit (the plan's peak
+    was predicted short) makes it move more, until the step holds the limit."""
+    limits = []
+
+    def make(plain_peak: int) -> Any:
+        before = sim.allocated()  # the model, its input and no gradients
+        limits.append(before + (plain_peak - before) * 6 // 10)
+        return leakfree.OffloadActivations(device_limit=limits[0])
+
+    ctx, _, _, peak = _run(sim, make, steps=4)
+    assert 0 < ctx.plan.moved and ctx.plan.kept > 0
+    assert peak <= limits[0]
+    assert ctx.plan.peak <= limits[0]
+
+
+def test_a_new_shape_is_measured_and_planned_again(sim: Any) -> None:
+    model = _model().to(sim.device)
+    ctx = leakfree.OffloadActivations(max_overhead=0.05)
+    for batch in (512, 512, 256, 256, 256):
+        _step(model, torch.randn(batch, 256, device=sim.device), ctx, sim)
+        model.zero_grad(set_to_none=True)
+    assert ctx.plan.replans == 1
+    # the new shape's 17 saved storages (each layer's two, and the loss's), of 256 rows
+    assert ctx.plan.kept_bytes + ctx.plan.moved_bytes == 17 * 256 * 256 * 4
+
+
+def test_copies_back_run_on_their_own_stream_beside_the_copies_out(sim: Any) -> None:
+    """Prefetch copies back on a stream of their own: behind the copies out on one side
+    stream (as before), they could never overlap them."""
+    ctx, _, t, _ = _run(sim, lambda _: leakfree.OffloadActivations(min_offload_size=1))
+    out = {op.stream for op in t.ops if op.engine == TO_HOST}
+    back = {op.stream for op in t.ops if op.engine == TO_DEVICE}
+    assert out and back and not out & back
+    assert len(back - {sim.module.current_stream().stream_id}) == 1
+
+
+def test_both_directions_run_at_once_under_a_goal(sim: Any) -> None:
+    """The first copies out are brought back while the last ones still run: the two copy
+    engines busy at once, which one side stream for both directions never allowed."""
+    ctx, _, t, _ = _run(sim, lambda _: leakfree.OffloadActivations(max_overhead=0.05))
+    assert ctx.plan.moved > 0 and ctx._early > 0
+    assert t.overlap(TO_HOST, TO_DEVICE) > 0
+
+
+def test_backward_begins_while_the_copies_out_still_run(sim: Any) -> None:
+    """The compute stream no longer waits for the copies out at ``__exit__``: backward's
+    first kernels run while they do (it needs the kept activations first)."""
+    ctx, _, t, _ = _run(
+        sim, lambda _: leakfree.OffloadActivations(min_offload_size=1, device_budget=2 * MiB)
+    )
+    last_out = max(op.end for op in t.ops if op.engine == TO_HOST)
+    forward_end = _forward_end(t)
+    started = [op for op in t.ops if op.engine == COMPUTE and op.start > forward_end]
+    assert started and started[0].start < last_out
+
+
+def _forward_end(t: Timeline) -> float:
+    # the loss: mean of the square; backward begins after its last forward kernel
+    names = [op.name for op in t.ops if op.engine == COMPUTE]
+    i = max(k for k, name in enumerate(names) if name == "aten::mean")
+    return [op for op in t.ops if op.engine == COMPUTE][i].end
+
+
+def test_a_copy_back_without_its_manager_waits_for_the_copies_out(sim: Any) -> None:
+    """The manager is gone before backward: the plain copy back waits for the copies out
+    (the stream sanitizer fails the test otherwise)."""
+    model = _model().to(sim.device)
+    x = torch.randn(512, 256, device=sim.device)
+    with leakfree.OffloadActivations(min_offload_size=1):
+        loss = model(x).square().mean()
+    gc.collect()
+    loss.backward()
+    sim.module.synchronize()
