@@ -194,7 +194,7 @@ def test_a_ceiling_is_held_moving_the_least(sim: Any) -> None:
         return leakfree.OffloadActivations(device_limit=limits[0])
 
     ctx, _, _, peak = _run(sim, make, steps=4)
-    assert 0 < ctx.plan.moved and ctx.plan.kept > 0
+    assert ctx.plan.moved > 0 and ctx.plan.kept > 0
     assert peak <= limits[0]
     assert ctx.plan.peak <= limits[0]
 
@@ -252,8 +252,10 @@ def test_a_copy_back_without_its_manager_waits_for_the_copies_out(sim: Any) -> N
     (the stream sanitizer fails the test otherwise)."""
     model = _model().to(sim.device)
     x = torch.randn(512, 256, device=sim.device)
+    sim.lazy = True  # a slow device: the copies out are still running as backward begins
     with leakfree.OffloadActivations(min_offload_size=1):
         loss = model(x).square().mean()
     gc.collect()
     loss.backward()
     sim.module.synchronize()
+    sim.lazy = False

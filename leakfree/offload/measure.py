@@ -49,8 +49,9 @@ def bandwidth(
     device: torch.device, module: Any, streams: tuple[Any, Any], nbytes: int
 ) -> tuple[float, float]:
     """Bytes per second of one ``nbytes`` copy to pinned host memory and one back, each on
-    its side stream (``streams``: out, back), timed with events; the host waits for them.
-    On the CPU (``module`` None), one host copy timed by the host's clock, both ways."""
+    its side stream (``streams``: out, back) into memory of that stream, timed with events;
+    the host waits for each. On the CPU (``module`` None), one host copy timed by the
+    host's clock, both ways."""
     if module is None:
         src = torch.empty(nbytes, dtype=torch.uint8)
         start = time.perf_counter()
@@ -58,19 +59,20 @@ def bandwidth(
         seconds = time.perf_counter() - start
         rate = nbytes / seconds if seconds > 0 else float("inf")
         return rate, rate
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     rates = []
-    for side, (dst, src) in zip(streams, ((host, dev), (dev, host))):
-        side.wait_stream(module.current_stream(device))
+    for side, out in zip(streams, (True, False)):
         with module.stream(side):
+            dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
             begin = module.Event(enable_timing=True)
             end = module.Event(enable_timing=True)
             begin.record(side)
-            dst.copy_(src, non_blocking=True)
+            if out:
+                host.copy_(dev, non_blocking=True)
+            else:
+                dev.copy_(host, non_blocking=True)
             end.record(side)
-        end.synchronize()
+        end.synchronize()  # before the host block is used again, or freed
         ms = begin.elapsed_time(end)
         rates.append(nbytes / (ms / 1e3) if ms > 0 else float("inf"))
-    module.current_stream(device).wait_stream(streams[1])  # dev's memory: the current stream's
     return rates[0], rates[1]

@@ -226,6 +226,9 @@ class Event:
         if timer is None:
             return 0.0
         timeline = timer.timeline
+        if not (timeline.done(self.id) and timeline.done(end.id)):
+            # as CUDA: both events must have completed (the host waits for them first)
+            raise RuntimeError("elapsed_time: an event has not completed yet")
         return (timeline.event_time(end.id) - timeline.event_time(self.id)) * 1e3
 
     def synchronize(self) -> None:
