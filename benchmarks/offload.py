@@ -9,6 +9,8 @@ class and manager, leakfree plain, with a device budget of half what it moves, a
 budget that keeps everything): step time and its ratios, copies per step, Python calls per
 saved tensor, device peaks, bit-identical gradients, flat device memory
 (``_offload_sim.py``). With --quick: width 64 and the Llama, 3 rounds x 1 step.
+H100 model (``_offload_h100.py``): ``shared/GPU.md``'s tables predicted beside the measured
+ones, and today's modes and goals on the same model (predicted, not measured).
 Accelerator (when present): peak memory and step time of each mode.
 
     python benchmarks/offload.py [--quick] [--steps N] [--json PATH]
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _offload_h100
 import _offload_sim
 from _common import StorageWatch, compare, print_table, write_json
 
@@ -296,6 +299,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload["sim"] = sim_section(args.quick)
     if isinstance(payload["sim"], str):
         print(f"\n(simulated accelerator: {payload['sim']})")
+    payload["h100_model"] = _offload_h100.section()
+    if isinstance(payload["h100_model"], str):
+        print(f"\n(H100 model: {payload['h100_model']})")
     if torch.accelerator.is_available():
         device = torch.accelerator.current_accelerator()
         assert device is not None
