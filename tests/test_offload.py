@@ -88,7 +88,7 @@ def grouping(ctx: leakfree.OffloadActivations) -> leakfree.OffloadActivations:
     """``ctx`` as after a first forward that moved enough for groups of ``batch_bytes``
     (a first forward sends every copy alone; then a group holds at most an eighth of what
     a forward moved, which the few bytes of a unit test would make nothing)."""
-    ctx._capacity = ctx.batch_bytes
+    ctx._planner.capacity = ctx.batch_bytes
     return ctx
 
 
@@ -257,7 +257,7 @@ def test_groups_hold_at_most_an_eighth_of_what_a_forward_moves() -> None:
     ctx = offload()
     ctx.update_model_params(model)
     for step in range(2):
-        before, capacity = dataclasses.replace(ctx.stats), ctx._capacity
+        before, capacity = dataclasses.replace(ctx.stats), ctx._planner.capacity
         with ctx:
             loss = model(x).square().mean()
         copies, groups = ctx.stats.to_host - before.to_host, ctx.stats.groups - before.groups

@@ -224,7 +224,7 @@ def test_both_directions_run_at_once_under_a_goal(sim: Any) -> None:
     """The first copies out are brought back while the last ones still run: the two copy
     engines busy at once, which one side stream for both directions never allowed."""
     ctx, _, t, _ = _run(sim, lambda _: leakfree.OffloadActivations(max_overhead=0.05))
-    assert ctx.plan.moved > 0 and ctx._early > 0
+    assert ctx.plan.moved > 0 and ctx._planner.early > 0
     assert t.overlap(TO_HOST, TO_DEVICE) > 0
 
 

@@ -410,8 +410,8 @@ def test_small_copies_go_out_and_come_back_in_groups(
         if batch_bytes == 0 or step == 0:
             assert groups == out
         else:  # as few as fit: every group but the last is too full for the next copy
-            assert ctx._capacity == min(batch_bytes, 63 * 8 * 1024 // 8)  # 63 moved, 2 kept
-            per_group = ctx._capacity // (8 * 1024)  # whole copies
+            assert ctx._planner.capacity == min(batch_bytes, 63 * 8 * 1024 // 8)  # 63 moved, 2 kept
+            per_group = ctx._planner.capacity // (8 * 1024)  # whole copies
             assert groups == -(-out // per_group) < out
         loss.backward()
         assert sim.copies["to_device"] == ctx.stats.to_device - before.to_device == groups

@@ -8,7 +8,6 @@ are.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 import threading
@@ -32,15 +31,8 @@ from leakfree.offload.handles import (
     _Offloaded,
     _span,
 )
-from leakfree.offload.measure import Marks, bandwidth
-from leakfree.offload.plan import (
-    Measurement,
-    OffloadPlan,
-    _plan,
-    _small_below,
-    choose,
-    predict,
-)
+from leakfree.offload.measure import StepMeasure, bandwidth
+from leakfree.offload.plan import OffloadPlan, Planner
 from leakfree.offload.pool import HostBlock, HostBlockPool
 from leakfree.offload.streams import (
     Flight,
@@ -79,16 +71,6 @@ def _end_pass(manager_ref: weakref.ref[OffloadActivations], task: int) -> None:
     manager = manager_ref()
     if manager is not None:
         manager._end_pass(task)
-
-
-#: a group holds at most this fraction (1 / _GROUP_SHARE) of the bytes a forward moves
-_GROUP_SHARE = 8
-
-#: a budget nothing reaches (a step measured for ``max_overhead`` keeps everything)
-_UNLIMITED = 1 << 62
-
-#: the bytes of the one copy each way that measures the bandwidth for a goal's plan
-_PROBE_BYTES = 64 << 20
 
 
 def _check_min_offload_size(name: str | None, value: object) -> None:
@@ -277,36 +259,22 @@ class OffloadActivations(saved_tensors_hooks):
         self.min_offload_size = min_offload_size
         self.max_fwd_stash_size = max_fwd_stash_size
         self.prefetch_bytes = prefetch_bytes
-        self._device_budget = device_budget
-        #: the goals a plan is chosen for, from a measured step (see leakfree.offload.plan)
-        self._max_overhead = max_overhead
-        self._device_limit = device_limit
-        self._goal = max_overhead is not None or device_limit is not None
-        #: a step being measured for them: its marks (the forward's start, each copy's
-        #: save, the forward's end, backward's start and end), sizes, the device memory
-        #: allocated before it and the bytes it moved; and the plan's prediction
-        self._measuring: dict[str, Any] | None = None
-        self._prediction: tuple[float, int] | None = None
+        #: what moves and what stays: the settings, and the plan of the last forward
+        self._planner = Planner(
+            device_budget=device_budget,
+            keep_small=keep_small,
+            max_overhead=max_overhead,
+            device_limit=device_limit,
+            batch_bytes=batch_bytes,
+        )
+        #: a step being measured for a goal's plan; the bandwidths each way, once measured;
+        #: under a limit, what the device held as the step checked against it began
+        self._measuring: StepMeasure | None = None
         self._bandwidth: tuple[float, float] | None = None
-        #: under a limit, the measurement a new plan came from and what the device held
-        #: then, until a step under it has held the limit; and that step's start
-        self._check: tuple[Measurement, int] | None = None
         self._checking: int | None = None
-        self._early = 0  # bytes a goal's plan brings back as backward begins
-        self._ceiling = 0  # the device bytes allocated that bringing them back stays under
-        self._rises: tuple[int, ...] = ()  # less these, by position in backward's order
-        self.batch_bytes = batch_bytes
-        self._keep_small = keep_small
-        #: storages smaller than this stay where they are (the plan's, without a budget);
-        #: and how many of the planned forward's storages that kept, with their bytes
-        self._small_below = 0
-        self._small_kept = (0, 0)
         self._small_room = 0  # of those bytes, what this forward has not kept yet
-        #: what a group may hold: batch_bytes, at most an eighth of what the last planned
-        #: forward moved; 0 (every copy alone) until a forward has been planned
-        self._capacity = 0
         #: whether moved tensors stay on the device while their copies are in flight
-        self._window = self.use_streams and device_budget is None and not self._goal
+        self._window = self.use_streams and device_budget is None and not self._planner.goal
         self._device_type = target.type if target is not None else None  # for the pack hook
         self.pool = HostBlockPool(pin_memory_budget, pin=self.use_pin_memory)
         self._device_module: Any = device_module(target) if accelerated and target else None
@@ -342,9 +310,7 @@ class OffloadActivations(saved_tensors_hooks):
         self._kept: list[tuple[list[weakref.ref[_Kept]], int]] = []
         self._kept_bytes = 0
         self._keep_all = False
-        self._budget_plan: tuple[tuple[int, ...], int] | None = None
-        self._on_plan = False
-        self._replans = -1
+        self._on_plan = False  # this forward still follows the plan
         self.stats = OffloadStats()
         self.enabled = target is not None
         super().__init__(_pack_hook(self._ref), _unpack_hook)
@@ -363,82 +329,79 @@ class OffloadActivations(saved_tensors_hooks):
         self._min_bytes = max(value, 1)  # what the pack hook compares, precomputed
 
     @property
+    def batch_bytes(self) -> int:
+        """Copies smaller than this share a host block and a transfer (see the class)."""
+        return self._planner.batch_bytes
+
+    @property
     def device_budget(self) -> int | None:
         """Bytes of saved activations to keep on the device (settable: the next forward
         then plans again, as a first forward does)."""
-        return self._device_budget
+        return self._planner.device_budget
 
     @device_budget.setter
     def device_budget(self, value: int | None) -> None:
         _check_device_budget(None, value)
-        if value is not None and self._goal:
+        if value is not None and self._planner.goal:
             raise _args.ArgumentError(
                 f"OffloadActivations.device_budget = {value!r}: max_overhead or "
                 "device_limit is set; set them to None first"
             )
-        with self._lock:
-            if value != self._device_budget:
-                self._forget_plan()
-            self._device_budget = value
-            self._window = self.use_streams and value is None and not self._goal
+        self._set("device_budget", value)
 
     @property
     def max_overhead(self) -> float | None:
         """The step time offloading may add, a fraction of the step's compute (settable:
         the next step is measured and planned again)."""
-        return self._max_overhead
+        return self._planner.max_overhead
 
     @max_overhead.setter
     def max_overhead(self, value: float | None) -> None:
         _check_max_overhead(None, value)
-        self._set_goal(value, self._device_limit)
+        self._no_budget_with_goal(value)
+        self._set("max_overhead", value)
 
     @property
     def device_limit(self) -> int | None:
         """Bytes the step may allocate on the device (settable: the next step is measured
         and planned again)."""
-        return self._device_limit
+        return self._planner.device_limit
 
     @device_limit.setter
     def device_limit(self, value: int | None) -> None:
         _check_device_limit(None, value)
-        self._set_goal(self._max_overhead, value)
+        self._no_budget_with_goal(value)
+        self._set("device_limit", value)
 
-    def _set_goal(self, max_overhead: float | None, device_limit: int | None) -> None:
-        goal = max_overhead is not None or device_limit is not None
-        if goal and self._device_budget is not None:
+    def _no_budget_with_goal(self, value: object) -> None:
+        if value is not None and self._planner.device_budget is not None:
             raise _args.ArgumentError(
                 "OffloadActivations: a goal (max_overhead, device_limit) with a "
                 "device_budget set: set device_budget = None first"
             )
-        with self._lock:
-            if (max_overhead, device_limit) != (self._max_overhead, self._device_limit):
-                self._forget_plan()
-            self._max_overhead, self._device_limit, self._goal = max_overhead, device_limit, goal
-            self._window = self.use_streams and self._device_budget is None and not goal
 
     @property
     def keep_small(self) -> bool:
         """Whether the plan keeps the smallest saved storages on the device (settable: the
         next forward then plans again, as a first forward does)."""
-        return self._keep_small
+        return self._planner.keep_small
 
     @keep_small.setter
     def keep_small(self, value: bool) -> None:
         _check_keep_small(None, value)
-        with self._lock:
-            if value != self._keep_small:
-                self._forget_plan()
-            self._keep_small = value
+        self._set("keep_small", value)
 
-    def _forget_plan(self) -> None:
-        """A plan made under other settings (lock held): the next forward plans again, as a
-        first forward does. (Kept as it was, a plan would not change while the shapes stay
-        the same.)"""
-        self._budget_plan = None
-        self._small_below = 0
-        self._measuring = None
-        self._check = self._checking = None
+    def _set(self, name: str, value: object) -> None:
+        """Set the planner's ``name`` (checked); a change makes the next forward plan, or
+        be measured, again, as a first forward is."""
+        planner = self._planner
+        with self._lock:
+            if value != getattr(planner, name):
+                planner.forget()
+                self._measuring = None
+                self._checking = None
+            setattr(planner, name, value)
+            self._window = self.use_streams and planner.device_budget is None and not planner.goal
 
     def update_model_params(self, model: nn.Module) -> None:
         """Never offload ``model``'s parameters and buffers (matched by storage address).
@@ -488,7 +451,7 @@ class OffloadActivations(saved_tensors_hooks):
         forward = self._forward
         if forward.over or forward.records > forward.mark:
             forward = self._next_forward()
-        if total < self._small_below and self._small_stays((ptr, version, total)):
+        if total < self._planner.small_below and self._small_stays((ptr, version, total)):
             return _Kept(t)  # too small to be worth moving: see _end_forward
         if self._keep_all:  # the plan moves nothing: kept as it is, its bytes counted
             kept = self._keep(t, (ptr, version, total))
@@ -532,8 +495,9 @@ class OffloadActivations(saved_tensors_hooks):
                     forward.spans[len(sizes)] = (ptr, version, total)
                 sizes.append(copy.nbytes)  # this forward's copies, for the plan
                 if self._measuring is not None:  # when it was saved, for the plan
-                    self._measuring["copies"].append(self._measuring["marks"].mark())
-                if self._budget_plan is None and self._device_budget is None and not self._goal:
+                    self._measuring.saved()
+                planner = self._planner
+                if planner.plan is None and planner.device_budget is None and not planner.goal:
                     self._copy_out(t, copy, ref)  # a first forward with no budget: all move
                 else:
                     self._budgeted(copy, t, ref)
@@ -570,12 +534,12 @@ class OffloadActivations(saved_tensors_hooks):
         """Keep ``copy`` on the device or move it, as the plan says; then move the oldest
         held copies until the held bytes fit the budget again, and send the open groups if
         their bytes, still on the device, do not fit beside them."""
-        plan = self._budget_plan
+        plan = self._planner.plan
         i = len(self._forward.sizes) - 1  # this copy's place in the forward
         if self._on_plan and plan is not None and i < len(plan[0]) and plan[0][i] == copy.nbytes:
             if i < plan[1]:  # the plan moves it: at once, as the forward goes
                 self._copy_out(t, copy, ref)
-                if self._device_budget is not None:
+                if self._planner.device_budget is not None:
                     self._within_budget()
                 return
         else:
@@ -602,10 +566,11 @@ class OffloadActivations(saved_tensors_hooks):
         and the held and kept ones pass it. (Without one, what the plan keeps is only
         what prefetch would bring back anyway: a group is sent when full.)"""
         total = self._held_bytes + self._kept_bytes
-        if self._device_budget is not None:
+        budget = self._planner.device_budget
+        if budget is not None:
             groups = self._open_groups()
             unsent = sum(group.used for group in groups)
-            if total + unsent > self._device_budget:
+            if total + unsent > budget:
                 for group in groups:
                     self._send(group)
             else:
@@ -652,46 +617,26 @@ class OffloadActivations(saved_tensors_hooks):
         self._kept = kept
         self._kept_bytes = sum(n for _, n in kept)
 
-    def _budget(self, sizes: tuple[int, ...] | list[int] | None = None) -> int:
-        """The device budget: the one given, or (None) twice the largest copy of a
-        forward (``sizes``; by default the planned one): what backward's prefetch would
-        bring back at once anyway."""
-        if self._device_budget is not None:
-            return self._device_budget
-        if self._goal:  # a goal's plan keeps what it does not move; a step measured for
-            # one keeps everything, or (under a limit) moves everything
-            plan = self._budget_plan
-            if plan is not None and self._on_plan:
-                return sum(plan[0])
-            return 0 if self._device_limit is not None else _UNLIMITED
-        if sizes is None:
-            plan = self._budget_plan
-            sizes = plan[0] if plan is not None else ()
-        return 2 * max(sizes, default=0)
+    def _budget(self) -> int:
+        """The bytes of saved activations this forward keeps on the device (the planner's
+        budget: see :meth:`Planner.budget`)."""
+        return self._planner.budget(on_plan=self._on_plan)
 
     def _end_forward(self) -> None:
-        """A forward ended: plan the next from its copy sizes, unless it followed the plan.
-
-        Without a device budget the plan also keeps the smallest saved storages on the
-        device (``keep_small``), while together they are at most 1/64 of what the forward
-        saves: each costs a handle, a host copy, its part of a transfer each way and a view
-        in backward, whatever its size, and its bytes would save next to nothing. The rule
-        weighs every storage this forward saved (the ones it kept for their size among
-        them), so a forward of the same shapes makes the same choice again."""
+        """A forward ended: plan the next from its copy sizes, unless it followed the plan
+        (a goal's plan is made once the step is measured, at the end of its backward; a
+        forward of other shapes makes the next one measured)."""
         forward = self._forward
         sizes, spans, small = forward.sizes, forward.spans, forward.small
-        if not sizes:
+        planner = self._planner
+        if not sizes or (planner.plan is not None and tuple(sizes) == planner.plan[0]):
             return
-        plan = self._budget_plan
-        if plan is not None and tuple(sizes) == plan[0]:
-            return
-        if self._goal:  # planned once the step is measured, at the end of its backward
+        if planner.goal:
             measuring = self._measuring
-            if measuring is not None and "forward" not in measuring:
-                measuring["sizes"] = tuple(sizes)
-                measuring["forward"] = measuring["marks"].mark()
-            else:  # a forward of other shapes: the next one is measured
-                self._budget_plan = None
+            if measuring is not None and measuring.sizes is None:
+                measuring.forward_done(tuple(sizes))
+            else:
+                planner.forget()
                 self._measuring = None
             return
         # each copy's storage bytes (a span's storage may be larger than the span), and
@@ -702,125 +647,35 @@ class OffloadActivations(saved_tensors_hooks):
         saved = [n for i, n in enumerate(sizes) if i not in spans]
         saved += [key[2] for key in set(spans.values()) if key[:2] not in shared]
         saved += small.values()
-        below = 0
-        if self._keep_small and self._device_budget is None:
-            below = _small_below(saved)
-        kept = [n for n in saved if n < below]
-        planned = [n for n, s in zip(sizes, storages) if s >= below]  # the copies to come
-        moved = _plan(planned, self._budget(planned))
-        self._budget_plan = (tuple(planned), moved)
-        self._small_below = below
-        self._small_kept = (len(kept), sum(kept))
-        self._replans += 1
-        # A group is on the device twice (waiting to be sent, and brought back until its
-        # last use): bounded by an eighth of what a forward moves, grouping adds at most
-        # about that to the device peak, however small the model.
-        self._capacity = min(self.batch_bytes, sum(planned[:moved]) // _GROUP_SHARE)
+        planner.from_forward(sizes, storages, saved)
 
     @property
     def plan(self) -> OffloadPlan | None:
-        """What stays on the device and what moves per forward (None before the first
-        forward ends)."""
-        plan = self._budget_plan
-        if plan is None:
-            return None
-        sizes, moved = plan
-        small, small_bytes = self._small_kept
-        goal = overhead = peak = None
-        if self._goal:
-            goal = "device_limit" if self._device_limit is not None else "max_overhead"
-            if self._max_overhead is not None and self._device_limit is not None:
-                goal = "device_limit, max_overhead"
-            if self._prediction is not None:
-                overhead, peak = self._prediction
-        return OffloadPlan(
-            budget=self._budget() if not self._goal else sum(sizes[moved:]),
-            kept=len(sizes) - moved,
-            kept_bytes=sum(sizes[moved:]),
-            moved=moved,
-            moved_bytes=sum(sizes[:moved]),
-            replans=max(self._replans, 0),
-            small=small,
-            small_bytes=small_bytes,
-            small_below=self._small_below,
-            goal=goal or "device_budget",
-            overhead=overhead,
-            peak=peak,
-        )
+        """What stays on the device and what moves per forward, and what a goal's plan
+        predicts (None before the first forward ends, or a goal's first step)."""
+        return self._planner.report()
 
     # -- a goal: measure one step, then plan ------------------------------------------------
 
-    def _measure(self) -> None:
-        """Measure this step for a goal's plan (lock held): marks from the forward's start,
-        and the device's peak statistic reset (its allocator's; the host's saved bytes on
-        the CPU)."""
-        module = self._device_module
-        device = cast(torch.device, self.device)
-        allocated = 0
-        if module is not None and hasattr(module, "reset_peak_memory_stats"):
-            module.reset_peak_memory_stats(device)
-            allocated = int(module.memory_allocated(device))
-        marks = Marks(device, module)
-        self._measuring = {
-            "marks": marks,
-            "start": marks.mark(),
-            "copies": [],
-            "allocated": allocated,
-            "moved": self.stats.to_host_bytes,
-            "samples": [],
-            "needed": 0,
-            "restored": 0,
-            "used": [],
-            "last": 0,
-        }
-
-    def _sample(self, nbytes: int, *, moved: bool) -> None:
-        """In a measured step's backward (lock held), at the first unpack of ``nbytes``
-        (brought back if ``moved``, else held): the device's allocated bytes and peak
-        statistic now, and the bytes backward has needed and brought back so far."""
-        measuring = self._measuring
-        module = self._device_module
-        if measuring is not None and "backward" in measuring and module is not None:
-            device = self.device
-            measuring["needed"] += nbytes
-            measuring["restored"] += nbytes if moved else 0
-            allocated = int(module.memory_allocated(device))
-            peak = int(module.max_memory_allocated(device))  # since the last sample
-            module.reset_peak_memory_stats(device)
-            measuring["samples"].append((allocated, peak))
-            measuring["used"].append((measuring["needed"], measuring["restored"]))
-
-    def _plan_measured(self, measuring: dict[str, Any]) -> None:
+    def _plan_measured(self, measuring: StepMeasure) -> None:
         """The measured step's backward is over (lock held): the plan for its shapes, from
         what it measured (one host wait, for its last mark, and the bandwidth probe once)."""
         self._measuring = None
-        marks = measuring["marks"]
-        end = marks.mark()
-        seconds = marks.seconds()
-        sizes = measuring["sizes"]
-        start = seconds[measuring["start"]]
-        made = tuple(seconds[i] - start for i in measuring["copies"])
-        if len(made) != len(sizes):  # saves the plan did not see: measure again
+        measured = measuring.finish(self.stats.to_host_bytes, self._probe)
+        if measured is None:  # saves the plan did not see: the next step is measured
             return
-        forward = seconds[measuring["forward"]] - start
-        backward = seconds[end] - seconds[measuring["backward"]]
-        moved = self.stats.to_host_bytes - measuring["moved"]
-        if moved:  # backward waited for copies back: its compute, about twice the forward's
-            backward = min(backward, 2 * forward)
-        module = self._device_module
-        device = cast(torch.device, self.device)
-        allocated = measuring["allocated"]
-        needed = floor = 0
-        if module is not None and hasattr(module, "max_memory_allocated"):
-            measuring["last"] = int(module.max_memory_allocated(device))  # since the last
-            peak, needed, floor = _peaks(
-                measuring["samples"], measuring["used"], measuring["last"], moved
-            )
-            peak, floor = peak - allocated, max(0, floor - allocated)
-        else:
-            peak = sum(sizes)
+        measurement, rises = measured
+        planner = self._planner
+        checkable = measuring.module is not None
+        planner.adopt(measurement, measuring.allocated, checkable=checkable)
+        planner.rises = rises
+        planner.replans += 1
+
+    def _probe(self, nbytes: int) -> tuple[float, float]:
+        """The copy bandwidths each way (measured once, with ``nbytes``)."""
         if self._bandwidth is None:
-            nbytes = max(1 << 20, min(_PROBE_BYTES, max(sizes, default=0)))
+            module = self._device_module
+            device = cast(torch.device, self.device)
             if module is not None and self.use_streams:
                 streams = (self._side(device, False), self._side(device, True))
             elif module is not None:
@@ -829,51 +684,7 @@ class OffloadActivations(saved_tensors_hooks):
             else:
                 streams = (None, None)
             self._bandwidth = bandwidth(device, module, streams, nbytes)
-        measurement = Measurement(
-            sizes,
-            made,
-            forward,
-            backward,
-            *self._bandwidth,
-            peak=peak,
-            needed_at_peak=needed,
-            floor=floor,
-        )
-        self._adopt(measurement, allocated)
-        samples = [*measuring["samples"], (0, measuring["last"])]
-        self._rises = _rises(samples)
-        self._replans += 1
-
-    def _adopt(self, measurement: Measurement, allocated: int) -> None:
-        """Plan from ``measurement`` (lock held; ``allocated``: what the device held before
-        the measured step). Under a limit, the next step's peak is checked against it."""
-        sizes = measurement.sizes
-        count, self._early = choose(
-            measurement,
-            max_overhead=self._max_overhead,
-            device_limit=self._device_limit,
-            allocated=allocated,
-        )
-        stall, predicted_peak = predict(measurement, count, self._early)
-        compute = measurement.forward + measurement.backward
-        self._prediction = (stall / compute if compute > 0 else 0.0, allocated + predicted_peak)
-        # what bringing groups back early stays under: the plan's ceiling, and at each
-        # point of backward (its n-th first unpack) the most the measured backward's
-        # allocations rose above that point later on (the early groups stay until their
-        # use, near its end)
-        ceiling = allocated + predicted_peak
-        if self._device_limit is not None:
-            ceiling = max(ceiling, self._device_limit)
-        self._ceiling = ceiling
-        self._budget_plan = (sizes, count)
-        self._small_below = 0
-        self._small_kept = (0, 0)
-        self._capacity = min(self.batch_bytes, sum(sizes[:count]) // _GROUP_SHARE)
-        checkable = self._device_module is not None and count < len(sizes)
-        self._check = (
-            (measurement, allocated) if self._device_limit is not None and checkable else None
-        )
-        self._checking = None
+        return self._bandwidth
 
     def _check_start(self) -> None:
         """A step under a limit's new plan begins (lock held): its peak is read at its end."""
@@ -882,22 +693,9 @@ class OffloadActivations(saved_tensors_hooks):
         self._checking = int(module.memory_allocated(device))
 
     def _check_end(self) -> None:
-        """The checked step is over (lock held): over the limit, the plan's prediction of
-        its peak was short by what the step went over it, and a plan moving more follows
-        (checked again); else the plan stands."""
-        assert self._check is not None
-        measurement, allocated = self._check
+        """The checked step is over (lock held): the planner weighs its peak."""
         self._checking = None
-        peak = int(self._device_module.max_memory_allocated(self.device))
-        limit = cast(int, self._device_limit)
-        if peak <= limit:
-            self._check = None
-            return
-        short = peak - cast(tuple[float, int], self._prediction)[1]  # > 0: it was over
-        corrected = dataclasses.replace(
-            measurement, peak=measurement.peak + short, floor=measurement.floor + short
-        )
-        self._adopt(corrected, allocated)
+        self._planner.checked(int(self._device_module.max_memory_allocated(self.device)))
 
     # -- copies -----------------------------------------------------------------------------
 
@@ -928,7 +726,7 @@ class OffloadActivations(saved_tensors_hooks):
         if group is not None and group.fits(copy):
             group.add(copy, ref, src, t)
             return
-        capacity = self._capacity
+        capacity = self._planner.capacity
         if copy.nbytes >= capacity:  # alone, at once; the open group stays open
             group = _Group(copy.nbytes, copy.dtype, copy.device)
             group.add(copy, ref, src, t)
@@ -1038,8 +836,8 @@ class OffloadActivations(saved_tensors_hooks):
                     state.order.append((group.seq, group.used))
                     state.held.append(weakref.ref(group))
                     if self._measuring is not None:
-                        self._sample(group.used, moved=True)
-                    if state.plan and self.use_streams and self._early:
+                        self._measuring.sample(group.used, moved=True)
+                    if state.plan and self.use_streams and self._planner.early:
                         self._prefetch_early(state, group)
                     if state.plan and self.use_streams:  # what the order needs next
                         window = self.prefetch_bytes
@@ -1086,7 +884,7 @@ class OffloadActivations(saved_tensors_hooks):
             state.early = set()
             sent = [r() for r in state.plan]
             chosen = [g for g in sent if isinstance(g, _Group) and g is not first and g.block]
-            budget = self._early
+            budget = self._planner.early
             for candidate in sorted(chosen, key=lambda g: g.sent):
                 if candidate.used > budget:
                     break
@@ -1098,8 +896,8 @@ class OffloadActivations(saved_tensors_hooks):
         device = cast(torch.device, self.device)
         allocated = int(self._device_module.memory_allocated(device))
         position = len(state.order) - 1
-        rises = self._rises
-        ceiling = self._ceiling - (rises[position] if position < len(rises) else 0)
+        rises = self._planner.rises
+        ceiling = self._planner.ceiling - (rises[position] if position < len(rises) else 0)
         while queue:
             group = queue[0]()
             if group is not None and allocated + group.used > ceiling:
@@ -1128,8 +926,8 @@ class OffloadActivations(saved_tensors_hooks):
             copy.task = task
             state.order.append((copy.seq, copy.nbytes))
             if self._measuring is not None:
-                self._sample(copy.nbytes, moved=False)
-            if state.plan and self._early and self.use_streams:
+                self._measuring.sample(copy.nbytes, moved=False)
+            if state.plan and self._planner.early and self.use_streams:
                 self._prefetch_early(state, copy)
 
     def _pass(self, task: int, first: _Group | _HostCopy) -> _Pass:
@@ -1139,9 +937,8 @@ class OffloadActivations(saved_tensors_hooks):
         if state is None:
             self._forward.over = True  # the next save outside a pass begins a new forward
             state = self._passes[task] = _Pass()
-            measuring = self._measuring
-            if measuring is not None and "forward" in measuring and "backward" not in measuring:
-                measuring["backward"] = measuring["marks"].mark()
+            if self._measuring is not None:
+                self._measuring.backward_begins()
             _follow(self._order, first, self._copies, state)
             _queue_callback(functools.partial(_end_pass, self._ref, task))
         return state
@@ -1165,7 +962,7 @@ class OffloadActivations(saved_tensors_hooks):
             if state.order:
                 self._order = state.learned()
             measuring = self._measuring
-            if measuring is not None and "backward" in measuring:
+            if measuring is not None and measuring.backward is not None:
                 self._plan_measured(measuring)
             elif self._checking is not None:
                 self._check_end()
@@ -1241,12 +1038,14 @@ class OffloadActivations(saved_tensors_hooks):
         """A forward begins (lock held): the small storages it may keep, and whether it
         follows the plan, start over; the held copies and kept storages whose graphs are
         gone no longer count. (Its record, ``_forward``, is fresh.)"""
-        self._small_room = self._small_kept[1]
+        planner = self._planner
+        self._small_room = planner.small_kept[1]
         self._on_plan = True
-        plan = self._budget_plan
-        if self._goal and plan is None:
-            self._measure()
-        elif self._check is not None:
+        plan = planner.plan
+        if planner.goal and plan is None:
+            device = cast(torch.device, self.device)
+            self._measuring = StepMeasure(device, self._device_module, self.stats.to_host_bytes)
+        elif planner.check is not None and self._device_module is not None:
             self._check_start()
         self._keep_all = plan is not None and plan[1] == 0
         if self._held or self._kept:
@@ -1303,53 +1102,6 @@ class OffloadActivations(saved_tensors_hooks):
                 self._in_flight.clear()
         finally:
             super().__exit__(*exc)
-
-
-#: the first unpacks of backward that still count as its beginning (the loss and the
-#: output head, where a step's peak usually is: all its activations, and the head's
-#: gradients)
-_BEGINNING = 2
-
-
-def _peaks(
-    samples: list[tuple[int, int]], used: list[tuple[int, int]], last: int, moved: int
-) -> tuple[int, int, int]:
-    """From a measured step's samples (the device's allocated bytes at each first unpack of
-    backward, the most it allocated since the one before, and the bytes backward had used
-    and brought back by then) and what it allocated at most after the last one: the peak
-    had it moved nothing, the bytes backward had used by then, and the floor a plan's peak
-    cannot go under.
-
-    A step measured keeping everything (``moved`` 0) peaks where it peaks, and moving
-    what it had used by then lowers nothing. A step that moved everything: had it moved
-    nothing, it would have peaked as it began backward (all of its activations on the
-    device, and the head's gradients), the bytes it moved higher, less what it had
-    brought back by then; what it allocated later (brought back and made by backward,
-    as any plan's backward would) is the floor."""
-    peaks = [peak for _, peak in samples] + [last]
-    if not samples:
-        return last, 0, 0
-    if moved == 0:
-        at = max(range(len(peaks)), key=peaks.__getitem__)
-        needed = used[min(at, len(used) - 1)][0]
-        return peaks[at], needed, 0
-    begin = min(_BEGINNING, len(samples)) - 1
-    start = max(peaks[: begin + 1])
-    needed, restored = used[begin]
-    return start + moved - restored, needed, max(peaks[begin + 1 :], default=0)
-
-
-def _rises(samples: list[tuple[int, int]]) -> tuple[int, ...]:
-    """For each of a measured backward's points (``samples``: the device's allocated bytes
-    at each first unpack, and the most it allocated since the point before), how far its
-    allocations rose above that point later on."""
-    rises = [0] * len(samples)
-    ahead = 0  # the most allocated after the point at hand
-    for i in range(len(samples) - 1, -1, -1):
-        allocated, peak = samples[i]
-        rises[i] = max(0, ahead - allocated)
-        ahead = max(ahead, allocated, peak)
-    return tuple(rises)
 
 
 def _bytes_of(

@@ -1,19 +1,25 @@
 """Measuring one step on the device, for the plans of :mod:`leakfree.offload.plan`.
 
-:class:`Marks` notes points of the work issued to the device (timing events on an
-accelerator's current stream; the host's clock on the CPU) and reads the seconds between
-them once the last has completed: one host wait, when the step is over. :func:`bandwidth`
-times one copy each way between the device and pinned host memory.
+:class:`StepMeasure` follows one step: when each saved storage was saved, where the
+forward and backward begin and end, and the device's memory at each of backward's first
+unpacks; at the end it gives a :class:`~leakfree.offload.plan.Measurement`. :class:`Marks`
+notes points of the work issued to the device (timing events on an accelerator's current
+stream; the host's clock on the CPU) and reads the seconds between them once the last has
+completed: one host wait, when the step is over. :func:`bandwidth` times one copy each way
+between the device and pinned host memory. Nothing here holds a tensor past its call.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["Marks", "bandwidth"]
+from leakfree.offload.plan import Measurement
+
+__all__ = ["Marks", "StepMeasure", "bandwidth"]
 
 
 class Marks:
@@ -76,3 +82,145 @@ def bandwidth(
         ms = begin.elapsed_time(end)
         rates.append(nbytes / (ms / 1e3) if ms > 0 else float("inf"))
     return rates[0], rates[1]
+
+
+class StepMeasure:
+    """One step measured for a goal's plan, from its forward's start (the device's peak
+    statistic is reset there: its allocator's; on the CPU, the saved bytes stand for it).
+
+    The hooks call :meth:`saved` for each storage saved, :meth:`forward_done` at the
+    forward's end, :meth:`backward_begins` at backward's first unpack, :meth:`sample` at
+    each first unpack (which resets the peak statistic: each sample has the most the
+    device allocated since the one before), and :meth:`finish` when backward is over."""
+
+    def __init__(self, device: torch.device, module: Any, moved: int) -> None:
+        self.module = (
+            module if module is not None and hasattr(module, "max_memory_allocated") else None
+        )
+        self.device = device
+        self.allocated = 0  # what the device held before the step
+        if self.module is not None:
+            self.module.reset_peak_memory_stats(device)
+            self.allocated = int(self.module.memory_allocated(device))
+        self.marks = Marks(device, module)
+        self.start = self.marks.mark()
+        self.copies: list[int] = []  # the mark of each storage's save
+        self.moved = moved  # the bytes moved before the step
+        self.sizes: tuple[int, ...] | None = None
+        self.forward: int | None = None
+        self.backward: int | None = None
+        #: at each first unpack: (allocated, the most allocated since the one before), and
+        #: (bytes backward had used, bytes it had brought back)
+        self.samples: list[tuple[int, int]] = []
+        self.used: list[tuple[int, int]] = []
+        self.needed = self.restored = 0
+
+    def saved(self) -> None:
+        self.copies.append(self.marks.mark())
+
+    def forward_done(self, sizes: tuple[int, ...]) -> None:
+        self.sizes = sizes
+        self.forward = self.marks.mark()
+
+    def backward_begins(self) -> None:
+        if self.forward is not None and self.backward is None:
+            self.backward = self.marks.mark()
+
+    def sample(self, nbytes: int, *, moved: bool) -> None:
+        """Backward's first unpack of ``nbytes`` (brought back if ``moved``, else held)."""
+        if self.backward is None or self.module is None:
+            return
+        self.needed += nbytes
+        self.restored += nbytes if moved else 0
+        allocated = int(self.module.memory_allocated(self.device))
+        peak = int(self.module.max_memory_allocated(self.device))  # since the last sample
+        self.module.reset_peak_memory_stats(self.device)
+        self.samples.append((allocated, peak))
+        self.used.append((self.needed, self.restored))
+
+    def finish(
+        self, moved: int, probe: Callable[[int], tuple[float, float]]
+    ) -> tuple[Measurement, tuple[int, ...]] | None:
+        """Backward is over (``moved``: the bytes moved to the host so far; ``probe(n)``:
+        the bandwidths each way, measured with ``n`` bytes if not yet): the measurement,
+        and how far backward's allocations rose after each sample (:func:`_rises`); None
+        where the step saved what its forward did not record."""
+        sizes, marks = self.sizes, self.marks
+        if sizes is None or self.forward is None or self.backward is None:
+            return None
+        end = marks.mark()
+        seconds = marks.seconds()
+        start = seconds[self.start]
+        made = tuple(seconds[i] - start for i in self.copies)
+        if len(made) != len(sizes):
+            return None
+        forward = seconds[self.forward] - start
+        backward = seconds[end] - seconds[self.backward]
+        moved -= self.moved
+        if moved:  # backward waited for copies back: its compute, about twice the forward's
+            backward = min(backward, 2 * forward)
+        needed = floor = 0
+        rises: tuple[int, ...] = ()
+        if self.module is not None:
+            last = int(self.module.max_memory_allocated(self.device))  # since the last sample
+            peak, needed, floor = _peaks(self.samples, self.used, last, moved)
+            peak, floor = peak - self.allocated, max(0, floor - self.allocated)
+            rises = _rises([*self.samples, (0, last)])
+        else:
+            peak = sum(sizes)
+        to_host, to_device = probe(max(1 << 20, min(_PROBE_BYTES, max(sizes, default=0))))
+        measurement = Measurement(
+            sizes, made, forward, backward, to_host, to_device, peak, needed, floor
+        )
+        return measurement, rises
+
+
+#: the bytes of the one copy each way that measures the bandwidth for a goal's plan
+_PROBE_BYTES = 64 << 20
+
+
+#: the first unpacks of backward that still count as its beginning (the loss and the
+#: output head, where a step's peak usually is: all its activations, and the head's
+#: gradients)
+_BEGINNING = 2
+
+
+def _peaks(
+    samples: list[tuple[int, int]], used: list[tuple[int, int]], last: int, moved: int
+) -> tuple[int, int, int]:
+    """From a measured step's samples (the device's allocated bytes at each first unpack of
+    backward, the most it allocated since the one before, and the bytes backward had used
+    and brought back by then) and what it allocated at most after the last one: the peak
+    had it moved nothing, the bytes backward had used by then, and the floor a plan's peak
+    cannot go under.
+
+    A step measured keeping everything (``moved`` 0) peaks where it peaks, and moving
+    what it had used by then lowers nothing. A step that moved everything: had it moved
+    nothing, it would have peaked as it began backward (all of its activations on the
+    device, and the head's gradients), the bytes it moved higher, less what it had
+    brought back by then; what it allocated later (brought back and made by backward,
+    as any plan's backward would) is the floor."""
+    peaks = [peak for _, peak in samples] + [last]
+    if not samples:
+        return last, 0, 0
+    if moved == 0:
+        at = max(range(len(peaks)), key=peaks.__getitem__)
+        needed = used[min(at, len(used) - 1)][0]
+        return peaks[at], needed, 0
+    begin = min(_BEGINNING, len(samples)) - 1
+    start = max(peaks[: begin + 1])
+    needed, restored = used[begin]
+    return start + moved - restored, needed, max(peaks[begin + 1 :], default=0)
+
+
+def _rises(samples: list[tuple[int, int]]) -> tuple[int, ...]:
+    """For each of a measured backward's points (``samples``: the device's allocated bytes
+    at each first unpack, and the most it allocated since the point before), how far its
+    allocations rose above that point later on."""
+    rises = [0] * len(samples)
+    ahead = 0  # the most allocated after the point at hand
+    for i in range(len(samples) - 1, -1, -1):
+        allocated, peak = samples[i]
+        rises[i] = max(0, ahead - allocated)
+        ahead = max(ahead, allocated, peak)
+    return tuple(rises)

@@ -21,10 +21,11 @@ owns no tensor.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
-__all__ = ["Measurement", "OffloadPlan", "choose", "head_start", "predict"]
+__all__ = ["Measurement", "OffloadPlan", "Planner", "choose", "head_start", "predict"]
 
 
 @dataclass(frozen=True)
@@ -236,3 +237,181 @@ def _small_below(sizes: list[int]) -> int:
             return n if kept else 0
         kept += n * count
     return 0  # only when every size is 0
+
+
+#: a group holds at most this fraction (1 / _GROUP_SHARE) of the bytes a forward moves
+_GROUP_SHARE = 8
+
+#: a budget nothing reaches (a step measured for ``max_overhead`` keeps everything)
+_UNLIMITED = 1 << 62
+
+
+class Planner:
+    """What one :class:`~leakfree.offload.OffloadActivations` has decided to move: its
+    settings (``device_budget``, ``keep_small``, the goals ``max_overhead`` and
+    ``device_limit``), the plan of the last forward of each shape, and what a goal's
+    plan predicted. Numbers only: the hooks measure and move, this decides.
+
+    ``plan``: (the forward's copy sizes, how many of the first move), None until a
+    forward (a device budget's) or a measured step (a goal's) made one."""
+
+    def __init__(
+        self,
+        *,
+        device_budget: int | None,
+        keep_small: bool,
+        max_overhead: float | None,
+        device_limit: int | None,
+        batch_bytes: int,
+    ) -> None:
+        self.device_budget = device_budget
+        self.keep_small = keep_small
+        self.max_overhead = max_overhead
+        self.device_limit = device_limit
+        self.batch_bytes = batch_bytes
+        self.plan: tuple[tuple[int, ...], int] | None = None
+        #: storages smaller than this stay where they are (the plan's, without a budget);
+        #: and how many of the planned forward's storages that kept, with their bytes
+        self.small_below = 0
+        self.small_kept = (0, 0)
+        #: what a group may hold: batch_bytes, at most an eighth of what the last planned
+        #: forward moved; 0 (every copy alone) until a forward has been planned
+        self.capacity = 0
+        self.replans = -1
+        #: a goal's plan: its predicted overhead and peak (bytes on the device); the bytes
+        #: it brings back early, and what they stay under (less ``rises``, by position in
+        #: backward's order); under a limit, the measurement it came from and what the
+        #: device held then, until a step under it has held the limit
+        self.prediction: tuple[float, int] | None = None
+        self.early = 0
+        self.ceiling = 0
+        self.rises: tuple[int, ...] = ()
+        self.check: tuple[Measurement, int] | None = None
+
+    @property
+    def goal(self) -> bool:
+        """Whether the plan is chosen for a goal, from a measured step."""
+        return self.max_overhead is not None or self.device_limit is not None
+
+    def forget(self) -> None:
+        """Settings changed: the next forward plans (or is measured) again, as a first
+        forward is. (Kept as it was, a plan would not change while the shapes stay.)"""
+        self.plan = None
+        self.small_below = 0
+        self.check = None
+
+    def budget(self, sizes: tuple[int, ...] | list[int] | None = None, *, on_plan: bool) -> int:
+        """The bytes of saved activations kept on the device: the device budget given, or
+        (None) twice the largest copy of a forward (``sizes``; by default the planned
+        one): what backward's prefetch would bring back at once anyway. A goal's plan
+        keeps what it does not move (``on_plan``: the forward follows it); a step measured
+        for one keeps everything, or (under a limit) moves everything."""
+        if self.device_budget is not None:
+            return self.device_budget
+        if self.goal:
+            if self.plan is not None and on_plan:
+                return sum(self.plan[0])
+            return 0 if self.device_limit is not None else _UNLIMITED
+        if sizes is None:
+            sizes = self.plan[0] if self.plan is not None else ()
+        return 2 * max(sizes, default=0)
+
+    def from_forward(self, sizes: list[int], storages: list[int], saved: list[int]) -> None:
+        """Plan the next forwards from one that did not follow the plan (a device budget's,
+        or none): ``sizes``, its copies' bytes in the order saved; ``storages``, each
+        copy's storage bytes; ``saved``, every storage it saved, once.
+
+        Without a device budget the plan also keeps the smallest saved storages on the
+        device (``keep_small``), while together they are at most 1/64 of what the forward
+        saves: each costs a handle, a host copy, its part of a transfer each way and a view
+        in backward, whatever its size, and its bytes would save next to nothing. The rule
+        weighs every storage the forward saved (the ones it kept for their size among
+        them), so a forward of the same shapes makes the same choice again."""
+        below = 0
+        if self.keep_small and self.device_budget is None:
+            below = _small_below(saved)
+        kept = [n for n in saved if n < below]
+        planned = [n for n, s in zip(sizes, storages) if s >= below]  # the copies to come
+        moved = _plan(planned, self.budget(planned, on_plan=False))
+        self.plan = (tuple(planned), moved)
+        self.small_below = below
+        self.small_kept = (len(kept), sum(kept))
+        self.replans += 1
+        self._group_capacity()
+
+    def _group_capacity(self) -> None:
+        # A group is on the device twice (waiting to be sent, and brought back until its
+        # last use): bounded by an eighth of what a forward moves, grouping adds at most
+        # about that to the device peak, however small the model.
+        assert self.plan is not None
+        sizes, moved = self.plan
+        self.capacity = min(self.batch_bytes, sum(sizes[:moved]) // _GROUP_SHARE)
+
+    def adopt(self, measurement: Measurement, allocated: int, *, checkable: bool) -> None:
+        """A goal's plan from ``measurement`` (``allocated``: what the device held before
+        the measured step). Under a limit, and where the device reports its peak
+        (``checkable``), the next step's peak is checked against it (:meth:`checked`)."""
+        sizes = measurement.sizes
+        count, self.early = choose(
+            measurement,
+            max_overhead=self.max_overhead,
+            device_limit=self.device_limit,
+            allocated=allocated,
+        )
+        stall, peak = predict(measurement, count, self.early)
+        compute = measurement.forward + measurement.backward
+        self.prediction = (stall / compute if compute > 0 else 0.0, allocated + peak)
+        # what bringing groups back early stays under: the plan's ceiling (less, at each
+        # point of backward, how far the measured backward rose above it later: ``rises``)
+        self.ceiling = allocated + peak
+        if self.device_limit is not None:
+            self.ceiling = max(self.ceiling, self.device_limit)
+        self.plan = (sizes, count)
+        self.small_below = 0
+        self.small_kept = (0, 0)
+        self._group_capacity()
+        limited = self.device_limit is not None and checkable and count < len(sizes)
+        self.check = (measurement, allocated) if limited else None
+
+    def checked(self, peak: int) -> None:
+        """A step under a limit's new plan peaked at ``peak`` bytes on the device: over the
+        limit, the plan's prediction of its peak was short by what the step went over it,
+        and a plan moving more follows (checked again); else the plan stands."""
+        assert self.check is not None and self.device_limit is not None
+        assert self.prediction is not None
+        measurement, allocated = self.check
+        if peak <= self.device_limit:
+            self.check = None
+            return
+        short = peak - self.prediction[1]
+        corrected = dataclasses.replace(
+            measurement, peak=measurement.peak + short, floor=measurement.floor + short
+        )
+        self.adopt(corrected, allocated, checkable=True)
+
+    def report(self) -> OffloadPlan | None:
+        """The plan as :class:`OffloadPlan` (None before there is one)."""
+        if self.plan is None:
+            return None
+        sizes, moved = self.plan
+        small, small_bytes = self.small_kept
+        goal, overhead, peak = "device_budget", None, None
+        if self.goal:
+            names = [n for n in ("device_limit", "max_overhead") if getattr(self, n) is not None]
+            goal = ", ".join(names)
+            if self.prediction is not None:
+                overhead, peak = self.prediction
+        return OffloadPlan(
+            budget=sum(sizes[moved:]) if self.goal else self.budget(on_plan=True),
+            kept=len(sizes) - moved,
+            kept_bytes=sum(sizes[moved:]),
+            moved=moved,
+            moved_bytes=sum(sizes[:moved]),
+            replans=max(self.replans, 0),
+            small=small,
+            small_bytes=small_bytes,
+            small_below=self.small_below,
+            goal=goal,
+            overhead=overhead,
+            peak=peak,
+        )
