@@ -259,3 +259,33 @@ def test_a_copy_back_without_its_manager_waits_for_the_copies_out(sim: Any) -> N
     loss.backward()
     sim.module.synchronize()
     sim.lazy = False
+
+
+def test_a_held_copy_does_not_widen_the_prefetch_window(
+    sim: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default window is twice the largest group backward brings back: a large saved
+    tensor the plan keeps on the device (never brought back) does not count. (It did: a
+    kept 1 GB of logits let backward bring back 2 GB ahead at once.)"""
+    import leakfree.offload.hooks as hooks
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_model(width=64), nn.Linear(64, 2048)).to(sim.device)
+    x = torch.randn(32, 64, device=sim.device)  # 8 KiB activations, then 256 KiB
+    ctx = leakfree.OffloadActivations(min_offload_size=1, batch_bytes=0, device_budget=256 << 10)
+    outstanding: list[int] = []
+    original = hooks._to_prefetch
+
+    def watched(state: Any, current: Any, window: int) -> list[Any]:
+        out = original(state, current, window)
+        outstanding.append(state.outstanding)
+        return out
+
+    monkeypatch.setattr(hooks, "_to_prefetch", watched)
+    for _ in range(3):
+        with ctx:
+            loss = model(x).square().mean()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    assert ctx.plan.kept_bytes >= 256 << 10 and ctx.plan.moved > 8
+    assert outstanding and max(outstanding) <= 2 * (8 << 10)

@@ -123,7 +123,8 @@ def choose(
     allocated: int = 0,
 ) -> tuple[int, int]:
     """How many of ``m``'s first storages to move, and how many bytes of them to bring
-    back early (:func:`head_start`, within what the plan leaves under a limit).
+    back early (:func:`head_start`; the hooks bring them back only while the device has
+    room under the plan's ceiling, and a step over a limit makes the plan move more).
 
     ``device_limit``: of the plans whose predicted peak, on top of ``allocated`` (what
     the device held before the step), is at most the limit, the one with the least
@@ -138,10 +139,7 @@ def choose(
         candidates = range(fits[0], n + 1) if fits else range(n, n + 1)
 
     def early(moved: int) -> int:
-        head = head_start(m, moved)
-        if device_limit is not None:  # early bytes stay under the limit too
-            head = min(head, max(0, device_limit - allocated - predict(m, moved, 0)[1]))
-        return head
+        return head_start(m, moved)
 
     if max_overhead is None:  # the limit alone: the least stall
         best = min(candidates, key=lambda k: (predict(m, k, early(k))[0], k))

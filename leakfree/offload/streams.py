@@ -134,7 +134,8 @@ def _follow(order: Order, first: Unit, copies: _Copies, state: _Pass) -> None:
         if (group is not None and group.seq != copy.seq) or _size(unit) != nbytes:
             return
         plan.append(weakref.ref(unit))
-        largest = max(largest, unit.largest if isinstance(unit, _Group) else nbytes)
+        if isinstance(unit, _Group):  # held copies are never brought back: not theirs
+            largest = max(largest, unit.largest)
     state.plan = plan
     state.position = {base + rel: i for i, (rel, _) in enumerate(order)}
     state.window = 2 * largest
