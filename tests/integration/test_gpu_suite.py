@@ -33,7 +33,9 @@ def test_gpu_suite_smoke(sim: Any, tmp_path: Any) -> None:
     with pytest.raises(RuntimeError, match="the snapshot failed"):
         suite.main(["--tiny", "--device", "sim", "--json", str(written)])
     out = json.loads(written.read_text())
-    assert out["parts_done"] == ["setup", "gradients", "modes", "losslog"]
+    assert out["parts_done"] == [
+        "setup", "gradients", "modes", "overlap", "sanitizer", "losslog"
+    ]  # fmt: skip
     modes = out["modes"]
     assert set(modes) == set(suite.MODES) >= {"none", "save_on_cpu", "trl", "leakfree"}
     for name in suite.MODES:
@@ -41,6 +43,13 @@ def test_gpu_suite_smoke(sim: Any, tmp_path: Any) -> None:
         assert modes[name]["grads_bit_identical"] is True, name
         after = modes[name]["allocated_after_each_step"]
         assert len(after) == out["size"]["steps"] and len(set(after)) == 1  # flat
-    assert modes["leakfree"]["activation_peak_bytes"] < 0.6 * modes["none"]["activation_peak_bytes"]
+    none_peak = modes["none"]["activation_peak_bytes"]
+    assert modes["leakfree"]["activation_peak_bytes"] < 0.6 * none_peak
+    # the goals plan from a measured step and follow their plans after it
+    assert "max_overhead" in modes["leakfree max_overhead"]["plan"]
+    limited = modes["leakfree device_limit"]
+    assert limited["device_limit"] is not None and limited["peak_bytes"] <= limited["device_limit"]
+    assert out["copy_overlap"]["leakfree"] == {"skipped": "the profiler's copy timeline needs CUDA"}
+    assert out["sanitizer"] == {"skipped": "the CUDA Sanitizer needs CUDA"}
     assert out["losslog"]["reduce_syncs"] == 1
     assert snapshots == [{"skipped": "a memory snapshot needs CUDA"}]
