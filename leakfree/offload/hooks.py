@@ -123,8 +123,9 @@ class OffloadActivations(saved_tensors_hooks):
     Args (the first four as TRL's ``OffloadActivations``):
         use_pin_memory: copy into pinned host memory (from a reusable pool) so copies can be
             asynchronous.
-        use_streams: on an accelerator, copy on a side stream that overlaps with compute:
-            device-to-host in forward, host-to-device prefetch in backward.
+        use_streams: on an accelerator, copy on side streams that overlap with compute:
+            device-to-host in forward on one, host-to-device prefetch in backward on
+            another (so the two directions run at once).
         min_offload_size: tensors smaller than this many bytes stay where they are.
         max_fwd_stash_size: how many device-to-host copies may be in flight at once after
             their group is sent (their device tensors are kept alive until then), as TRL's.
@@ -134,7 +135,9 @@ class OffloadActivations(saved_tensors_hooks):
             and a group waiting to be sent counts against the budget.
         prefetch_bytes: how many bytes backward may have brought back ahead of their use
             (with ``use_streams``; at least one group). Default (None): twice the largest
-            copy the pass will bring back, so about two copies ahead, in whole groups.
+            group the pass will bring back (a copy kept on the device does not count), so
+            about two copies ahead, in whole groups. A goal's plan also brings back the
+            earliest groups as backward begins (see ``max_overhead``), besides this.
             Backward prefetches in the order the previous backward of the same shape used,
             so only what it will use; the first one copies on demand. 0 turns prefetch off.
         batch_bytes: copies out smaller than this share a host block with the ones of
@@ -165,6 +168,16 @@ class OffloadActivations(saved_tensors_hooks):
             next forwards of the same shapes follow (moving as they go); a forward of
             other shapes makes a new plan. :attr:`plan` reports it, :attr:`stats` the
             bytes each way. Settable, as ``keep_small``.
+        max_overhead: a goal instead of a budget: the step time offloading may add, a
+            fraction of the step's compute (0.05: 5%). The first step of each shape is
+            measured keeping everything on the device; the plan then moves the most bytes
+            whose copies hide behind compute within it (:mod:`leakfree.offload.plan`).
+        device_limit: a goal: bytes the step may allocate on the device (its allocator's
+            count, parameters included). The first step of each shape is measured moving
+            everything; the plan then moves the fewest bytes, costing the least time, that
+            keep the step under it (nothing when it fits), and the next step checks it.
+            With either goal, :attr:`plan` also says the predicted overhead and peak.
+            Neither goes with ``device_budget``. Settable, as ``keep_small``.
         device: the device to offload from; by default the current accelerator. Tensors on
             other device types stay put.
         force_host_copy: on a machine without an accelerator, offload CPU tensors to
@@ -193,9 +206,10 @@ class OffloadActivations(saved_tensors_hooks):
     gradients are bit-identical. In-place changes to a saved tensor are reported as PyTorch
     reports them while the tensor is still on the device (kept, or its group not sent).
 
-    ``__exit__`` sends the open group, makes each compute stream wait for its side stream
-    and drops every device tensor kept for an in-flight copy; the hooks are popped in
-    ``finally``, always.
+    ``__exit__`` sends the open groups and lets go of every device tensor kept for an
+    in-flight copy (``record_stream`` where its copy still runs): the compute stream does
+    not wait for the copies out, so backward begins while they run. The hooks are popped
+    in ``finally``, always.
 
     *A forward* (what the dedup map and the plan are per) is what is saved from the
     outermost ``__enter__`` to its ``__exit__``; in one ``with`` around many steps, it
