@@ -19,6 +19,7 @@ from torch import nn
 import leakfree
 from leakfree.offload.plan import Measurement, OffloadPlan, choose, head_start, predict
 from tests.simdev.timing import COMPUTE, TO_DEVICE, TO_HOST, Rates, Timeline, attach
+from tests.test_streams import deep
 
 MiB = 1 << 20
 
@@ -104,11 +105,7 @@ SMALL = Rates("small", flops=2e11, memory=4e10, to_host=2e9, to_device=2e9, laun
 
 
 def _model(width: int = 256, depth: int = 8) -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*layers)
+    return deep(width, depth)  # the stream tests' model, wider: compute worth hiding behind
 
 
 def _step(model: nn.Module, x: torch.Tensor, ctx: Any, sim: Any) -> Timeline:
