@@ -1,6 +1,6 @@
-"""The H100 tables of ``shared/GPU.md``, predicted, for offload.py.
+"""The H100 tables of the H100 run, predicted, for offload.py.
 
-``tests/simdev/predict.py`` runs ``shared/GPU.md``'s Llama (542M parameters, bf16, batch
+``tests/simdev/predict.py`` runs the H100 run's Llama (542M parameters, bf16, batch
 2 x 4096) dry on the simulated device, timed by ``tests/simdev/timing.py``'s H100 model.
 Two tables:
 
@@ -10,7 +10,7 @@ Two tables:
   ``device_limit``), the budgets, ``save_on_cpu`` and TRL's manager, with the bytes each
   way and the time both copy engines were busy at once.
 
-Every number here is predicted (no GPU ran it); ``shared/GPU.md`` has the measured ones.
+Every number here is predicted (no GPU ran it); the H100 run has the measured ones.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def _calibration_table(predicted: dict[str, h100.Prediction]) -> list[dict[str, 
             }
         )
     print_table(
-        "H100 model against shared/GPU.md (H100 measured; the schedule measured then, "
-        "e7732f1), GPU.md's Llama, batch 2 x 4096",
+        "H100 model against the H100 run (H100 measured; the schedule measured then, "
+        "e7732f1), the H100 run's Llama, batch 2 x 4096",
         [
             "mode",
             "measured",

@@ -3,7 +3,7 @@
     python benchmarks/gpu_suite.py --json results/gpu/suite.json    # on the GPU, full size
     python benchmarks/gpu_suite.py --tiny                           # smoke sizes (CPU, sim)
 
-The model is ``shared/GPU.md``'s Llama built from a ``transformers`` config with random
+The model is the measured H100 Llama built from a ``transformers`` config with random
 weights (hidden 2048, 8 layers, sequence 4096, batch 2, bf16). Its activations are kept
 each of these ways, each on its own copy of the model, steps interleaved round by round so
 that a noisy machine slows every mode alike:
@@ -589,7 +589,7 @@ def _mib(n: int | None) -> str:
 
 
 def _goals(results: dict[str, Any]) -> dict[str, str]:
-    """The targets of shared/GPU.md's model ([4/5]), measured."""
+    """The targets of the measured H100 Llama, measured."""
     none, trl = results["none"], results["trl"]
 
     def ratio(mode: str) -> float | None:

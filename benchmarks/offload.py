@@ -9,7 +9,7 @@ class and manager, leakfree plain, with a device budget of half what it moves, a
 budget that keeps everything): step time and its ratios, copies per step, Python calls per
 saved tensor, device peaks, bit-identical gradients, flat device memory
 (``_offload_sim.py``). With --quick: width 64 and the Llama, 3 rounds x 1 step.
-H100 model (``_offload_h100.py``): ``shared/GPU.md``'s tables predicted beside the measured
+H100 model (``_offload_h100.py``): the H100 run's tables predicted beside the measured
 ones, and today's modes and goals on the same model (predicted, not measured).
 Accelerator (when present): peak memory and step time of each mode.
 

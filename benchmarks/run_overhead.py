@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     payload = {
         "results": results,
-        "goal": "process ratio <= 1.3 at 40, 160 and 320 steps, clean and leaky ([1/5]); "
+        "goal": "process ratio <= 1.3 at 40, 160 and 320 steps, clean and leaky; "
         "the leak found in every leaky run, nothing in the clean ones",
         "skip": skip,
         "rounds": rounds,

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     payload = {
         "results": results,
-        "goal": "default mode ratio <= 1.3 (issue [2/6]); no findings on this clean loop",
+        "goal": "default mode ratio <= 1.3; no findings on this clean loop",
         "steps_per_block": steps,
         "rounds": repeat,
     }

@@ -172,7 +172,7 @@ def test_snapshot_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert main(["snapshot", str(bad)]) == 2
 
 
-# --- [2/6]: an instant, honest CLI -------------------------------------------------------------
+# --- an instant, honest CLI --------------------------------------------------------------------
 
 _AS_SCRIPT = """
 import sys

@@ -1,4 +1,4 @@
-"""[2/6] The leaks nobody had catalogued, each in the shape users hit it: the leaky version is
+"""The leaks nobody had catalogued, each in the shape users hit it: the leaky version is
 reported with its holder and the line that made it, the fixed one is quiet.
 
 Every case runs a real loop under the real watchers (MemoryTracker, assert_no_leak): no
@@ -648,7 +648,7 @@ def test_a_cleanup_an_early_exit_skips() -> None:
     assert watch(lambda: step(True), steps=14) == []
 
 
-# --- [1/5] holders Python reaches only indirectly, and the line whose result is kept ---------
+# --- holders Python reaches only indirectly, and the line whose result is kept --------------
 #
 # Each shape is one reported in 2024-2026 (the URL in its docstring), reduced to a CPU loop;
 # the fixed form (the report's fix) is quiet. What makes each hard: the tensors are held by

@@ -388,7 +388,7 @@ def test_dict_mutation_paths_are_guarded() -> None:
     assert torch.equal(clone["a"][0], log["a"][0])
 
 
-# --- [1/6]: drop-in promises that broke on real code ------------------------------------------
+# --- drop-in promises that broke on real code -------------------------------------------------
 
 
 @pytest.mark.parametrize("how", ["detach", "data", "view"])

@@ -1136,7 +1136,7 @@ def test_pool_evicts_other_size_classes_before_overflowing() -> None:
     assert stats.pooled_bytes == 16384 and stats.cached_bytes == 0
 
 
-# --- [2/6]: every tensor kind save_on_cpu takes -----------------------------------------------
+# --- every tensor kind save_on_cpu takes ------------------------------------------------------
 
 
 def _kind(name: str) -> tuple[tuple[torch.Tensor, ...], Any]:

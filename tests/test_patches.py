@@ -777,7 +777,7 @@ def test_decorated_backward_is_still_recognised(tmp_path: Path) -> None:
     assert result == {"leaks": False, "outcome": "applied"}
 
 
-# --- [2/6]: option values and development builds ----------------------------------------------
+# --- option values and development builds -----------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -946,7 +946,7 @@ def test_te_class_without_the_pattern_is_not_present_not_a_warning(tmp_path: Pat
     assert reasons["transformer_engine.grouped_linear"] == "not present in this version"
 
 
-# --- [4/6]: one patch system: sweeps are records, one table of originals ---------------------
+# --- one patch system: sweeps are records, one table of originals ----------------------------
 
 
 def write_sweep_lib(root: Path) -> Path:
@@ -1128,7 +1128,7 @@ def test_outcome_and_reason_are_words_in_report_plan_and_doctor() -> None:
         ]
 
 
-# --- [5/6]: the review's fixes: outcome and reason are two axes ------------------------------
+# --- the review's fixes: outcome and reason are two axes -------------------------------------
 
 
 def test_outcome_and_reason_do_not_overlap_and_each_reason_explains_one_outcome() -> None:

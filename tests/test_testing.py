@@ -123,7 +123,7 @@ def test_plugin_module_imports_no_torch() -> None:
     assert done.stdout.strip() == "False"
 
 
-# --- [2/6]: look where the step keeps things --------------------------------------------------
+# --- look where the step keeps things ---------------------------------------------------------
 
 _TRAINING_MODULE = """
 import functools

@@ -1,4 +1,4 @@
-"""[3/6] ``leakfree.watch()``: boundaries found by themselves (optimizer steps, backward
+"""``leakfree.watch()``: boundaries found by themselves (optimizer steps, backward
 passes), the same detector as MemoryTracker's, a handle with report() and stop()."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""[2/6] No false alarm on clean runs of the distributed wrappers people train with: DDP and
+"""No false alarm on clean runs of the distributed wrappers people train with: DDP and
 FSDP2 (``fully_shard``) over gloo, 2 ranks, AdamW, gradient accumulation, a LossLog;
 ``torch.distributed.pipelining`` (repaired by ``patch_all``) lives in test_pipelining.py.
 Each rank runs the exact detector (every step tracked) and reports its findings; the same

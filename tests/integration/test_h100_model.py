@@ -1,6 +1,6 @@
-"""The H100 timing model against ``shared/GPU.md``, and the offload targets it predicts.
+"""The H100 timing model against the H100 run, and the offload targets it predicts.
 
-``shared/GPU.md``'s Llama (542M parameters, bf16, batch 2 x 4096) runs dry on the
+the H100 run's Llama (542M parameters, bf16, batch 2 x 4096) runs dry on the
 simulated device (``tests/simdev/predict.py``): shapes only, every kernel and copy timed
 by ``tests/simdev/timing.py``'s H100 model, whose one fitted rate is the FLOP rate of the
 step without offloading. Everything else here is a prediction checked against a

@@ -148,7 +148,7 @@ def test_dist_is_not_left_initialised() -> None:
     assert not (dist.is_available() and dist.is_initialized())
 
 
-# --- [2/6]: bounded failure -------------------------------------------------------------------
+# --- bounded failure --------------------------------------------------------------------------
 
 
 def _failing_worker(

@@ -1,6 +1,6 @@
-"""[3/6] ``python -m leakfree run``: real scripts, unchanged, in subprocesses.
+"""``python -m leakfree run``: real scripts, unchanged, in subprocesses.
 
-Each leak shape of [2/6] is a script here: run with ``--fail`` it names the holder and the
+Each leak shape the finders know is a script here: run with ``--fail`` it names the holder and the
 line that made what it keeps, and exits 79; the clean scripts exit 0 and report nothing;
 a 2-rank gloo script reports per rank; scripts that exit non-zero, raise or are
 interrupted keep their own status. The scripts run concurrently (a few at a time); the

@@ -1,6 +1,6 @@
-"""Predicted H100 steps of ``shared/GPU.md``'s Llama, on the simulated device in dry mode.
+"""Predicted H100 steps of the H100 run's Llama, on the simulated device in dry mode.
 
-The model of ``shared/GPU.md`` (hidden 2048, 8 layers, 16 heads, intermediate 5440, vocab
+The model of the H100 run (hidden 2048, 8 layers, 16 heads, intermediate 5440, vocab
 32000, bf16, sdpa, batch 2 x sequence 4096) is built on the meta device and given
 uninitialised memory on the simulated device; its steps run in dry mode (shapes only), so
 a full-size step takes a fraction of a second on the CPU. Each mode runs warm-up steps
@@ -8,7 +8,8 @@ a full-size step takes a fraction of a second on the CPU. Each mode runs warm-up
 with :data:`timing.H100`: its predicted step time, activation peak (the caching
 allocator's count, streams included) and bytes each way.
 
-:data:`MEASURED` is the calibration data: the H100 tables of ``shared/GPU.md``.
+:data:`MEASURED` is the calibration data: the H100 run's tables (one H100 80GB,
+torch 2.11, transformers 5.17, TRL 1.16, measured 2026-11-27; docs/offload.md has them).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ PINNED = 32 * GiB
 
 @dataclass(frozen=True)
 class Measured:
-    """One row of ``shared/GPU.md``: step ms, its ratio to no offloading, the activation
+    """One row of the H100 run: step ms, its ratio to no offloading, the activation
     peak (GiB) and what was sent to the host per step (GiB)."""
 
     step_ms: float
@@ -39,7 +40,7 @@ class Measured:
     to_host_gib: float | None = None
 
 
-#: ``shared/GPU.md``, the second run (the ``device_budget`` table; the first run's default
+#: the H100 run, the second run (the ``device_budget`` table; the first run's default
 #: and ``use_streams=False`` rows where the second has none, as ratios to that run's none)
 MEASURED: dict[str, Measured] = {
     "none": Measured(78.7, 1.00, 8.73),
@@ -72,7 +73,7 @@ class Prediction:
 
 
 def llama(device: torch.device, layers: int = 8) -> torch.nn.Module:
-    """``shared/GPU.md``'s Llama, its parameters uninitialised on ``device`` (bf16)."""
+    """the H100 run's Llama, its parameters uninitialised on ``device`` (bf16)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -126,7 +127,7 @@ def _context(mode: str, model: torch.nn.Module, moved: int | None) -> Callable[[
 
 @contextlib.contextmanager
 def as_measured() -> Iterator[None]:
-    """leakfree's offloader with the schedule ``shared/GPU.md`` measured (e7732f1): one
+    """leakfree's offloader with the schedule the H100 run measured (e7732f1): one
     side stream for both directions, the compute stream waiting for it at ``__exit__``,
     and prefetch waiting for the compute stream. (The calibration compares the model
     with those measurements: it must run what they ran.)"""
@@ -227,7 +228,7 @@ def _step(
 
 
 def calibration(sim: _device.SimDevice) -> dict[str, Prediction]:
-    """:data:`CALIBRATED`'s modes predicted with the schedule ``shared/GPU.md`` measured
+    """:data:`CALIBRATED`'s modes predicted with the schedule the H100 run measured
     (:func:`as_measured`); the budgets are fractions of what its default moved."""
     out: dict[str, Prediction] = {}
     with as_measured():

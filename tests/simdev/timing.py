@@ -58,9 +58,9 @@ class Rates:
     kernel_min: float  #: the shortest a kernel takes, seconds
 
 
-#: one H100 80GB (SXM), torch 2.11, bf16. Measured in ``shared/GPU.md``: the copy
+#: one H100 80GB (SXM), torch 2.11, bf16. Measured in the H100 run: the copy
 #: bandwidths (pinned, non-blocking, 1 GiB). Assumed: memory-bound kernels at 2.8 TB/s
-#: (84% of HBM3's 3.35). Fitted: the FLOP rate, so that the step of ``shared/GPU.md``'s
+#: (84% of HBM3's 3.35). Fitted: the FLOP rate, so that the step of the H100 run's
 #: Llama without offloading is the measured 78.7 ms (``tests/simdev/predict.py``); 572
 #: TFLOP/s is 58% of the bf16 dense peak, what eager matmuls and flash attention reach.
 #: Only the offloading rows of that table were left to check the model against.
