@@ -54,7 +54,7 @@ from leakfree.diagnostics.boundaries import on_backward
 from leakfree.diagnostics.detector import Detector, Finding, Rule, whole
 from leakfree.diagnostics.growth import Growth, fit_growth
 from leakfree.diagnostics.heap import heap_counter
-from leakfree.diagnostics.sites import Raw, Site, capture, site_of
+from leakfree.diagnostics.sites import WATCHING, Raw, Site, active_site, capture, site_of
 
 __all__ = ["MemoryTracker", "StorageTracker", "active_site", "weak_method"]
 
@@ -256,20 +256,6 @@ def _default_devices() -> list[torch.device]:
     return devices
 
 
-#: the trackers watching now: :func:`active_site` asks them where a tensor was made
-_watching: list[StorageTracker] = []
-
-
-def active_site(tensor: torch.Tensor) -> Site | None:
-    """Where ``tensor`` was created, according to the trackers watching now (None when
-    none saw it made)."""
-    for storages in reversed(_watching):
-        found = storages.site(tensor)
-        if found is not None:
-            return found
-    return None
-
-
 @dataclass
 class MemoryTracker:
     """Live bytes per device at each ``step()`` and after each backward pass; leaks found
@@ -424,7 +410,7 @@ class MemoryTracker:
             self._depth = torch._C._len_torch_dispatch_stack()
             self._storages.__enter__()  # type: ignore[no-untyped-call]
             self._tracking = True
-            _watching.append(self._storages)
+            WATCHING.append(self._storages)
         if self.microbatches:
             self._thread = threading.get_ident()
             self._backward = on_backward(self._on_backward)
@@ -436,8 +422,8 @@ class MemoryTracker:
         if handle is not None:
             handle.remove()
         if self._storages is not None:
-            if self._storages in _watching:
-                _watching.remove(self._storages)
+            if self._storages in WATCHING:
+                WATCHING.remove(self._storages)
             if self._tracking:
                 self._tracking = False
                 self._storages.__exit__(*exc)  # type: ignore[no-untyped-call]

@@ -55,10 +55,11 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 import leakfree._args as _args
+from leakfree._nodes import RELEASED, backward_ran, saved_handles
 from leakfree._text import format_bytes, format_table
 from leakfree._walk import Located, frame_locals, object_fields, walk
 from leakfree.diagnostics.boundaries import RETAINED
-from leakfree.function import RELEASED, backward_ran, saved_handles
+from leakfree.diagnostics.sites import active_site
 
 __all__ = [
     "Retained",
@@ -390,12 +391,6 @@ def _in_growable(located: Located) -> bool:
     return any(_growable(obj) for obj, _ in located.holders())
 
 
-def _active_sites() -> SiteOf | None:
-    from leakfree.diagnostics.memory import active_site
-
-    return active_site
-
-
 def find_retained(
     *roots: Any,
     names: list[str] | None = None,
@@ -442,7 +437,7 @@ def find_retained(
         caller = frame.f_back if frame is not None else None
         named = frame_locals(caller) if caller is not None else []
         del frame, caller
-    site_of = sites if sites is not None else _active_sites()
+    site_of = sites if sites is not None else active_site
 
     def made(tensor: torch.Tensor) -> str:
         found = site_of(tensor) if site_of is not None else None

@@ -23,10 +23,21 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from types import CodeType, FrameType
+from typing import Any, cast
 
 import torch
 
-__all__ = ["LIBRARY", "SKIPPED", "USER", "Site", "capture", "kind_of", "site_of"]
+__all__ = [
+    "LIBRARY",
+    "SKIPPED",
+    "USER",
+    "WATCHING",
+    "Site",
+    "active_site",
+    "capture",
+    "kind_of",
+    "site_of",
+]
 
 #: kinds of code: torch/leakfree/stdlib (never a site), installed packages, the user's own
 SKIPPED, LIBRARY, USER = 0, 1, 2
@@ -132,3 +143,18 @@ def _short(filename: str) -> str:
     except ValueError:  # another drive
         return filename
     return filename if rel.startswith("..") else rel
+
+
+#: the storage trackers watching now (each answers ``site(tensor)``; a tracker adds itself
+#: while it is active): :func:`active_site` asks them where a tensor was made
+WATCHING: list[Any] = []
+
+
+def active_site(tensor: torch.Tensor) -> Site | None:
+    """Where ``tensor`` was created, according to the trackers watching now (None when
+    none saw it made)."""
+    for storages in reversed(WATCHING):
+        found = storages.site(tensor)
+        if found is not None:
+            return cast("Site | None", found)
+    return None
