@@ -93,7 +93,7 @@ _grad_enabled = torch.is_grad_enabled
 #: attribute it replaced (a staticmethod, classmethod or plain function).
 _ORIGINAL = "__leakfree_original__"
 #: Per-class record of what is installed (kept in the class __dict__).
-_HANDLE = "__leakfree_release__"
+HANDLE = "__leakfree_release__"
 
 _lock = threading.RLock()
 
@@ -324,7 +324,7 @@ def _make_backward(
     return staticmethod(backward)
 
 
-def _backward_name(cls: type) -> str | None:
+def backward_name(cls: type) -> str | None:
     """Which of ``backward`` / ``vjp`` the class implements (autograd calls that one)."""
     if getattr(cls, "vjp", None) is not torch.autograd.Function.vjp:
         return "vjp"
@@ -338,7 +338,7 @@ def _raw_attribute(cls: type, name: str) -> tuple[type, Any]:
     for klass in cls.__mro__:
         if name in klass.__dict__:
             return klass, klass.__dict__[name]
-    raise AttributeError(name)  # pragma: no cover  (_backward_name found it)
+    raise AttributeError(name)  # pragma: no cover  (backward_name found it)
 
 
 def _unwrap(raw: Any) -> Any:
@@ -375,7 +375,7 @@ class ReleaseHandle:
 
     @property
     def active(self) -> bool:
-        return self.cls.__dict__.get(_HANDLE) is self
+        return self.cls.__dict__.get(HANDLE) is self
 
     def restore(self) -> bool:
         """Put back the exact original ``backward`` / ``vjp``; True once it is back.
@@ -402,7 +402,7 @@ class ReleaseHandle:
                 delattr(self.cls, self.method)
             else:
                 setattr(self.cls, self.method, self._own_raw)
-            delattr(self.cls, _HANDLE)
+            delattr(self.cls, HANDLE)
             _dispatch_cache.clear()
             return True
 
@@ -422,12 +422,12 @@ def _install(
     cls: type[torch.autograd.Function], names: frozenset[str] | None, keep: frozenset[str]
 ) -> ReleaseHandle | None:
     with _lock:
-        current: ReleaseHandle | None = cls.__dict__.get(_HANDLE)
+        current: ReleaseHandle | None = cls.__dict__.get(HANDLE)
         if current is not None:
             if current.names == names and current.keep == keep:
                 return current  # idempotent
             current.restore()  # re-install from the original with the new spec
-        method = _backward_name(cls)
+        method = backward_name(cls)
         if method is None:
             return None
         _, raw = _raw_attribute(cls, method)
@@ -437,7 +437,7 @@ def _install(
         handle = ReleaseHandle(cls, method, own_raw, names, keep)
         handle._installed = _make_backward(original, method, names, keep)
         setattr(cls, method, handle._installed)
-        setattr(cls, _HANDLE, handle)
+        setattr(cls, HANDLE, handle)
         _dispatch_cache.clear()
         return handle
 
@@ -522,14 +522,14 @@ def released_attributes(cls: type) -> tuple[str, ...] | Literal["all"]:
         raise TypeError(f"released_attributes(cls={cls!r}): expected a class")
     if not issubclass(cls, torch.autograd.Function):
         return ()
-    method = _backward_name(cls)
+    method = backward_name(cls)
     if method is None:
         return ()
     _, raw = _raw_attribute(cls, method)
     if _unwrap(raw) is raw:
         return ()  # the backward autograd will run is not one of ours
     for klass in cls.__mro__:
-        handle = klass.__dict__.get(_HANDLE)
+        handle = klass.__dict__.get(HANDLE)
         if handle is not None:
             attrs: tuple[str, ...] | Literal["all"] = handle.attrs
             return attrs

@@ -81,7 +81,7 @@ def _check(key: str, value: Any, device: torch.device | None) -> Any:
         if value.is_complex():
             raise TypeError(f"LossLog[{key!r}]: complex tensors are not losses")
         stored = value.detach()
-        if value._version or _pins_more(value):
+        if value._version or pins_more(value):
             # Modified in place already (the version check at reduce needs 0 here), or
             # sharing a bigger storage (a view, or a detach()/.data of one, whose _base is
             # None): store a copy of the one element.
@@ -95,7 +95,7 @@ def _check(key: str, value: Any, device: torch.device | None) -> Any:
     return float(value)
 
 
-def _pins_more(value: torch.Tensor) -> bool:
+def pins_more(value: torch.Tensor) -> bool:
     """Does ``value`` share a storage worth more than a copy of itself (a view of a bigger
     tensor, or a ``detach()`` / ``.data`` of one)? Up to 8 bytes are never worth a copy."""
     try:

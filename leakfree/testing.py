@@ -20,7 +20,7 @@ import torch
 import leakfree._args as _args
 from leakfree.diagnostics.detector import DEFAULT_FLOOR, Rule
 from leakfree.diagnostics.growth import Growth
-from leakfree.diagnostics.memory import MemoryTracker, _default_devices
+from leakfree.diagnostics.memory import MemoryTracker, default_devices
 from leakfree.diagnostics.retention import RetentionReport
 from leakfree.diagnostics.roots import code_roots, judged_device
 
@@ -84,7 +84,7 @@ def assert_no_leak(
     tracker = MemoryTracker(
         devices=[judged_device("assert_no_leak", device)]
         if device is not None
-        else _default_devices(),
+        else default_devices(),
         sample_every=1,
         rule=rule,
         roots=named,

@@ -234,7 +234,7 @@ class Flat:
     """The tracker a detector reads in these tests: a CPU judged, no storage tracker."""
 
     judged = "cpu"
-    _storages = None
+    storage_tracker = None
 
 
 def test_a_suspicion_the_run_ends_too_soon_to_confirm_leaves_the_verdict_it_had(

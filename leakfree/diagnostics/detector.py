@@ -98,7 +98,7 @@ class Tracked(Protocol):
     def judged(self) -> Any: ...
 
     @property
-    def _storages(self) -> Any: ...
+    def storage_tracker(self) -> Any: ...
 
 
 __all__ = ["DEFAULT_FLOOR", "Detector", "Finding", "Rule", "whole"]
@@ -621,7 +621,7 @@ class Detector:
                 growth,
             )
         made = ""
-        storages = self.tracker._storages
+        storages = self.tracker.storage_tracker
         if storages is not None:  # no holder: at least the lines that made what grew
             grown = storages.alive_by_site(self.rule.warmup)  # epoch k-1: made in step k
             made = "".join(
@@ -640,7 +640,7 @@ class Detector:
         )
 
     def _cycles(self, growth: Growth | None = None) -> bool:
-        storages = self.tracker._storages
+        storages = self.tracker.storage_tracker
         try:
             if storages is not None:  # only tensors made while watching are charged to it
                 cycles = find_cycles(site=storages.site, mine=storages.tracks)
@@ -760,7 +760,7 @@ class Detector:
             for name, value in source.items():
                 if value is not None and name not in named:
                     named[name] = value
-        storages = self.tracker._storages
+        storages = self.tracker.storage_tracker
         return find_retained(
             *named.values(),
             names=list(named),

@@ -248,7 +248,7 @@ def _storages_of(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[in
     return found
 
 
-def _default_devices() -> list[torch.device]:
+def default_devices() -> list[torch.device]:
     devices = [torch.device("cpu")]
     acc = accelerator()
     if acc is not None:
@@ -303,7 +303,7 @@ class MemoryTracker:
     #: the most values a device's series holds
     MAX_POINTS: ClassVar[int] = 256
 
-    devices: list[torch.device] = field(default_factory=_default_devices)
+    devices: list[torch.device] = field(default_factory=default_devices)
     use_allocator: bool = True
     series: dict[str, list[int]] = field(default_factory=dict)
     sample_every: int = 8
@@ -398,6 +398,12 @@ class MemoryTracker:
     def _counted(self, device: torch.device) -> bool:
         """Is ``device`` counted by the storage tracker (no allocator statistics)?"""
         return self._allocator_bytes(device) is None
+
+    @property
+    def storage_tracker(self) -> StorageTracker | None:
+        """The storage-by-storage tracker while one is active (None on an allocator's
+        count alone, or outside the ``with``)."""
+        return self._storages
 
     def __enter__(self) -> MemoryTracker:
         self._storages = None  # on an allocator's count alone, no op pays for tracking

@@ -70,7 +70,7 @@ from leakfree._warnings import PatchWarning
 from leakfree.patches._code import code_facts
 from leakfree.patches._originals import Changes
 from leakfree.patches._registry import REGISTRY, Patch, Reason, Skip
-from leakfree.pipeline.release import _swap_out
+from leakfree.pipeline.release import swap_out
 from leakfree.pipeline.slots import GradSlot, as_nonleaf
 
 __all__ = ["DISTRIBUTIONS", "PATCHES", "SendLedger"]
@@ -458,7 +458,7 @@ class SendLedger:
         if out is None or any(s is None for s in sends):
             return  # torch already let go of it
         nbytes = out.untyped_storage().nbytes()
-        if _swap_out(out, [s for s in sends if s is not None], keep_shape=True):
+        if swap_out(out, [s for s in sends if s is not None], keep_shape=True):
             self.released += 1
             self.released_bytes += nbytes
 

@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from leakfree.function import _HANDLE, Function, ReleaseHandle, _backward_name, release_choice
+from leakfree.function import HANDLE, Function, ReleaseHandle, backward_name, release_choice
 from leakfree.patches._originals import Changes
 from leakfree.patches._registry import REGISTRY, SweepRecord
 
@@ -66,9 +66,9 @@ class Sweep(SweepRecord):
                 continue
             if not self.covers(mod) or issubclass(cls, Function):
                 continue
-            if "_backward_cls" not in cls.__dict__ or _backward_name(cls) is None:
+            if "_backward_cls" not in cls.__dict__ or backward_name(cls) is None:
                 continue  # not a concrete Function, or nothing to release after
-            if _HANDLE in cls.__dict__:
+            if HANDLE in cls.__dict__:
                 continue  # already released: by this sweep, a patch, another sweep, the user
             changes.release_after_backward(cls, self.attrs)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from leakfree.losses import AdmittingList, LossLog, _pins_more
+from leakfree.losses import AdmittingList, LossLog, pins_more
 
 __all__ = ["PipelineLosses"]
 
@@ -37,7 +37,7 @@ def _stored(value: Any) -> torch.Tensor:
         )
     out = value.detach()
     # A loss that is a view of a bigger tensor (per_sample[0]) would pin all of it.
-    return out.clone() if _pins_more(out) else out
+    return out.clone() if pins_more(out) else out
 
 
 class PipelineLosses(AdmittingList):

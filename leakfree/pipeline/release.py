@@ -63,7 +63,7 @@ def _others_hold(t: torch.Tensor, aliases: int = 0) -> bool | None:
 _RELEASED_MARK = "_leakfree_released_output"
 
 
-def _swap_out(y: torch.Tensor, aliases: Sequence[torch.Tensor], keep_shape: bool) -> bool:
+def swap_out(y: torch.Tensor, aliases: Sequence[torch.Tensor], keep_shape: bool) -> bool:
     """Free ``y``'s storage if ``y`` and ``aliases`` are its only holders; True if freed.
 
     The one place that frees a sent output. Swaps in a new storage rather than resizing
@@ -145,7 +145,7 @@ def release_output(
     held = _others_hold(y, len(aliases))
     nbytes = y.untyped_storage().nbytes()
     shape, dtype, device = y.shape, y.dtype, y.device
-    freed = _swap_out(y, aliases, keep_shape)
+    freed = swap_out(y, aliases, keep_shape)
     if not freed:
         why = (
             "this torch cannot count storage references"
