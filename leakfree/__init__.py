@@ -42,27 +42,25 @@ _SUBMODULES = ("pipeline",)
 
 # What a user needs, and no more: the rest (LossList, RunningLoss, ReleaseHandle, the
 # pools, the registry's records...) stays importable from the module that defines it.
+# ``NoOffload``, ``remove_offload_hooks``, ``patch_functions``, ``PatchError`` and
+# ``PatchWarning`` are exported by their subpackages and reach from here too
+# (``leakfree.NoOffload``), without a second entry in a second ``__all__``.
 
 __all__ = [
     "Function",
     "LeakfreeWarning",
     "LossLog",
     "MemoryGrowthWarning",
-    "NoOffload",
     "NotJudgedWarning",
     "OffloadActivations",
-    "PatchError",
-    "PatchWarning",
     "ReferenceCycleError",
     "detach_tree",
     "offload_model",
     "patch_all",
-    "patch_functions",
     "patch_report",
     "pipeline",
     "release_after_backward",
     "released_attributes",
-    "remove_offload_hooks",
     "unpatch_all",
     "watch",
 ]
@@ -86,7 +84,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *__all__, *_EXPORTS})
 
 
 if TYPE_CHECKING:
@@ -95,7 +93,9 @@ if TYPE_CHECKING:
         LeakfreeWarning,
         MemoryGrowthWarning,
         NotJudgedWarning,
-        PatchWarning,
+    )
+    from leakfree._warnings import (
+        PatchWarning as PatchWarning,
     )
     from leakfree.detach import detach_tree
     from leakfree.diagnostics.watch import watch
@@ -107,9 +107,14 @@ if TYPE_CHECKING:
     )
     from leakfree.losses import LossLog
     from leakfree.offload import (
-        NoOffload,
+        NoOffload as NoOffload,
+    )
+    from leakfree.offload import (
         OffloadActivations,
         offload_model,
-        remove_offload_hooks,
     )
-    from leakfree.patches import patch_all, patch_functions, patch_report, unpatch_all
+    from leakfree.offload import (
+        remove_offload_hooks as remove_offload_hooks,
+    )
+    from leakfree.patches import patch_all, patch_report, unpatch_all
+    from leakfree.patches import patch_functions as patch_functions

@@ -42,8 +42,6 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["EXIT_LEAK", "EXIT_NOT_JUDGED", "main"]
-
 #: exit status with ``--fail`` when the script succeeded and a leak was found
 EXIT_LEAK = 79
 #: exit status with ``--fail`` when the script succeeded, no leak was found, and the run

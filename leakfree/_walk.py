@@ -60,22 +60,6 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = [
-    "MAX_OBJECTS",
-    "METADATA_TYPES",
-    "OPAQUE",
-    "SCALARS",
-    "SCALAR_TYPES",
-    "Located",
-    "edges_of",
-    "frame_locals",
-    "holds_no_memory",
-    "is_scalar",
-    "object_fields",
-    "search",
-    "walk",
-]
-
 #: Types whose instances hold no tensor and no other object: never walked into.
 SCALARS: tuple[type, ...] = (
     str,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__all__ = ["LeakfreeWarning", "MemoryGrowthWarning", "NotJudgedWarning", "PatchWarning"]
-
 
 class LeakfreeWarning(UserWarning):
     """Base class of every warning leakfree issues."""

@@ -35,9 +35,12 @@ def _exported() -> dict[str, set[str]]:
 
 def test_at_most_sixty_public_names() -> None:
     """Before, 84 distinct names (92 entries), internals among them: ``LossList``,
-    ``HostBlockPool``, ``PoolStats``, ``Patch``, ``Sweep``, scan's ``Project``..."""
+    ``HostBlockPool``, ``PoolStats``, ``Patch``, ``Sweep``, scan's ``Project``...; then 57
+    distinct in 70 entries, a name exported by its subpackage listed again at the top.
+    Counted as entries: a name in two ``__all__`` is two to learn where it lives."""
     names = _exported()
-    assert len(names) <= BUDGET, sorted(names)
+    entries = sum(len(modules) for modules in names.values())
+    assert entries <= BUDGET, sorted(names)
     for internal in ("LossList", "RunningLoss", "HostBlockPool", "PoolStats", "Project"):
         assert internal not in names
 

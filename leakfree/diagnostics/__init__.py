@@ -37,7 +37,6 @@ __all__ = [
     "MemoryTracker",
     "RetentionReport",
     "Rule",
-    "StorageTracker",
     "count_host_syncs",
     "find_retained",
     "fit_growth",
@@ -59,6 +58,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from leakfree.diagnostics.detector import Finding, Rule
     from leakfree.diagnostics.growth import Growth, fit_growth
-    from leakfree.diagnostics.memory import MemoryTracker, StorageTracker
+    from leakfree.diagnostics.memory import MemoryTracker
+    from leakfree.diagnostics.memory import StorageTracker as StorageTracker
     from leakfree.diagnostics.retention import RetentionReport, find_retained
     from leakfree.diagnostics.syncs import count_host_syncs

@@ -16,6 +16,8 @@ submodule of the framework you use. Guide: docs/integrations.md.
 
 from __future__ import annotations
 
-from leakfree._warnings import MemoryGrowthWarning, NotJudgedWarning
+# The warnings are leakfree's (exported there); here they are only at hand.
+from leakfree._warnings import MemoryGrowthWarning as MemoryGrowthWarning
+from leakfree._warnings import NotJudgedWarning as NotJudgedWarning
 
-__all__ = ["MemoryGrowthWarning", "NotJudgedWarning"]
+__all__: list[str] = []

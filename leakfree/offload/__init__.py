@@ -56,7 +56,6 @@ NoOpManager = NoOffload
 
 __all__ = [
     "NoOffload",
-    "NoOpManager",
     "OffloadActivations",
     "OffloadWarning",
     "offload_model",

@@ -36,18 +36,19 @@ from leakfree.patches import trl as _trl
 from leakfree.patches._registry import (
     REGISTRY,
     Outcome,
-    PatchRecord,
     PatchReport,
     Reason,
     get_original,
     is_object_patched,
+)
+from leakfree.patches._registry import (
+    PatchRecord as PatchRecord,
 )
 from leakfree.patches.sweep import patch_functions
 
 __all__ = [
     "Outcome",
     "PatchError",
-    "PatchRecord",
     "PatchReport",
     "PatchWarning",
     "Reason",

@@ -11,8 +11,6 @@ import dis
 import types
 from typing import Any
 
-__all__ = ["code_facts"]
-
 
 def code_facts(fn: Any) -> tuple[set[str], set[str]]:
     """Names a function's code loads or calls, and attribute names it stores: nested code,

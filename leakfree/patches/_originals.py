@@ -23,8 +23,6 @@ from leakfree._warnings import PatchWarning
 if TYPE_CHECKING:
     from leakfree.function import ReleaseHandle
 
-__all__ = ["Changes", "Originals"]
-
 #: In the table: the owner had no attribute of its own by that name (a class inherited it).
 _ABSENT: Any = object()
 

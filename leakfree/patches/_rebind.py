@@ -21,8 +21,6 @@ from leakfree.patches._originals import Changes
 #: changes) -> the undo the table of originals cannot do
 Apply = Callable[[Any, types.ModuleType, Any, Changes], Callable[[], None]]
 
-__all__ = ["imported_modules", "replace_everywhere", "replacing"]
-
 
 def imported_modules(package: str | None = None) -> list[types.ModuleType]:
     """The modules in ``sys.modules`` (those under ``package`` if given), leakfree's own

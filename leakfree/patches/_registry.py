@@ -38,21 +38,6 @@ from leakfree.patches._originals import Changes, Originals, _check_owner
 if TYPE_CHECKING:
     from leakfree.patches._originals import _Row
 
-__all__ = [
-    "PAIRS",
-    "REGISTRY",
-    "Outcome",
-    "Patch",
-    "PatchRecord",
-    "PatchReport",
-    "Reason",
-    "Registry",
-    "SweepRecord",
-    "get_original",
-    "installed_version",
-    "is_object_patched",
-]
-
 
 class _Words(str, Enum):
     """A ``str`` enum that prints, formats and serialises to JSON as its value."""

@@ -31,8 +31,6 @@ from leakfree.scan._syntax import (
 )
 from leakfree.scan._tensors import TensorEvidence
 
-__all__ = ["Callables", "ReturnReader", "Target", "autograd_classes", "imported_names"]
-
 
 @dataclass(frozen=True)
 class Target:

@@ -30,8 +30,6 @@ from leakfree.scan._syntax import (
     words,
 )
 
-__all__ = ["Flow", "Reason", "Step", "said", "short", "tensor_test"]
-
 #: container methods that put their (last) argument into the receiver
 ADDERS = words("append extend add insert appendleft update setdefault")
 #: how :meth:`Step.said` words each of them

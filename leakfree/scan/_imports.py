@@ -21,8 +21,6 @@ from pathlib import Path
 from leakfree.scan._model import Project, parse
 from leakfree.scan._syntax import absolute, walk
 
-__all__ = ["add_imported", "module_of"]
-
 #: how many levels of imports are followed from the scanned file (an ``__init__`` that
 #: re-exports counts as one)
 DEPTH = 2

@@ -15,8 +15,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Target", "UsageError", "python_files", "resolve"]
-
 #: folders never entered: caches, VCS data, virtual environments, build output
 SKIPPED_DIRS = frozenset(
     {"__pycache__", ".git", ".hg", ".svn", ".tox", ".nox", ".mypy_cache", ".ruff_cache",

@@ -16,8 +16,6 @@ from typing import TypeVar
 
 from leakfree.scan._syntax import defined
 
-__all__ = ["Finding", "Project", "Rule", "Source", "parse"]
-
 T = TypeVar("T")
 
 

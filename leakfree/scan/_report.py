@@ -10,8 +10,6 @@ from typing import Any
 from leakfree.scan._model import Rule
 from leakfree.scan._run import ScanResult
 
-__all__ = ["FORMATS", "help_uri", "render", "summary"]
-
 FORMATS = ("text", "json", "sarif")
 DOCS = "docs/scan.md"
 _SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"

@@ -26,8 +26,6 @@ from leakfree.scan._imports import add_imported, module_of
 from leakfree.scan._locate import Target, UsageError, python_files, resolve
 from leakfree.scan._model import WARNING, Finding, Project, Rule, Source
 
-__all__ = ["ScanResult", "choose_rules", "scan", "scan_sources", "suppressions"]
-
 _SUPPRESS = re.compile(r"#\s*leakfree:\s*ignore\b(?:\[([^\]]*)\])?")
 #: in a suppression's set of codes: every rule
 ALL = "*"

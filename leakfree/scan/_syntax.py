@@ -24,34 +24,6 @@ import ast
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-__all__ = [
-    "FunctionClass",
-    "FunctionNode",
-    "Kind",
-    "Scopes",
-    "attr_of",
-    "bindings",
-    "bound_names",
-    "calls_on",
-    "children",
-    "defined",
-    "dotted",
-    "elements",
-    "function_classes",
-    "functions",
-    "imports",
-    "module_statements",
-    "own_nodes",
-    "parameters",
-    "plain_annotation",
-    "resolve",
-    "root",
-    "statements",
-    "tail",
-    "walk",
-    "words",
-]
-
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
 Scope = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)

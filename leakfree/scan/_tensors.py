@@ -26,17 +26,6 @@ from leakfree.scan._syntax import (
     words,
 )
 
-__all__ = [
-    "META_ATTRS",
-    "META_BUILTINS",
-    "META_METHODS",
-    "TENSOR_USES",
-    "TensorEvidence",
-    "handle_named",
-    "metadata_named",
-]
-
-
 # --- can a value hold tensors? --------------------------------------------------------
 
 #: attributes of a tensor that are plain metadata

@@ -13,17 +13,6 @@ from leakfree.scan._flow import Flow
 from leakfree.scan._model import Project, Source
 from leakfree.scan._syntax import own_nodes, positional, tail, walk
 
-__all__ = [
-    "ALIASES",
-    "FACTORIES",
-    "Helpers",
-    "base_name",
-    "creates_leaf",
-    "kw",
-    "made_leaf",
-    "true",
-]
-
 _FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
 
 FACTORIES = frozenset(

@@ -19,8 +19,6 @@ from leakfree.scan._syntax import (
 )
 from leakfree.scan._tensors import TensorEvidence, handle_named
 
-__all__ = ["is_output", "outputs", "tensor_element"]
-
 #: methods and attributes of a tensor that return a view of it (share its ``_base``)
 _VIEWS = words(
     "view view_as reshape reshape_as transpose t permute narrow select unsqueeze squeeze "

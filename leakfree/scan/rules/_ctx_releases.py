@@ -15,8 +15,6 @@ from leakfree.scan._flow import Flow
 from leakfree.scan._model import Project
 from leakfree.scan._syntax import FunctionNode, attr_of, own_nodes, parameters
 
-__all__ = ["ALL", "Releases"]
-
 _MAX_DEPTH = 4
 
 

@@ -23,8 +23,6 @@ from leakfree.scan.rules._loss_kinds import (
     log_like,
 )
 
-__all__ = ["MODULE_SCOPE", "Scope"]
-
 #: the name of the module's own statements, read as a function without parameters
 MODULE_SCOPE = "<module>"
 
