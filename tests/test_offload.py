@@ -446,7 +446,7 @@ def test_device_budget_set_later_is_checked_and_plans_again() -> None:
     for bad in (-1, 1.5, "1 GB"):
         with pytest.raises(ValueError, match=r"device_budget = .*: expected None or an int"):
             ctx.device_budget = bad  # type: ignore[assignment]
-    assert ctx.device_budget is None and ctx.plan is not None and ctx.plan.small == 9
+    assert ctx.device_budget == "auto" and ctx.plan is not None and ctx.plan.small == 9
     ctx.device_budget = 0
     assert ctx.plan is None
     _, moved = _normed_steps((64, 64), ctx)
@@ -1263,3 +1263,39 @@ def test_trl_s_no_op_manager_name_is_an_alias() -> None:
         y = x.sigmoid()  # saves its output: kept detached, no cycle through the node
     y.sum().backward()
     assert torch.equal(x.grad, (x.sigmoid() * (1 - x.sigmoid())).detach())
+
+
+# --- one meaning per parameter ----------------------------------------------------------------
+
+
+def test_the_automatic_budget_has_a_name_and_none_means_it_too() -> None:
+    for value in ("auto", None):
+        ctx = leakfree.OffloadActivations(force_host_copy=True, device_budget=value)
+        assert ctx.device_budget == "auto" and ctx._window == ctx.use_streams
+    assert leakfree.OffloadActivations(force_host_copy=True).device_budget == "auto"
+    with pytest.raises(ValueError, match=r'device_budget=.Auto.*or "auto"'):
+        leakfree.OffloadActivations(force_host_copy=True, device_budget="Auto")
+
+
+@pytest.mark.parametrize(
+    ("decider", "option"),
+    [
+        ({"device_budget": 0}, {"keep_small": False}),
+        ({"device_budget": 1 << 20}, {"max_fwd_stash_size": 2}),
+        ({"max_overhead": 0.05}, {"keep_small": True}),
+        ({"device_limit": 1 << 30}, {"max_fwd_stash_size": 1}),
+    ],
+)
+def test_an_option_a_budget_or_a_goal_decides_for_itself_is_refused_with_it(
+    decider: dict[str, Any], option: dict[str, Any]
+) -> None:
+    """They were ignored without a word: a budget lets moved tensors go at once (no
+    window to bound) and keeps what it keeps (no small storages besides)."""
+    (name,) = option
+    (other,) = decider
+    with pytest.raises(ValueError, match=rf"{other}=\.\.\., {name}=.*leave {name} out"):
+        leakfree.OffloadActivations(force_host_copy=True, **decider, **option)
+    ctx = leakfree.OffloadActivations(force_host_copy=True, **decider)
+    if name == "keep_small":
+        with pytest.raises(ValueError, match="keep_small = .*automatic budget only"):
+            ctx.keep_small = option[name]

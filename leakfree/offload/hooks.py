@@ -79,10 +79,38 @@ def _check_min_offload_size(name: str | None, value: object) -> None:
     _args.count(call, name, value, 0, unit="bytes")
 
 
-def _check_device_budget(name: str | None, value: object) -> None:
-    """The one check of ``device_budget``, at construction and on assignment."""
+#: ``device_budget``'s automatic value (None means the same)
+AUTO = "auto"
+
+
+def _check_device_budget(name: str | None, value: object) -> int | None:
+    """The one check of ``device_budget``, at construction and on assignment: the bytes,
+    or None for the automatic budget (``"auto"``, or None)."""
+    if value == AUTO and isinstance(value, str):
+        return None
     call = "OffloadActivations" if name else "OffloadActivations.device_budget"
-    _args.count(call, name, value, 0, none=True, unit="bytes of saved activations to keep")
+    return _args.count(  # type: ignore[no-any-return]
+        call, name, value, 0, none=True, unit='bytes of saved activations to keep, or "auto"'
+    )
+
+
+#: what an explicit device budget or a goal decides for itself: (option, what it does)
+_OVERRIDDEN = {
+    "keep_small": "keeps the smallest storages",
+    "max_fwd_stash_size": "bounds the copies in flight that hold their device tensors",
+}
+
+
+def _refuse_overridden(decider: str, given: dict[str, Any]) -> None:
+    """An explicit device budget or a goal decides what stays on the device and lets moved
+    tensors go at once: the options that do so without one are refused with it."""
+    for option, value in given.items():
+        if value is not None:
+            raise _args.ArgumentError(
+                f"OffloadActivations({decider}=..., {option}={value!r}): {option} "
+                f"{_OVERRIDDEN[option]} under the automatic budget only; with {decider} it "
+                f"would be ignored: leave {option} out"
+            )
 
 
 def _check_max_overhead(name: str | None, value: object) -> None:
@@ -129,10 +157,10 @@ class OffloadActivations(saved_tensors_hooks):
         min_offload_size: tensors smaller than this many bytes stay where they are.
         max_fwd_stash_size: how many device-to-host copies may be in flight at once after
             their group is sent (their device tensors are kept alive until then), as TRL's.
-            At least 1. (A group not sent yet holds its copies' tensors too: at most
-            ``batch_bytes``.) Without a ``device_budget`` only: under one, a moved tensor is
-            let go as soon as its copy is issued (``record_stream`` keeps its memory safe),
-            and a group waiting to be sent counts against the budget.
+            At least 1; default (None) 5. (A group not sent yet holds its copies' tensors
+            too: at most ``batch_bytes``.) Under the automatic budget only: an explicit
+            ``device_budget`` or a goal lets a moved tensor go as soon as its copy is issued
+            (``record_stream`` keeps its memory safe), so giving it with one is refused.
         prefetch_bytes: how many bytes backward may have brought back ahead of their use
             (with ``use_streams``; at least one group). Default (None): twice the largest
             group the pass will bring back (a copy kept on the device does not count), so
@@ -149,7 +177,8 @@ class OffloadActivations(saved_tensors_hooks):
             group also holds at most an eighth of what the previous forward moved (the
             first forward sends every copy alone): grouping adds at most about that to the
             device peak. Default 256 KiB.
-        keep_small: without a ``device_budget``, from the second forward on (the first
+        keep_small: under the automatic budget (default None: True; refused with an
+            explicit ``device_budget`` or a goal), from the second forward on (the first
             makes the plan), the smallest saved storages stay on the device, as long as
             together they are at most 1/64 of what a forward saves (per-row statistics of
             norms, for instance): each would cost a handle, a host copy, its share of a
@@ -160,14 +189,15 @@ class OffloadActivations(saved_tensors_hooks):
             :attr:`plan` reports them. False: every storage of at least
             ``min_offload_size`` moves (as TRL's). Settable: the next forward then plans
             again, as a first forward does.
-        device_budget: bytes of saved activations to keep on the device (None: twice
-            the largest copy, what prefetch would bring back at once anyway; 0: move every
-            one). The ones backward needs first (the last saved) stay, within the
-            budget; the earlier ones move. The first forward holds its saved tensors and
-            moves the oldest whenever the budget is exceeded, and leaves a plan that the
-            next forwards of the same shapes follow (moving as they go); a forward of
-            other shapes makes a new plan. :attr:`plan` reports it, :attr:`stats` the
-            bytes each way. Settable, as ``keep_small``.
+        device_budget: bytes of saved activations to keep on the device (``"auto"``, the
+            default, or None: twice the largest copy, what prefetch would bring back at
+            once anyway, with ``keep_small`` and the in-flight window; 0: move every one).
+            The ones backward needs first (the last saved) stay, within the budget; the
+            earlier ones move. The first forward holds its saved tensors and moves the
+            oldest whenever the budget is exceeded, and leaves a plan that the next
+            forwards of the same shapes follow (moving as they go); a forward of other
+            shapes makes a new plan. :attr:`plan` reports it, :attr:`stats` the bytes each
+            way. Settable, as ``keep_small``.
         max_overhead: a goal instead of a budget: the step time offloading may add, a
             fraction of the step's compute (0.05: 5%). The first step of each shape is
             measured keeping everything on the device; the plan then moves the most bytes
@@ -224,15 +254,15 @@ class OffloadActivations(saved_tensors_hooks):
         use_pin_memory: bool = True,
         use_streams: bool = True,
         min_offload_size: int = 1024,
-        max_fwd_stash_size: int = 5,
+        max_fwd_stash_size: int | None = None,
         *,
         device: torch.device | str | None = None,
         force_host_copy: bool = False,
         pin_memory_budget: int | None = None,
         prefetch_bytes: int | None = None,
-        device_budget: int | None = None,
+        device_budget: int | str | None = AUTO,
         batch_bytes: int = 256 << 10,
-        keep_small: bool = True,
+        keep_small: bool | None = None,
         max_overhead: float | None = None,
         device_limit: int | None = None,
     ) -> None:
@@ -243,20 +273,29 @@ class OffloadActivations(saved_tensors_hooks):
             ("force_host_copy", force_host_copy),
         ):
             _args.flag(call, name, value)
-        _args.count(call, "max_fwd_stash_size", max_fwd_stash_size, 1, unit="copies in flight")
+        _args.count(
+            call, "max_fwd_stash_size", max_fwd_stash_size, 1, none=True, unit="copies in flight"
+        )
         _args.count(call, "prefetch_bytes", prefetch_bytes, 0, none=True, unit="bytes; 0: none")
         _args.count(call, "batch_bytes", batch_bytes, 0, unit="bytes; 0: every copy alone")
         _args.count(call, "pin_memory_budget", pin_memory_budget, 0, none=True, unit="bytes")
-        _check_device_budget("device_budget", device_budget)
+        budget = _check_device_budget("device_budget", device_budget)
         _check_max_overhead("max_overhead", max_overhead)
         _check_device_limit("device_limit", device_limit)
-        if device_budget is not None and (max_overhead is not None or device_limit is not None):
+        if budget is not None and (max_overhead is not None or device_limit is not None):
             other = "max_overhead" if max_overhead is not None else "device_limit"
             raise _args.ArgumentError(
                 f"OffloadActivations(device_budget=..., {other}=...): a device budget fixes "
                 f"the bytes kept, {other} plans them from a measured step: give one of the two"
             )
-        _check_keep_small("keep_small", keep_small)
+        if keep_small is not None:
+            _check_keep_small("keep_small", keep_small)
+        decider = "device_budget" if budget is not None else None
+        decider = "max_overhead" if max_overhead is not None else decider
+        decider = "device_limit" if device_limit is not None else decider
+        if decider is not None:
+            given = {"keep_small": keep_small, "max_fwd_stash_size": max_fwd_stash_size}
+            _refuse_overridden(decider, given)
         _check_min_offload_size("min_offload_size", min_offload_size)
         target = _args.device(call, "device", device) if device is not None else accelerator()
         if target is None and force_host_copy:
@@ -271,12 +310,12 @@ class OffloadActivations(saved_tensors_hooks):
         self.use_streams = use_streams and accelerated
         self.use_pin_memory = use_pin_memory and accelerated
         self.min_offload_size = min_offload_size
-        self.max_fwd_stash_size = max_fwd_stash_size
+        self.max_fwd_stash_size = 5 if max_fwd_stash_size is None else max_fwd_stash_size
         self.prefetch_bytes = prefetch_bytes
         #: what moves and what stays: the settings, and the plan of the last forward
         self._planner = Planner(
-            device_budget=device_budget,
-            keep_small=keep_small,
+            device_budget=budget,
+            keep_small=True if keep_small is None else keep_small,
             max_overhead=max_overhead,
             device_limit=device_limit,
             batch_bytes=batch_bytes,
@@ -288,7 +327,7 @@ class OffloadActivations(saved_tensors_hooks):
         self._checking: int | None = None
         self._small_room = 0  # of those bytes, what this forward has not kept yet
         #: whether moved tensors stay on the device while their copies are in flight
-        self._window = self.use_streams and device_budget is None and not self._planner.goal
+        self._window = self.use_streams and budget is None and not self._planner.goal
         self._device_type = target.type if target is not None else None  # for the pack hook
         self.pool = HostBlockPool(pin_memory_budget, pin=self.use_pin_memory)
         self._device_module: Any = device_module(target) if accelerated and target else None
@@ -348,20 +387,21 @@ class OffloadActivations(saved_tensors_hooks):
         return self._planner.batch_bytes
 
     @property
-    def device_budget(self) -> int | None:
-        """Bytes of saved activations to keep on the device (settable: the next forward
-        then plans again, as a first forward does)."""
-        return self._planner.device_budget
+    def device_budget(self) -> int | str:
+        """Bytes of saved activations to keep on the device, or ``"auto"`` (settable: the
+        next forward then plans again, as a first forward does)."""
+        budget = self._planner.device_budget
+        return AUTO if budget is None else budget
 
     @device_budget.setter
-    def device_budget(self, value: int | None) -> None:
-        _check_device_budget(None, value)
-        if value is not None and self._planner.goal:
+    def device_budget(self, value: int | str | None) -> None:
+        budget = _check_device_budget(None, value)
+        if budget is not None and self._planner.goal:
             raise _args.ArgumentError(
                 f"OffloadActivations.device_budget = {value!r}: max_overhead or "
                 "device_limit is set; set them to None first"
             )
-        self._set("device_budget", value)
+        self._set("device_budget", budget)
 
     @property
     def max_overhead(self) -> float | None:
@@ -403,6 +443,12 @@ class OffloadActivations(saved_tensors_hooks):
     @keep_small.setter
     def keep_small(self, value: bool) -> None:
         _check_keep_small(None, value)
+        planner = self._planner
+        if planner.device_budget is not None or planner.goal:
+            raise _args.ArgumentError(
+                f"OffloadActivations.keep_small = {value!r}: keeps the smallest storages "
+                "under the automatic budget only; device_budget or a goal is set"
+            )
         self._set("keep_small", value)
 
     def _set(self, name: str, value: object) -> None:
