@@ -42,6 +42,8 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
+from leakfree.diagnostics.rule import Rule  # torch-free: the help reads its defaults
+
 #: exit status with ``--fail`` when the script succeeded and a leak was found
 EXIT_LEAK = 79
 #: exit status with ``--fail`` when the script succeeded, no leak was found, and the run
@@ -71,10 +73,16 @@ def parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--json", metavar="FILE", help="write the findings here (JSON)")
     p.add_argument(
-        "--warmup", type=int, default=3, metavar="N", help="steps not judged across steps (3)"
+        "--warmup",
+        type=int,
+        metavar="N",
+        help=f"steps not judged across steps ({Rule.default('warmup', 'watching')})",
     )
     p.add_argument(
-        "--window", type=int, default=10, metavar="N", help="the recent steps judged (10)"
+        "--window",
+        type=int,
+        metavar="N",
+        help=f"the recent steps judged ({Rule.default('window', 'watching')})",
     )
     p.add_argument(
         "--every",
@@ -86,9 +94,9 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--floor",
         type=float,
-        default=64,
         metavar="BYTES",
-        help="bytes per step of growth accepted when no autograd graph holds it (64)",
+        help="bytes per step of growth accepted when no autograd graph holds it "
+        f"({Rule.default('floor', 'watching')})",
     )
     p.add_argument(
         "--device", default=None, help="the device judged (default: the accelerator, else cpu)"

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import leakfree._args as _args
-from leakfree.diagnostics.detector import DEFAULT_FLOOR, Rule
+from leakfree.diagnostics.detector import Rule
 from leakfree.diagnostics.growth import Growth
 from leakfree.diagnostics.memory import MemoryTracker, default_devices
 from leakfree.diagnostics.retention import RetentionReport
@@ -40,9 +40,9 @@ def assert_no_leak(
     step_fn: Callable[[], Any],
     *,
     steps: int = 20,
-    warmup: int = 2,
-    tolerance: float = 0.0,
-    floor: float = DEFAULT_FLOOR,
+    warmup: int | None = None,
+    tolerance: float | None = None,
+    floor: float | None = None,
     device: str | torch.device | None = None,
     roots: Iterable[Any] = (),
 ) -> Growth:
@@ -73,6 +73,7 @@ def assert_no_leak(
     _args.function("assert_no_leak", "step_fn", step_fn)
     _args.count("assert_no_leak", "steps", steps, 4, unit="steps: a growth needs 4 to fit")
     rule = Rule.of("assert_no_leak", warmup=warmup, window=steps, tolerance=tolerance, floor=floor)
+    warmup = rule.warmup
     extra = _args.items("assert_no_leak", "roots", roots, expected="objects to search")
 
     def named() -> dict[str, Any]:

@@ -123,7 +123,7 @@ ROWS: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], str]] = [
     ],
     *[
         (dg.Rule, (), {name: bad}, name)
-        for name, bad in [("warmup", -1), ("window", 1.5), ("tolerance", -1.0), ("floor", None)]
+        for name, bad in [("warmup", -1), ("window", 1.5), ("tolerance", -1.0), ("floor", "64 B")]
     ],
     (dg.StorageTracker, (), {"sites": "yes"}, "sites"),
     *[
@@ -158,7 +158,7 @@ ROWS: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], str]] = [
             ("window", 0),
             ("tolerance", "x"),
             ("fail", "yes"),
-            ("floor", None),
+            ("floor", "64 B"),
             ("sample_every", 0),
             ("device", "nope"),
             ("roots", 3),

@@ -329,3 +329,41 @@ def test_on_an_accelerator_every_step_is_judged_from_its_allocator(
     assert set(kinds) == {"microbatch", "growth"}, w.report()
     assert kinds["microbatch"].step == 1 and "outputs" in kinds["microbatch"].message
     assert kinds["growth"].bytes_per == 1024 and kinds["growth"].holders[0].where == "kept"
+
+
+# --- each setting declared once, and two floors with two names ----------------------------------
+
+
+def test_every_entry_point_takes_its_defaults_from_the_one_rule() -> None:
+    """The settings and their defaults are the rule's; a context with other defaults names
+    them in one table (they were declared again in five places, warm-ups of 2 and 3)."""
+    from leakfree._run import parser
+    from leakfree.diagnostics.rule import CONTEXTS, Rule
+    from leakfree.integrations._growth import GrowthWatch
+
+    assert Rule.of("x") == Rule() and Rule().warmup == 2
+    watching = Rule.of("watch", "watching")
+    assert watching == Rule(**CONTEXTS["watching"]) and watching.warmup == 3
+    growth = GrowthWatch("cb", warmup=None, window=None, tolerance=None, fail=False,
+                         device="cpu", roots=None)  # fmt: skip
+    assert growth.rule == watching
+    text = parser("leakfree run").format_help()
+    assert f"steps not judged across steps ({watching.warmup})" in text
+    assert f"the recent steps judged ({watching.window})" in text
+    assert Rule.of("watch", "watching", warmup=5).warmup == 5
+
+
+def test_a_high_floor_for_detached_growth_does_not_hide_graphs_kept_per_microbatch() -> None:
+    """``floor`` (bytes per step of growth without a graph) and ``graph_floor`` (bytes a
+    microbatch's kept graph must hold) were one field: raising the first to accept a
+    metrics history hid verl's entropy graphs, kept once per microbatch."""
+    from leakfree.diagnostics.rule import Rule
+    from tests.test_finders import model_and_opt, verl_update, watch
+
+    model, opt = model_and_opt()
+    loud = Rule(floor=1 << 30)
+    [found] = watch(lambda: verl_update(model, opt, micro=4, detach=False), steps=3, rule=loud)
+    assert found.kind == "microbatch"
+    quiet = Rule(graph_floor=1 << 30)
+    findings = watch(lambda: verl_update(model, opt, micro=4, detach=False), steps=3, rule=quiet)
+    assert all(f.kind != "microbatch" for f in findings)

@@ -11,7 +11,7 @@ being confirmed). A short run is never called clean.
 after the one before, the holders are searched (the locals of the frames on the stack, the
 user's module globals, the watcher's roots). Backpropagated graphs from several
 microbatches in one holder (``output_lst[*]['entropy']``), each keeping more than
-``floor`` bytes through its graph (saved tensors, ctx state, leaves: what detaching would
+``graph_floor`` bytes through its graph (saved tensors, ctx state, leaves: what detaching would
 free), are a finding at once, in the first step. So is any tensor a holder gained on every
 backward pass since a baseline search (outputs, logits, losses, with a graph or without),
 each worth more than :data:`MICRO_FRACTION` of what a microbatch allocates, once it falls
@@ -74,7 +74,6 @@ from typing import Any, Protocol
 
 import torch
 
-import leakfree._args as _args
 from leakfree._text import format_bytes
 from leakfree._warnings import LeakfreeWarning
 from leakfree.diagnostics.cycles import Cycles, find_cycles
@@ -87,6 +86,7 @@ from leakfree.diagnostics.retention import (
     holder_key,
 )
 from leakfree.diagnostics.roots import frame_roots, module_roots
+from leakfree.diagnostics.rule import CONTEXTS, DEFAULT_FLOOR, Rule, whole
 
 
 class Tracked(Protocol):
@@ -101,53 +101,7 @@ class Tracked(Protocol):
     def storage_tracker(self) -> Any: ...
 
 
-__all__ = ["DEFAULT_FLOOR", "Detector", "Finding", "Rule", "whole"]
-
-#: bytes per step of detached growth accepted without a finding
-DEFAULT_FLOOR = 64
-
-
-def whole(owner: str, name: str, value: Any, least: int) -> int:
-    """``value`` if it is an int (not a bool) >= ``least``; else an error that names the
-    argument as ``owner(name=value)`` (both a ``TypeError`` and a ``ValueError``)."""
-    return int(_args.count(owner, name, value, least))
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What counts as a leak (see the module doc)."""
-
-    warmup: int = 2  #: steps not judged across steps (caches, optimizer state, compile)
-    window: int = 10  #: steps per across-step verdict (the most recent ones)
-    tolerance: float = 0.0  #: bytes per step accepted beyond the noise bound
-    floor: float = DEFAULT_FLOOR  #: bytes per step of growth without graphs accepted
-
-    def __post_init__(self) -> None:
-        self.check("Rule")
-
-    @classmethod
-    def of(cls, owner: str, **fields: Any) -> Rule:
-        """A rule of ``fields`` (the others at their defaults), each checked as an argument
-        of ``owner`` first, so an error names the call the user made."""
-        _check_fields(owner, fields)
-        return cls(**fields)
-
-    def check(self, owner: str) -> Rule:
-        """Itself, or an error naming the bad field as ``owner``'s argument."""
-        _check_fields(owner, vars(self))
-        return self
-
-
-def _check_fields(owner: str, fields: Mapping[str, Any]) -> None:
-    """Check a :class:`Rule`'s fields, named as ``owner``'s arguments."""
-    least = {"warmup": 0, "window": 4}
-    for name, value in fields.items():
-        if name in least:
-            whole(owner, name, value, least[name])
-        elif name in ("tolerance", "floor"):
-            _args.number(owner, name, value)
-        else:
-            raise _args.refuse(owner, name, value, "a field of Rule (warmup, window, ...)")
+__all__ = ["CONTEXTS", "DEFAULT_FLOOR", "Detector", "Finding", "Rule", "whole"]
 
 
 @dataclass(frozen=True)
@@ -386,7 +340,7 @@ class Detector:
         ago), each tensor worth more than a floor relative to what a microbatch allocates.
 
         Returns two lists. First, several backpropagated graphs in one holder, each keeping
-        more than ``floor`` through its graph: a finding at once, without a baseline (the
+        more than ``graph_floor`` through its graph: a finding at once, without a baseline (the
         first step's second backward). Then candidates, found by comparison with ``base``:
         tensors with or without a graph (outputs, logits, losses kept with their value)
         that are a finding if they fall back when the step ends (:meth:`_fell_back`).
@@ -396,7 +350,8 @@ class Detector:
         """
         floor = self._micro_floor()
         graphs = group([i for i in report.items if i.kind == "graph"])
-        out = [g for g in graphs if g.count > 1 and g.through_graph / g.count > self.rule.floor]
+        graph_floor = self.rule.graph_floor
+        out = [g for g in graphs if g.count > 1 and g.through_graph / g.count > graph_floor]
         if base is None or passes < 1:
             return out, []
         named = {h.where for h in out}
@@ -414,8 +369,8 @@ class Detector:
 
     def _micro_floor(self) -> float:
         """Bytes per kept tensor below which a microbatch's retention is a metric: the
-        rule's floor, or a fraction of what one microbatch allocates, the larger."""
-        return max(float(self.rule.floor), self._made_per * MICRO_FRACTION)
+        rule's ``graph_floor``, or a fraction of what one microbatch allocates, the larger."""
+        return max(float(self.rule.graph_floor), self._made_per * MICRO_FRACTION)
 
     def step(self, live: int | None, frame: FrameType | None, signal: int | None = None) -> None:
         """A step ended with ``live`` exact (or allocator) bytes alive (None: not sampled)

@@ -35,7 +35,7 @@ import leakfree._args as _args
 from leakfree._text import format_bytes
 from leakfree._warnings import MemoryGrowthWarning
 from leakfree.diagnostics.boundaries import on_backward
-from leakfree.diagnostics.detector import DEFAULT_FLOOR, Finding, Rule, whole
+from leakfree.diagnostics.detector import Finding, Rule, whole
 from leakfree.diagnostics.memory import MemoryTracker, weak_method
 from leakfree.diagnostics.roots import judged_device, named_roots
 
@@ -66,18 +66,20 @@ class Watch:
     def __init__(
         self,
         *,
-        warmup: int = 3,
-        window: int = 10,
+        warmup: int | None = None,
+        window: int | None = None,
         every: int = 8,
-        floor: float = DEFAULT_FLOOR,
-        tolerance: float = 0.0,
+        floor: float | None = None,
+        tolerance: float | None = None,
         device: str | torch.device | None = None,
         roots: Mapping[str, Any] | Iterable[Any] | None = None,
         fallback: int = 32,
         on_finding: Callable[[Finding], None] | None = None,
         owner: str = "leakfree.watch",
     ) -> None:
-        rule = Rule.of("watch", warmup=warmup, window=window, tolerance=tolerance, floor=floor)
+        rule = Rule.of(
+            "watch", "watching", warmup=warmup, window=window, tolerance=tolerance, floor=floor
+        )
         whole("watch", "every", every, 1)
         whole("watch", "fallback", fallback, 1)
         judged = judged_device("watch", device)

@@ -25,7 +25,7 @@ import torch
 
 from leakfree._warnings import MemoryGrowthWarning, NotJudgedWarning
 from leakfree.diagnostics import Growth, MemoryTracker, RetentionReport, fit_growth
-from leakfree.diagnostics.detector import DEFAULT_FLOOR, Finding, Rule, whole
+from leakfree.diagnostics.detector import Finding, Rule, whole
 from leakfree.diagnostics.memory import weak_method
 from leakfree.diagnostics.roots import judged_device, named_roots
 from leakfree.testing import LeakError
@@ -66,26 +66,25 @@ class GrowthWatch:
         self,
         owner: str,
         *,
-        warmup: int,
-        window: int,
-        tolerance: float,
+        warmup: int | None,
+        window: int | None,
+        tolerance: float | None,
         fail: bool,
         device: str | torch.device | None,
         roots: Mapping[str, Any] | Iterable[Any] | None,
         sample_every: int = 1,
-        floor: float = DEFAULT_FLOOR,
+        floor: float | None = None,
     ) -> None:
         # Everything is validated before anything is stored.
-        self.rule = Rule.of(owner, warmup=warmup, window=window, tolerance=tolerance, floor=floor)
-        self.warmup, self.window = warmup, window
+        self.rule = Rule.of(
+            owner, "watching", warmup=warmup, window=window, tolerance=tolerance, floor=floor
+        )
         self.sample_every = whole(owner, "sample_every", sample_every, 1)
         if not isinstance(fail, bool):
             raise TypeError(f"{owner}(fail={fail!r}): expected True or False")
         judged = judged_device(owner, device)
         named = named_roots(owner, roots)
         self.owner = owner
-        self.tolerance = float(tolerance)
-        self.floor = float(floor)
         self.fail = fail
         self.device = judged
         self.roots = named
@@ -218,11 +217,11 @@ class WatchingCallback:
     def __init__(
         self,
         *,
-        warmup: int = 3,
-        window: int = 10,
-        tolerance: float = 0.0,
+        warmup: int | None = None,
+        window: int | None = None,
+        tolerance: float | None = None,
         fail: bool = False,
-        floor: float = DEFAULT_FLOOR,
+        floor: float | None = None,
         sample_every: int = 8,
         device: str | torch.device | None = None,
         roots: Mapping[str, Any] | Iterable[Any] | None = None,
