@@ -264,7 +264,7 @@ def test_a_held_copy_does_not_widen_the_prefetch_window(
     """The default window is twice the largest group backward brings back: a large saved
     tensor the plan keeps on the device (never brought back) does not count. (It did: a
     kept 1 GB of logits let backward bring back 2 GB ahead at once.)"""
-    import leakfree.offload.hooks as hooks
+    import leakfree.offload.backward as hooks
 
     torch.manual_seed(0)
     model = nn.Sequential(_model(width=64), nn.Linear(64, 2048)).to(sim.device)

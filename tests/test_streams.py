@@ -309,7 +309,7 @@ def _watch_prefetch(ctx: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[list[int
     """Bytes outstanding after each look-ahead, and the size of each prefetched copy."""
     outstanding: list[int] = []
     prefetched: list[int] = []
-    import leakfree.offload.hooks as hooks
+    import leakfree.offload.backward as hooks
 
     plan = hooks._to_prefetch
 

@@ -1,0 +1,217 @@
+"""Backward passes through a manager's host copies: each group brought back once per
+pass and kept until its last handle is unpacked, prefetch in the order the previous pass
+used, and a goal's early copies back while the last copies out still run.
+
+:class:`_Backward` is the part of :class:`~leakfree.offload.OffloadActivations` that
+unpacks; :mod:`leakfree.offload.streams` has the order's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import cast
+
+import torch
+
+from leakfree.offload.handles import _Group, _HostCopy, _Offloaded
+from leakfree.offload.keeping import _Keeping
+from leakfree.offload.state import _graph_task, _queue_callback
+from leakfree.offload.streams import _follow, _Pass, _to_prefetch
+
+
+class _Backward(_Keeping):
+    """Backward's side of the copies (see the module doc)."""
+
+    def _restore(self, handle: _Offloaded) -> torch.Tensor:
+        """``handle``'s tensor on the device, viewing its group's device tensor: the one
+        this pass keeps, a live restored one, the prefetched one, or a new copy in.
+
+        Runs for every unpacked handle: the pass's bookkeeping is written out here rather
+        than in helpers, but for a group's first unpack in a pass (:meth:`_first_unpack`).
+        The restored tensor is kept (``group.keep``) until the last handle of the group's
+        copies has been unpacked."""
+        copy = handle.copy
+        group = copy.group
+        if group is None:  # unreachable: a handle without a group is held on the device
+            raise RuntimeError("leakfree: an offloaded tensor has no host copy; please report this")
+        task = _graph_task()
+        with self._lock:
+            if group.block is None:  # needed before its forward ended: send it now
+                self._send(group)
+            state = None
+            if task >= 0:
+                state = self._passes.get(task) or self._pass(task, group)
+            kept = group.keep if group.task == task else None
+            if kept is not None:
+                dev = kept
+            else:
+                sibling = group.live_restored() if group.restored is not None else None
+                if sibling is not None:  # a sibling's, from another pass: maybe another stream
+                    dev, event = sibling
+                    if event is not None:
+                        self._use_here(dev, event)
+                else:
+                    if group.prefetched is not None:
+                        dev, event = group.prefetched
+                        group.prefetched = None
+                        early = state.early if state is not None else None
+                        if state is not None and (early is None or group.seq not in early):
+                            state.outstanding -= group.used
+                        self._use_here(dev, event)
+                    else:
+                        dev, event = self._copy_in(group)
+                    # a later pass may find it alive (a double-backward graph keeps it)
+                    group.restored = (weakref.ref(dev.untyped_storage()), event)
+            if state is not None:
+                if group.task != task:  # the first unpack of this group in this pass
+                    self._first_unpack(state, group, task)
+                if handle.task != task:
+                    handle.task = task
+                    group.remaining -= 1
+                # One view per geometry while the pass keeps the group (a tensor saved by
+                # several nodes: a view op, and its Python, for the first one only)
+                views = group.views
+                if group.remaining > 0:
+                    group.keep = dev
+                    if views is None:
+                        views = group.views = {}
+                else:  # its last handle: what it kept goes (after this last look)
+                    group.keep = group.views = None
+            else:
+                views = None
+            if handle.same and group.like is not None:  # the group's tensor is the handle's
+                return dev
+            if views is None:
+                return handle.view_of(dev, copy.offset, False)
+            key = (copy.offset, handle.element_offset, handle.shape, handle.stride, handle.dtype)
+            out = views.get(key)
+            if out is None:
+                out = views[key] = handle.view_of(dev, copy.offset, False)
+            return out
+
+    def _first_unpack(self, state: _Pass, group: _Group, task: int) -> None:
+        """Backward pass ``task`` unpacks ``group`` for the first time (lock held): its
+        place in the pass's order, and what the learned order needs next, prefetched (a
+        goal's early groups too)."""
+        group.task = task
+        group.remaining = group.users
+        state.order.append((group.seq, group.used))
+        state.held.append(weakref.ref(group))
+        if self._measuring is not None:
+            self._measuring.sample(group.used, moved=True)
+        if not (state.plan and self.use_streams):
+            return
+        if self._planner.early:
+            self._prefetch_early(state, group)
+        window = self.prefetch_bytes
+        if window is None:
+            window = state.window
+        if window:
+            for ahead in _to_prefetch(state, group, window):
+                ahead.prefetched = self._copy_in(ahead, prefetch=True)
+                state.prefetched.append(weakref.ref(ahead))
+
+    def _prefetch_early(self, state: _Pass, first: _Group | _HostCopy) -> None:
+        """Bring back up to ``_early`` bytes of this pass's groups ahead of their turn
+        (lock held; ``first``: what the pass is unpacking now): the ones sent first, whose
+        copies out ended first (the forward's earliest activations, which backward needs
+        last), in the order sent, so the copy back engine works while the last copies out
+        run and never waits for a later one. Paced by what backward frees: each
+        comes once the device's allocated bytes leave room for it under the plan's ceiling
+        (``device_limit``, or the peak the plan predicts), so the step's peak does not
+        grow; they do not count against the prefetch window."""
+        if state.early is None:  # the pass begins: its queue, once
+            state.early = set()
+            sent = [r() for r in state.plan]
+            chosen = [g for g in sent if isinstance(g, _Group) and g is not first and g.block]
+            budget = self._planner.early
+            for candidate in sorted(chosen, key=lambda g: g.sent):
+                if candidate.used > budget:
+                    break
+                budget -= candidate.used
+                state.early_queue.append(weakref.ref(candidate))
+        queue = state.early_queue
+        if not queue:
+            return
+        device = cast(torch.device, self.device)
+        allocated = int(self._device_module.memory_allocated(device))
+        position = len(state.order) - 1
+        rises = self._planner.rises
+        ceiling = self._planner.ceiling - (rises[position] if position < len(rises) else 0)
+        while queue:
+            group = queue[0]()
+            if group is not None and allocated + group.used > ceiling:
+                return  # no room yet: the next first unpack looks again
+            queue.pop(0)
+            if (
+                group is None
+                or group.prefetched is not None
+                or group.block is None
+                or (group.restored is not None and group.restored[0]() is not None)
+            ):
+                continue
+            allocated += group.used
+            group.prefetched = self._copy_in(group, prefetch=True)
+            state.prefetched.append(weakref.ref(group))
+            state.early.add(group.seq)
+
+    def _note(self, copy: _HostCopy) -> None:
+        """A copy held on the device was unpacked: its place in this pass's order (so the
+        order of the next pass lines up, whichever copies it holds)."""
+        task = _graph_task()
+        if task < 0 or copy.task == task:
+            return
+        with self._lock:
+            state = self._pass(task, copy)
+            copy.task = task
+            state.order.append((copy.seq, copy.nbytes))
+            if self._measuring is not None:
+                self._measuring.sample(copy.nbytes, moved=False)
+            if state.plan and self._planner.early and self.use_streams:
+                self._prefetch_early(state, copy)
+
+    def _pass(self, task: int, first: _Group | _HostCopy) -> _Pass:
+        """The state of backward pass ``task`` (lock held); begun by its first unpack, of
+        ``first``: it follows the order learned last time, and ends in a callback."""
+        state = self._passes.get(task)
+        if state is None:
+            self._forward.over = True  # the next save outside a pass begins a new forward
+            state = self._passes[task] = _Pass()
+            if self._measuring is not None:
+                self._measuring.backward_begins()
+            _follow(self._order, first, self._copies, state)
+            _queue_callback(functools.partial(_pass_over, self._ref, task))
+        return state
+
+    def _end_pass(self, task: int) -> None:
+        """The pass is over: drop what it kept and prefetched, learn the order it used."""
+        with self._lock:
+            state = self._passes.pop(task, None)
+            if state is None:
+                return
+            for ref in state.held:
+                group = ref()
+                if group is not None and group.task == task:
+                    group.keep = group.views = None
+            for ref in state.prefetched:
+                group = ref()
+                if group is not None and group.prefetched is not None:
+                    # brought back and never used: freed (the side stream's memory, which
+                    # only its later work reuses)
+                    group.prefetched = None
+            if state.order:
+                self._order = state.learned()
+            measuring = self._measuring
+            if measuring is not None and measuring.backward is not None:
+                self._plan_measured(measuring)
+            elif self._checking is not None:
+                self._check_end()
+
+
+def _pass_over(manager_ref: weakref.ref[_Backward], task: int) -> None:
+    """The engine's callback at the end of backward pass ``task`` (weakly: a manager
+    dropped meanwhile has nothing to end)."""
+    manager = manager_ref()
+    if manager is not None:
+        manager._end_pass(task)
