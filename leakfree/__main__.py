@@ -59,6 +59,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     snap = sub.add_parser("snapshot", help="analyse a CUDA memory snapshot, or diff two")
     snap.add_argument("files", nargs="+", metavar="FILE", help="one snapshot, or two to diff")
+    scan = _scan_parser(sub)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["snapshot"]:
+        # argparse would report the missing FILE before an unknown option: name the option
+        unknown = [a for a in given[1:] if a.startswith("-") and a not in ("-h", "--help")]
+        if unknown:
+            snap.error(f"unknown option {unknown[0]} (snapshot takes FILE, or two to diff)")
+    args = parser.parse_args(given)
+    if args.command == "scan":
+        return _scan(args, scan)
+    if args.command == "doctor":
+        from leakfree._doctor import run_doctor
+
+        return run_doctor()
+    if args.command == "demo":
+        from leakfree._demo import run_demo
+
+        if args.steps < 3:
+            parser.error("--steps must be at least 3")
+        return run_demo(steps=args.steps, plot=args.plot or None)
+    if len(args.files) > 2:
+        snap.error("snapshot takes one file, or two to diff")
+    from leakfree.diagnostics.snapshot import main as snapshot_main
+
+    return snapshot_main(list(args.files))
+
+
+def _scan_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """The ``scan`` command's parser, among ``sub``'s."""
     from leakfree.scan._run import EXIT_STATUSES
 
     scan = sub.add_parser(
@@ -88,30 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--jobs", "-j", type=int, default=None, help="processes (default: one per CPU)"
     )
     scan.add_argument("--list-rules", action="store_true", help="print the rules and exit")
-    given = list(sys.argv[1:] if argv is None else argv)
-    if given[:1] == ["snapshot"]:
-        # argparse would report the missing FILE before an unknown option: name the option
-        unknown = [a for a in given[1:] if a.startswith("-") and a not in ("-h", "--help")]
-        if unknown:
-            snap.error(f"unknown option {unknown[0]} (snapshot takes FILE, or two to diff)")
-    args = parser.parse_args(given)
-    if args.command == "scan":
-        return _scan(args, scan)
-    if args.command == "doctor":
-        from leakfree._doctor import run_doctor
-
-        return run_doctor()
-    if args.command == "demo":
-        from leakfree._demo import run_demo
-
-        if args.steps < 3:
-            parser.error("--steps must be at least 3")
-        return run_demo(steps=args.steps, plot=args.plot or None)
-    if len(args.files) > 2:
-        snap.error("snapshot takes one file, or two to diff")
-    from leakfree.diagnostics.snapshot import main as snapshot_main
-
-    return snapshot_main(list(args.files))
+    return scan
 
 
 def _scan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
