@@ -14,8 +14,8 @@ microbatches in one holder (``output_lst[*]['entropy']``), each keeping more tha
 ``graph_floor`` bytes through its graph (saved tensors, ctx state, leaves: what detaching would
 free), are a finding at once, in the first step. So is any tensor a holder gained on every
 backward pass since a baseline search (outputs, logits, losses, with a graph or without),
-each worth more than :data:`MICRO_FRACTION` of what a microbatch allocates, once it falls
-back when the step ends: memory that builds up per microbatch and comes back at the
+each worth more than :data:`~leakfree.diagnostics.microbatch.MICRO_FRACTION` of what a
+microbatch allocates, once it falls back when the step ends: memory that builds up per microbatch and comes back at the
 step's end never shows as growth between steps. Detached scalars kept until the step ends
 (a loss history), the step's own inputs and a cache that stays are no finding.
 
@@ -25,8 +25,8 @@ step's end never shows as growth between steps. Detached scalars kept until the 
    heap's, :mod:`~leakfree.diagnostics.heap`, or the storages' when every step is
    tracked) grows over the last ``window`` steps, from four of them on
    (:func:`~leakfree.diagnostics.fit_growth`: beyond its noise bound and ``tolerance``, in
-   both halves; the heap beyond :data:`HEAP_SLACK` and its drift so far). The holders are
-   searched: the baseline;
+   both halves; the heap beyond :data:`~leakfree.diagnostics.microbatch.HEAP_SLACK` and its
+   drift so far). The holders are searched: the baseline;
 2. *confirm*: the tracker follows every step exactly (:attr:`Detector.confirming`) for
    :data:`CONFIRM` steps (two when every step was exact already), then fits the exact
    values;
@@ -66,76 +66,42 @@ reports of a suspicion in progress (paths and byte counts, no tensors), and the 
 from __future__ import annotations
 
 import gc
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from leakfree._text import format_bytes
-from leakfree._warnings import LeakfreeWarning
-from leakfree.diagnostics.cycles import Cycles, find_cycles
+from leakfree.diagnostics.cycles import find_cycles
+from leakfree.diagnostics.findings import (
+    Finding,
+    Tracked,
+    _by_holder,
+)
 from leakfree.diagnostics.growth import Growth, fit_growth
+from leakfree.diagnostics.microbatch import (
+    HEAP_SLACK,
+    _PerMicrobatch,
+)
 from leakfree.diagnostics.retention import (
     Retained,
     RetentionReport,
-    find_retained,
     group,
     holder_key,
 )
-from leakfree.diagnostics.roots import frame_roots, module_roots
 from leakfree.diagnostics.rule import CONTEXTS, DEFAULT_FLOOR, Rule, whole
-
-
-class Tracked(Protocol):
-    """What a detector reads from the tracker that owns it (a
-    :class:`~leakfree.diagnostics.MemoryTracker`, which holds it): the device judged, and
-    the storage tracker of a device counted storage by storage (else None)."""
-
-    @property
-    def judged(self) -> Any: ...
-
-    @property
-    def storage_tracker(self) -> Any: ...
-
 
 __all__ = ["CONTEXTS", "DEFAULT_FLOOR", "Detector", "Finding", "Rule", "whole"]
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One leak found: what it is, its size, its holders and where they were made."""
-
-    #: "microbatch" (builds up per backward within a step), "growth" (across steps),
-    #: "cycles" (held by reference cycles), "late cycles" (freed late, at gc's pace)
-    kind: str
-    message: str
-    bytes_per: float  #: per backward ("microbatch") or per step; for cycles, bytes held
-    step: int  #: the step it was found in (1 is the first)
-    holders: tuple[Retained, ...] = ()
-    cycles: Cycles | None = None
-    growth: Growth | None = None
-
-    def __str__(self) -> str:
-        return self.message
-
-
 #: steps of exact (or allocator) values a suspicion is confirmed over
 CONFIRM = 4
-#: bytes per step the C heap may drift in a clean loop (Python objects, caches): a heap
-#: signal below it is not suspected (a leak's tensors and graph nodes are far above it)
-HEAP_SLACK = 256
-#: a microbatch's retention counts above this fraction of what the microbatch allocates
-MICRO_FRACTION = 1 / 1024
-#: between tracked steps, heap growth per backward above this fraction of what a
-#: microbatch allocates starts a search (the heap moves by kilobytes in a clean loop)
-HEAP_FRACTION = 1 / 128
 
 
 @dataclass
-class Detector:
+class Detector(_PerMicrobatch):
     """Judges one tracker's samples by a :class:`Rule`; see the module doc.
 
     ``roots`` (``{name: object}``, or a callable returning one, called only when
@@ -228,149 +194,6 @@ class Detector:
         )
 
     # -- boundaries ------------------------------------------------------------------
-
-    def backward(
-        self,
-        live: int,
-        frame: FrameType | None,
-        *,
-        made: int | None = None,
-        noisy: bool = False,
-    ) -> None:
-        """A backward pass ended with ``live`` bytes alive (called by the tracker).
-
-        ``made``: bytes allocated so far (a running total), where the tracker can tell, so
-        a retention is weighed against what a microbatch allocates; ``noisy``: ``live`` is
-        the heap's count, which moves by kilobytes between backward passes of a clean loop
-        (the engine's and Python's own allocations): only growth above a share of what a
-        microbatch allocates starts a search.
-        """
-        micro = self._micro
-        if len(micro) == 0:
-            # Growth per backward that a leak already reported (or the heap's drift)
-            # explains starts no search: each one walks every graph the leak keeps.
-            per_step = self._heap_floor if noisy else 2 * self._explained
-            self._slack = per_step / self._passes if self.findings or noisy else 0.0
-        micro.append(live)
-        self._made.append(made)
-        if made is not None and len(self._made) > 1 and self._made[-2] is not None:
-            self._made_per = float(made - self._made[-2])  # what this microbatch allocated
-        if noisy:
-            self._slack = max(self._slack, HEAP_SLACK, self._made_per * HEAP_FRACTION)
-        step = self.steps + 1
-        if len(micro) == 1 and self._pending is not None:
-            self._fell_back(frame, last=True)
-        if step < self._next_micro or self._micro_searches >= 3:
-            return
-        if len(micro) == 1:
-            # The baseline a later backward of this step is compared with: in the first
-            # step, and after a step whose memory built up with nothing found.
-            if self._micro_suspect:
-                self._micro_suspect = False
-                self._micro_searches += 1
-                self._micro_base, self._micro_base_at = self._search(frame, everything=True), 1
-            return
-        if micro[-1] - micro[-2] <= self._slack:
-            return
-        self._micro_searches += 1
-        report = self._search(frame, everything=True)
-        base, at = self._micro_base, self._micro_base_at
-        if base is None:
-            self._micro_base, self._micro_base_at = report, len(micro)
-        graphs, candidates = self._per_microbatch(report, base, len(micro) - at)
-        per = (micro[-1] - micro[0]) / (len(micro) - 1)
-        if graphs:
-            kept = [i for i in report.items if i.kind == "ctx attribute"]  # what they pin
-            self._micro_found(graphs + kept, per, len(micro), step)
-        if candidates:  # a finding once they fall back: a cache that fills stays
-            self._pending = (candidates, base, per, len(micro), step)
-        elif not graphs:
-            self._micro_missed += 1
-            if self._micro_missed >= 2:  # nothing twice this step: search less often
-                self._next_micro = step + self._micro_backoff
-                self._micro_backoff *= 2
-                self._micro_suspect = True
-
-    def _micro_found(self, holders: list[Retained], per: float, passes: int, step: int) -> None:
-        hints = [hint for part, hint in _MICRO_HINTS if any(part in h.where for h in holders)]
-        self._found(
-            "microbatch",
-            holders,
-            per,
-            f"{self.owner}: +{format_bytes(per)} kept per backward pass over the "
-            f"{passes} backward passes of step {step}: memory builds up within the step "
-            "(tensors kept for every microbatch until the step ends), so a step with more "
-            "microbatches runs out of memory although nothing grows from step to step. "
-            + "".join(f"{hint} " for hint in hints)
-            + "Held by:",
-        )
-
-    def _fell_back(self, frame: FrameType | None, last: bool) -> None:
-        """Are the pending holders of a step's microbatches let go now that it ended? Those
-        that are were kept per microbatch: a finding. Looked at when the step ends and, for
-        a holder emptied by a step-end callback that runs after ours, at the next step's
-        first backward (``last``); then forgotten."""
-        pending = self._pending
-        if pending is None:
-            return
-        candidates, base, per, passes, step = pending
-        report = self._search(frame, everything=True)
-        now = _by_holder(report.items + report.all_detached)
-        before = _by_holder(base.items + base.all_detached) if base is not None else {}
-        fallen, waiting = [], []
-        for held in candidates:
-            key = holder_key(held)
-            was = before.get(key)
-            still = now.get(key)
-            if still is None or still.nbytes <= (was.nbytes if was is not None else 0):
-                fallen.append(held)
-            else:
-                waiting.append(held)
-        self._pending = (waiting, base, per, passes, step) if waiting and not last else None
-        if waiting and last:  # kept past the step: growth, judged across steps; search less
-            self._next_micro = self.steps + 1 + self._micro_backoff
-            self._micro_backoff *= 2
-        if fallen:
-            self._micro_found(fallen, per, passes, step)
-
-    def _per_microbatch(
-        self, report: RetentionReport, base: RetentionReport | None, passes: int
-    ) -> tuple[list[Retained], list[Retained]]:
-        """Holders that gained a tensor on every backward pass since ``base`` (``passes``
-        ago), each tensor worth more than a floor relative to what a microbatch allocates.
-
-        Returns two lists. First, several backpropagated graphs in one holder, each keeping
-        more than ``graph_floor`` through its graph: a finding at once, without a baseline (the
-        first step's second backward). Then candidates, found by comparison with ``base``:
-        tensors with or without a graph (outputs, logits, losses kept with their value)
-        that are a finding if they fall back when the step ends (:meth:`_fell_back`).
-        Backpropagated losses kept only for their value (torch's pipelining schedules keep
-        each microbatch's loss until the step ends), detached scalars and the step's own
-        inputs (integer ids and masks, or fetched before its first backward) are neither.
-        """
-        floor = self._micro_floor()
-        graphs = group([i for i in report.items if i.kind == "graph"])
-        graph_floor = self.rule.graph_floor
-        out = [g for g in graphs if g.count > 1 and g.through_graph / g.count > graph_floor]
-        if base is None or passes < 1:
-            return out, []
-        named = {h.where for h in out}
-        candidates = []
-        before = _by_holder(base.items + base.all_detached)
-        for now in graphs + group(report.all_detached):
-            if now.where in named:
-                continue
-            old = before.get(holder_key(now))
-            gained = _tensors(now) - (_tensors(old) if old is not None else 0)
-            more = now.nbytes - (old.nbytes if old is not None else 0)
-            if gained >= passes and more / gained > floor:
-                candidates.append(now)
-        return out, candidates
-
-    def _micro_floor(self) -> float:
-        """Bytes per kept tensor below which a microbatch's retention is a metric: the
-        rule's ``graph_floor``, or a fraction of what one microbatch allocates, the larger."""
-        return max(float(self.rule.graph_floor), self._made_per * MICRO_FRACTION)
 
     def step(self, live: int | None, frame: FrameType | None, signal: int | None = None) -> None:
         """A step ended with ``live`` exact (or allocator) bytes alive (None: not sampled)
@@ -625,137 +448,9 @@ class Detector:
         self._emit(finding)
         return True
 
-    def _found(
-        self,
-        kind: str,
-        holders: list[Retained],
-        per: float,
-        lead: str,
-        growth: Growth | None = None,
-        note: Callable[[Retained], str] | None = None,
-    ) -> bool:
-        grouped = group(holders)
-        # Once per run: the same path, or the same holder reached from another root (from
-        # the stack once, ``kept[*]``, and from a module's globals later, ``__main__.kept[*]``)
-        # holding what the same line made.
-        fresh = [
-            h
-            for h in grouped
-            if (kind, holder_key(h)[1]) not in self._reported
-            and not any(
-                _same_holder(holder_key(h)[1], where)
-                for where in self._reported_sites.get((kind, h.kind, h.site), ())
-            )
-        ]
-        if (holders and not fresh) or (not holders and (kind, "") in self._reported):
-            return True  # reported already: once per run
-        self._reported.update((kind, holder_key(h)[1]) for h in fresh)
-        for h in fresh:
-            if h.site:
-                self._reported_sites.setdefault((kind, h.kind, h.site), []).append(holder_key(h)[1])
-        if not holders:
-            self._reported.add((kind, ""))
-        lines = "".join(f"\n  {_line(h)}{note(h) if note else ''}" for h in fresh[:8])
-        more = f"\n  ... {len(fresh) - 8} more" if len(fresh) > 8 else ""
-        finding = Finding(
-            kind, lead + lines + more, per, max(self.steps, 1), tuple(fresh), growth=growth
-        )
-        self._emit(finding)
-        return True
-
-    def _emit(self, finding: Finding) -> None:
-        self.findings.append(finding)
-        if self.on_finding is not None:
-            try:
-                self.on_finding(finding)
-            except Exception as e:  # a watcher asked to fail (LeakError): goes through
-                e._leakfree_verdict = True  # type: ignore[attr-defined]
-                raise
-
-    def guard(self, call: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-        """``call(*args, **kwargs)``; an error of leakfree's own is warned once, never
-        raised into the training step (a watcher asked to fail still raises its verdict)."""
-        try:
-            call(*args, **kwargs)
-        except Exception as e:
-            if getattr(e, "_leakfree_verdict", False):
-                raise
-            self._failed(e)
-
-    def _failed(self, error: Exception) -> None:
-        """A search or probe failed: say so once; the run goes on, never broken by it."""
-        if not self._broken:
-            self._broken = True
-            warnings.warn(
-                f"{self.owner}: a holder search or measure failed ({type(error).__name__}: "
-                f"{error}); the run goes on, its leaks may go unnamed. Please report it.",
-                LeakfreeWarning,
-                stacklevel=4,
-            )
-
-    def _search(
-        self,
-        frame: FrameType | None,
-        *,
-        since: RetentionReport | None = None,
-        everything: bool = False,
-    ) -> RetentionReport:
-        try:
-            return self._walk(frame, since, everything)
-        except Exception as e:  # never break a training step on a bug of ours
-            self._failed(e)
-            return RetentionReport()
-
-    def _walk(
-        self, frame: FrameType | None, since: RetentionReport | None, everything: bool
-    ) -> RetentionReport:
-        named: dict[str, Any] = {}
-        extra = self.roots() if callable(self.roots) else self.roots
-        for source in (extra or {}, frame_roots(frame), module_roots()):
-            for name, value in source.items():
-                if value is not None and name not in named:
-                    named[name] = value
-        storages = self.tracker.storage_tracker
-        return find_retained(
-            *named.values(),
-            names=list(named),
-            since=since,
-            everything=everything,
-            sites=storages.site if storages is not None else None,
-        )
-
-
-#: what to do about a holder that a library keeps per microbatch by design, by a part of
-#: its path: (part, advice)
-_MICRO_HINTS = (
-    (
-        "output_chunks",
-        "torch.distributed.pipelining keeps each microbatch's output on the last stage to "
-        "return them merged: pass return_outputs=False to schedule.step() if the merged "
-        "output is not read.",
-    ),
-)
-
-
-def _by_holder(items: list[Retained]) -> dict[tuple[str, str], Retained]:
-    return {holder_key(h): h for h in group(items)}
-
-
-def _same_holder(a: str, b: str) -> bool:
-    """Two paths to one holder from different roots: equal, or one is the other's tail
-    after a dot (``kept[*]``, ``__main__.kept[*]``)."""
-    return a == b or a.endswith("." + b) or b.endswith("." + a)
-
 
 def _nodes(item: Retained | None) -> int:
     return item.nodes if item is not None else 0
-
-
-def _tensors(item: Retained) -> int:
-    """How many tensors a (grouped) entry holds that a forward computed: floating-point
-    values of more than one element, with a graph or without (not a scalar loss, not
-    integer ids or masks)."""
-    return item.floating
 
 
 def _grew(
@@ -777,15 +472,3 @@ def _grew(
         elif was is None or max(h.count, 1) > max(was.count, 1) or more > 0:
             out.append(h)
     return out
-
-
-def _line(item: Retained) -> str:
-    """``output_lst[*]['entropy']  4 graphs, 512 KiB  created at train.py:42 in f``."""
-    if item.kind == "graph":
-        what = f"{item.count} graphs" if item.count > 1 else "graph"
-    elif item.kind == "detached":
-        what = f"{item.count} tensor(s) without a graph"
-    else:
-        what = item.kind
-    made = f"  created at {item.site}" if item.site else ""
-    return f"{item.where}  {what}, {format_bytes(item.nbytes)}{made}"

@@ -1,0 +1,238 @@
+"""Findings: what a leak found is (:class:`Finding`), and how a detector makes one from
+the holders a search returns: named once per holder and creation site, handed to the
+watcher's ``on_finding``, and a search that fails said once, never raised into the run.
+
+:class:`_Findings` is that part of :class:`~leakfree.diagnostics.detector.Detector`, over
+the state :class:`DetectorState` declares.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Protocol
+
+from leakfree._text import format_bytes
+from leakfree._warnings import LeakfreeWarning
+from leakfree.diagnostics.cycles import Cycles
+from leakfree.diagnostics.growth import Growth
+from leakfree.diagnostics.retention import (
+    Retained,
+    RetentionReport,
+    find_retained,
+    group,
+    holder_key,
+)
+from leakfree.diagnostics.roots import frame_roots, module_roots
+from leakfree.diagnostics.rule import Rule
+
+
+class Tracked(Protocol):
+    """What a detector reads from the tracker that owns it (a
+    :class:`~leakfree.diagnostics.MemoryTracker`, which holds it): the device judged, and
+    the storage tracker of a device counted storage by storage (else None)."""
+
+    @property
+    def judged(self) -> Any: ...
+
+    @property
+    def storage_tracker(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One leak found: what it is, its size, its holders and where they were made."""
+
+    #: "microbatch" (builds up per backward within a step), "growth" (across steps),
+    #: "cycles" (held by reference cycles), "late cycles" (freed late, at gc's pace)
+    kind: str
+    message: str
+    bytes_per: float  #: per backward ("microbatch") or per step; for cycles, bytes held
+    step: int  #: the step it was found in (1 is the first)
+    holders: tuple[Retained, ...] = ()
+    cycles: Cycles | None = None
+    growth: Growth | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class DetectorState:
+    """What a :class:`~leakfree.diagnostics.detector.Detector` holds, declared once for the
+    parts that read it (its fields, then what ``__post_init__`` sets)."""
+
+    tracker: Tracked
+    owner: str
+    rule: Rule
+    roots: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
+    on_finding: Callable[[Finding], None] | None
+    findings: list[Finding]
+    unit: str  #: what a step is, in messages ("optimizer steps")
+    steps: int  #: step boundaries seen
+    judged_steps: int  #: steps after the warm-up with a measure (the verdict's basis)
+    growth: Growth | None  #: the last across-step verdict's growth
+    _micro: list[int]  #: live bytes after each backward of this step
+    _made: list[int | None]  #: bytes allocated so far, at each backward
+    _made_per: float  #: bytes a microbatch allocates, as last measured
+    _slack: float  #: growth between backward passes within the measure's noise
+    _passes: int  #: backward passes in the last step
+    _heap_floor: float  #: heap growth per step not suspected
+    _explained: float  #: exact growth per step already reported
+    _micro_searches: int  #: searches in this step
+    _micro_missed: int  #: searches in this step that found nothing to compare
+    _micro_base: RetentionReport | None  #: this step's first search
+    _micro_base_at: int  #: the backward pass it was made after
+    _micro_suspect: bool  #: search after the next step's first backward
+    #: holders that gained a tensor per microbatch, a finding if they fall back
+    _pending: tuple[list[Retained], RetentionReport | None, float, int, int] | None
+    _signal: list[int]  #: the cheap measure per step, the last window
+    _values: list[int]  #: exact live bytes per tracked step, the last window
+    _at: list[int]  #: the step of each value
+    _confirm: list[int] | None  #: exact values since a suspicion, if one
+    _base: RetentionReport | None  #: the holders when growth was suspected
+    _suspected_at: int
+    _judged_before: int  #: steps judged before the suspicion in progress
+    _heap_growth: Growth | None  #: the heap's growth that was suspected
+    _next_search: int  #: the step from which growth may be suspected again
+    _backoff: int
+    _next_micro: int  #: the step from which a microbatch search may run
+    _micro_backoff: int
+    _reported: set[tuple[str, str]]
+    #: (finding kind, holder kind, creation site) -> the paths reported with it
+    _reported_sites: dict[tuple[str, str, str], list[str]]
+    _probed: bool
+    _broken: bool  #: a search failed once (said once)
+
+
+class _Findings(DetectorState):
+    """Making findings from holders (see the module doc)."""
+
+    def _found(
+        self,
+        kind: str,
+        holders: list[Retained],
+        per: float,
+        lead: str,
+        growth: Growth | None = None,
+        note: Callable[[Retained], str] | None = None,
+    ) -> bool:
+        grouped = group(holders)
+        # Once per run: the same path, or the same holder reached from another root (from
+        # the stack once, ``kept[*]``, and from a module's globals later, ``__main__.kept[*]``)
+        # holding what the same line made.
+        fresh = [
+            h
+            for h in grouped
+            if (kind, holder_key(h)[1]) not in self._reported
+            and not any(
+                _same_holder(holder_key(h)[1], where)
+                for where in self._reported_sites.get((kind, h.kind, h.site), ())
+            )
+        ]
+        if (holders and not fresh) or (not holders and (kind, "") in self._reported):
+            return True  # reported already: once per run
+        self._reported.update((kind, holder_key(h)[1]) for h in fresh)
+        for h in fresh:
+            if h.site:
+                self._reported_sites.setdefault((kind, h.kind, h.site), []).append(holder_key(h)[1])
+        if not holders:
+            self._reported.add((kind, ""))
+        lines = "".join(f"\n  {_line(h)}{note(h) if note else ''}" for h in fresh[:8])
+        more = f"\n  ... {len(fresh) - 8} more" if len(fresh) > 8 else ""
+        finding = Finding(
+            kind, lead + lines + more, per, max(self.steps, 1), tuple(fresh), growth=growth
+        )
+        self._emit(finding)
+        return True
+
+    def _emit(self, finding: Finding) -> None:
+        self.findings.append(finding)
+        if self.on_finding is not None:
+            try:
+                self.on_finding(finding)
+            except Exception as e:  # a watcher asked to fail (LeakError): goes through
+                e._leakfree_verdict = True  # type: ignore[attr-defined]
+                raise
+
+    def guard(self, call: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """``call(*args, **kwargs)``; an error of leakfree's own is warned once, never
+        raised into the training step (a watcher asked to fail still raises its verdict)."""
+        try:
+            call(*args, **kwargs)
+        except Exception as e:
+            if getattr(e, "_leakfree_verdict", False):
+                raise
+            self._failed(e)
+
+    def _failed(self, error: Exception) -> None:
+        """A search or probe failed: say so once; the run goes on, never broken by it."""
+        if not self._broken:
+            self._broken = True
+            warnings.warn(
+                f"{self.owner}: a holder search or measure failed ({type(error).__name__}: "
+                f"{error}); the run goes on, its leaks may go unnamed. Please report it.",
+                LeakfreeWarning,
+                stacklevel=4,
+            )
+
+    def _search(
+        self,
+        frame: FrameType | None,
+        *,
+        since: RetentionReport | None = None,
+        everything: bool = False,
+    ) -> RetentionReport:
+        try:
+            return self._walk(frame, since, everything)
+        except Exception as e:  # never break a training step on a bug of ours
+            self._failed(e)
+            return RetentionReport()
+
+    def _walk(
+        self, frame: FrameType | None, since: RetentionReport | None, everything: bool
+    ) -> RetentionReport:
+        named: dict[str, Any] = {}
+        extra = self.roots() if callable(self.roots) else self.roots
+        for source in (extra or {}, frame_roots(frame), module_roots()):
+            for name, value in source.items():
+                if value is not None and name not in named:
+                    named[name] = value
+        storages = self.tracker.storage_tracker
+        return find_retained(
+            *named.values(),
+            names=list(named),
+            since=since,
+            everything=everything,
+            sites=storages.site if storages is not None else None,
+        )
+
+
+def _by_holder(items: list[Retained]) -> dict[tuple[str, str], Retained]:
+    return {holder_key(h): h for h in group(items)}
+
+
+def _same_holder(a: str, b: str) -> bool:
+    """Two paths to one holder from different roots: equal, or one is the other's tail
+    after a dot (``kept[*]``, ``__main__.kept[*]``)."""
+    return a == b or a.endswith("." + b) or b.endswith("." + a)
+
+
+def _tensors(item: Retained) -> int:
+    """How many tensors a (grouped) entry holds that a forward computed: floating-point
+    values of more than one element, with a graph or without (not a scalar loss, not
+    integer ids or masks)."""
+    return item.floating
+
+
+def _line(item: Retained) -> str:
+    """``output_lst[*]['entropy']  4 graphs, 512 KiB  created at train.py:42 in f``."""
+    if item.kind == "graph":
+        what = f"{item.count} graphs" if item.count > 1 else "graph"
+    elif item.kind == "detached":
+        what = f"{item.count} tensor(s) without a graph"
+    else:
+        what = item.kind
+    made = f"  created at {item.site}" if item.site else ""
+    return f"{item.where}  {what}, {format_bytes(item.nbytes)}{made}"

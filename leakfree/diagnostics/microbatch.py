@@ -1,0 +1,189 @@
+"""Within a step: memory that builds up per microbatch (per backward pass).
+
+After every backward the bytes alive are compared with those after the one before; a
+holder that gained a graph, or a tensor, on every pass is searched for, and a finding is
+made at once for graphs kept from several microbatches, or when the step ends for what
+then falls back. :class:`_PerMicrobatch` is that part of
+:class:`~leakfree.diagnostics.detector.Detector`.
+"""
+
+from __future__ import annotations
+
+from types import FrameType
+
+from leakfree._text import format_bytes
+from leakfree.diagnostics.findings import _by_holder, _Findings, _tensors
+from leakfree.diagnostics.retention import (
+    Retained,
+    RetentionReport,
+    group,
+    holder_key,
+)
+
+#: bytes per step the C heap may drift in a clean loop (Python objects, caches): a heap
+#: signal below it is not suspected (a leak's tensors and graph nodes are far above it)
+HEAP_SLACK = 256
+#: a microbatch's retention counts above this fraction of what the microbatch allocates
+MICRO_FRACTION = 1 / 1024
+#: between tracked steps, heap growth per backward above this fraction of what a
+#: microbatch allocates starts a search (the heap moves by kilobytes in a clean loop)
+HEAP_FRACTION = 1 / 128
+
+
+class _PerMicrobatch(_Findings):
+    """Judging each backward pass (see the module doc)."""
+
+    def backward(
+        self,
+        live: int,
+        frame: FrameType | None,
+        *,
+        made: int | None = None,
+        noisy: bool = False,
+    ) -> None:
+        """A backward pass ended with ``live`` bytes alive (called by the tracker).
+
+        ``made``: bytes allocated so far (a running total), where the tracker can tell, so
+        a retention is weighed against what a microbatch allocates; ``noisy``: ``live`` is
+        the heap's count, which moves by kilobytes between backward passes of a clean loop
+        (the engine's and Python's own allocations): only growth above a share of what a
+        microbatch allocates starts a search.
+        """
+        micro = self._micro
+        if len(micro) == 0:
+            # Growth per backward that a leak already reported (or the heap's drift)
+            # explains starts no search: each one walks every graph the leak keeps.
+            per_step = self._heap_floor if noisy else 2 * self._explained
+            self._slack = per_step / self._passes if self.findings or noisy else 0.0
+        micro.append(live)
+        self._made.append(made)
+        if made is not None and len(self._made) > 1 and self._made[-2] is not None:
+            self._made_per = float(made - self._made[-2])  # what this microbatch allocated
+        if noisy:
+            self._slack = max(self._slack, HEAP_SLACK, self._made_per * HEAP_FRACTION)
+        step = self.steps + 1
+        if len(micro) == 1 and self._pending is not None:
+            self._fell_back(frame, last=True)
+        if step < self._next_micro or self._micro_searches >= 3:
+            return
+        if len(micro) == 1:
+            # The baseline a later backward of this step is compared with: in the first
+            # step, and after a step whose memory built up with nothing found.
+            if self._micro_suspect:
+                self._micro_suspect = False
+                self._micro_searches += 1
+                self._micro_base, self._micro_base_at = self._search(frame, everything=True), 1
+            return
+        if micro[-1] - micro[-2] <= self._slack:
+            return
+        self._micro_searches += 1
+        report = self._search(frame, everything=True)
+        base, at = self._micro_base, self._micro_base_at
+        if base is None:
+            self._micro_base, self._micro_base_at = report, len(micro)
+        graphs, candidates = self._per_microbatch(report, base, len(micro) - at)
+        per = (micro[-1] - micro[0]) / (len(micro) - 1)
+        if graphs:
+            kept = [i for i in report.items if i.kind == "ctx attribute"]  # what they pin
+            self._micro_found(graphs + kept, per, len(micro), step)
+        if candidates:  # a finding once they fall back: a cache that fills stays
+            self._pending = (candidates, base, per, len(micro), step)
+        elif not graphs:
+            self._micro_missed += 1
+            if self._micro_missed >= 2:  # nothing twice this step: search less often
+                self._next_micro = step + self._micro_backoff
+                self._micro_backoff *= 2
+                self._micro_suspect = True
+
+    def _micro_found(self, holders: list[Retained], per: float, passes: int, step: int) -> None:
+        hints = [hint for part, hint in _MICRO_HINTS if any(part in h.where for h in holders)]
+        self._found(
+            "microbatch",
+            holders,
+            per,
+            f"{self.owner}: +{format_bytes(per)} kept per backward pass over the "
+            f"{passes} backward passes of step {step}: memory builds up within the step "
+            "(tensors kept for every microbatch until the step ends), so a step with more "
+            "microbatches runs out of memory although nothing grows from step to step. "
+            + "".join(f"{hint} " for hint in hints)
+            + "Held by:",
+        )
+
+    def _fell_back(self, frame: FrameType | None, last: bool) -> None:
+        """Are the pending holders of a step's microbatches let go now that it ended? Those
+        that are were kept per microbatch: a finding. Looked at when the step ends and, for
+        a holder emptied by a step-end callback that runs after ours, at the next step's
+        first backward (``last``); then forgotten."""
+        pending = self._pending
+        if pending is None:
+            return
+        candidates, base, per, passes, step = pending
+        report = self._search(frame, everything=True)
+        now = _by_holder(report.items + report.all_detached)
+        before = _by_holder(base.items + base.all_detached) if base is not None else {}
+        fallen, waiting = [], []
+        for held in candidates:
+            key = holder_key(held)
+            was = before.get(key)
+            still = now.get(key)
+            if still is None or still.nbytes <= (was.nbytes if was is not None else 0):
+                fallen.append(held)
+            else:
+                waiting.append(held)
+        self._pending = (waiting, base, per, passes, step) if waiting and not last else None
+        if waiting and last:  # kept past the step: growth, judged across steps; search less
+            self._next_micro = self.steps + 1 + self._micro_backoff
+            self._micro_backoff *= 2
+        if fallen:
+            self._micro_found(fallen, per, passes, step)
+
+    def _per_microbatch(
+        self, report: RetentionReport, base: RetentionReport | None, passes: int
+    ) -> tuple[list[Retained], list[Retained]]:
+        """Holders that gained a tensor on every backward pass since ``base`` (``passes``
+        ago), each tensor worth more than a floor relative to what a microbatch allocates.
+
+        Returns two lists. First, several backpropagated graphs in one holder, each keeping
+        more than ``graph_floor`` through its graph: a finding at once, without a baseline (the
+        first step's second backward). Then candidates, found by comparison with ``base``:
+        tensors with or without a graph (outputs, logits, losses kept with their value)
+        that are a finding if they fall back when the step ends (:meth:`_fell_back`).
+        Backpropagated losses kept only for their value (torch's pipelining schedules keep
+        each microbatch's loss until the step ends), detached scalars and the step's own
+        inputs (integer ids and masks, or fetched before its first backward) are neither.
+        """
+        floor = self._micro_floor()
+        graphs = group([i for i in report.items if i.kind == "graph"])
+        graph_floor = self.rule.graph_floor
+        out = [g for g in graphs if g.count > 1 and g.through_graph / g.count > graph_floor]
+        if base is None or passes < 1:
+            return out, []
+        named = {h.where for h in out}
+        candidates = []
+        before = _by_holder(base.items + base.all_detached)
+        for now in graphs + group(report.all_detached):
+            if now.where in named:
+                continue
+            old = before.get(holder_key(now))
+            gained = _tensors(now) - (_tensors(old) if old is not None else 0)
+            more = now.nbytes - (old.nbytes if old is not None else 0)
+            if gained >= passes and more / gained > floor:
+                candidates.append(now)
+        return out, candidates
+
+    def _micro_floor(self) -> float:
+        """Bytes per kept tensor below which a microbatch's retention is a metric: the
+        rule's ``graph_floor``, or a fraction of what one microbatch allocates, the larger."""
+        return max(float(self.rule.graph_floor), self._made_per * MICRO_FRACTION)
+
+
+#: what to do about a holder that a library keeps per microbatch by design, by a part of
+#: its path: (part, advice)
+_MICRO_HINTS = (
+    (
+        "output_chunks",
+        "torch.distributed.pipelining keeps each microbatch's output on the last stage to "
+        "return them merged: pass return_outputs=False to schedule.step() if the merged "
+        "output is not read.",
+    ),
+)
