@@ -15,9 +15,10 @@ microbatches in one holder (``output_lst[*]['entropy']``), each keeping more tha
 free), are a finding at once, in the first step. So is any tensor a holder gained on every
 backward pass since a baseline search (outputs, logits, losses, with a graph or without),
 each worth more than :data:`~leakfree.diagnostics.microbatch.MICRO_FRACTION` of what a
-microbatch allocates, once it falls back when the step ends: memory that builds up per microbatch and comes back at the
-step's end never shows as growth between steps. Detached scalars kept until the step ends
-(a loss history), the step's own inputs and a cache that stays are no finding.
+microbatch allocates, once it falls back when the step ends: memory that builds up per
+microbatch and comes back at the step's end never shows as growth between steps. Detached
+scalars kept until the step ends (a loss history), the step's own inputs and a cache that
+stays are no finding.
 
 **Across steps** (at every ``step()`` after ``warmup`` steps), in three moves:
 
