@@ -343,18 +343,24 @@ def _plot(results: list[ShapeResult], path: str, device: torch.device) -> str | 
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.4), sharex=True)
-    for ax, r in zip(axes, results):
+    # Two columns: each panel wide enough to read at a page's width, each with its own
+    # labels (a panel cut out of the figure still says what it shows).
+    columns = 2
+    rows = -(-len(results) // columns)
+    fig, grid = plt.subplots(rows, columns, figsize=(10, 2.9 * rows), squeeze=False)
+    for ax, r in zip(grid.flat, results):
         steps = range(len(r.naive))
-        ax.plot(steps, [v / 2**20 for v in r.naive], color="#c0392b", label="naive")
-        ax.plot(steps, [v / 2**20 for v in r.fixed], color="#27ae60", label="leakfree")
-        ax.set_title(f"{r.name}\n({r.where})", fontsize=9)
-        ax.set_xlabel("step")
+        ax.plot(steps, [v / 2**20 for v in r.naive], color="#c0392b", lw=2, label="naive")
+        ax.plot(steps, [v / 2**20 for v in r.fixed], color="#27ae60", lw=2, label="leakfree")
+        ax.set_title(f"{r.name} ({r.where})", fontsize=11)
+        ax.set_xlabel("step", fontsize=10)
+        ax.set_ylabel(f"live MiB on {device}", fontsize=10)
+        ax.legend(loc="upper left", fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"live MiB on {device}")
-    axes[0].legend(loc="upper left", fontsize=8)
-    fig.suptitle("leakfree demo: memory held after each step", fontsize=11)
+    for ax in list(grid.flat)[len(results) :]:
+        ax.axis("off")
+    fig.suptitle("leakfree demo: memory held after each step, naive vs leakfree", fontsize=13)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

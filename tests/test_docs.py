@@ -10,9 +10,10 @@ block that raises (or exits non-zero, or hangs) fails its test with its file:lin
 it printed, traceback included, with line numbers counted in the markdown file.
 
 Blocks that import transformers, Lightning or TRL take seconds to import and are marked
-``integration``. A block that cannot run on one CPU process says so in the markdown, on
-the line before its fence, ``<!-- docs-test: skip (why) -->``, where *why* names the
-script or test that runs that code instead; at most one block in five may be skipped.
+``integration``. A block that cannot run on one CPU process says so where a reader sees it,
+on the line before its fence, ``*Not run alone: why.*``, where *why* says what it needs
+and names the script or test that runs that code instead; at most one block in five may
+be skipped.
 Shell blocks are install and CI commands: the demo and benchmark commands they name are
 run by tests/test_cli.py.
 """
@@ -31,9 +32,7 @@ from tests._fresh import PRELOAD
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-_BLOCK = re.compile(
-    r"(?:<!-- docs-test: skip \((?P<why>[^)]*)\) -->\n)?```python\n(?P<code>.*?)```", re.S
-)
+_BLOCK = re.compile(r"(?:\*Not run alone: (?P<why>[^*]*)\.\*\n)?```python\n(?P<code>.*?)```", re.S)
 # Seconds of import each: these blocks run in the whole suite, not the fast one.
 _HEAVY = re.compile(r"^(?:from|import) (?:transformers|lightning|pytorch_lightning|trl)\b", re.M)
 _PATH = re.compile(r"[\w./-]+\.py\b")  # a script or test named in a skip's reason
