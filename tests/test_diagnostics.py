@@ -13,6 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import leakfree
 from leakfree.diagnostics import MemoryTracker, StorageTracker, find_retained, fit_growth
+from tests._functions import tracked
 from tests.test_losses import ContextLoss
 
 
@@ -50,11 +51,7 @@ def test_tracker_growth_leaky_vs_clean() -> None:
 
     results = {}
     for keep in (False, True):
-        tracker = MemoryTracker(devices=["cpu"], sample_every=1, warn=False)
-        with tracker:
-            for _ in range(12):
-                step(keep)
-                tracker.step()
+        tracker = tracked(lambda keep=keep: step(keep), 12, sample_every=1)
         results[keep] = tracker.growth("cpu")
         report = tracker.report()
         assert bool(tracker.findings) == keep
@@ -312,25 +309,21 @@ def test_find_retained_does_not_flag_parameters_saved_on_ctx() -> None:
 def test_sampled_tracking_measures_the_same_growth_per_step() -> None:
     kept: list[torch.Tensor] = []
     w = torch.randn(64, 64)
-    tracked: list[bool] = []
+    on_steps: list[bool] = []
 
     def step(keep: bool) -> None:
-        tracked.append(torch._C._len_torch_dispatch_stack() > 0)
+        on_steps.append(torch._C._len_torch_dispatch_stack() > 0)
         out = torch.tanh(torch.randn(16, 64) @ w)
         if keep:
             kept.append(out)  # 4 KiB per step
 
     results = {}
     for keep in (False, True):
-        tracked.clear()
-        tracker = MemoryTracker(devices=["cpu"], sample_every=4, warn=False)
-        with tracker:
-            for _ in range(64):
-                step(keep)
-                tracker.step()
+        on_steps.clear()
+        tracker = tracked(lambda keep=keep: step(keep), 64, sample_every=4)
         results[keep] = tracker.growth("cpu")
         steps = tracker.steps["cpu"]
-        assert steps == [i for i, on in enumerate(tracked) if on]  # one value per tracked step
+        assert steps == [i for i, on in enumerate(on_steps) if on]  # one value per tracked step
         assert steps[0] == 0
         if not keep:  # the leak is confirmed by tracking every step for a while
             assert 8 <= len(steps) <= 32 and " of 64" in tracker.report()

@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 
 import leakfree
 from leakfree import function as lf_function
+from tests._functions import parking
 
 BASES = [torch.autograd.Function, leakfree.Function]
 
@@ -1191,17 +1192,7 @@ def test_fallback_without_keep_flag_handles_nodes_that_saved_nothing(
 ) -> None:
     monkeypatch.setattr(lf_function, "_keep_graph", None)
 
-    class NothingSaved(leakfree.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            ctx.big = torch.zeros(100)
-            return x * 2
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            return g * 2
-
-    y = NothingSaved.apply(torch.randn(3, requires_grad=True))
+    y = parking(leakfree.Function).apply(torch.randn(3, requires_grad=True))  # nothing saved
     r = weakref.ref(y.grad_fn.big)
     y.sum().backward(retain_graph=True)
     assert r() is not None  # the engine marks even an empty saved list as released, or not

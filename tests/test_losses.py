@@ -22,6 +22,7 @@ import leakfree
 from leakfree._shapes import context_loss
 from leakfree.diagnostics import count_host_syncs
 from leakfree.losses import RunningLoss, _check
+from tests._functions import parking
 
 # --- the real leak shape: a loss from a Function whose ctx holds a big tensor -----------------
 
@@ -348,17 +349,7 @@ def test_detach_tree() -> None:
 
 
 def test_detach_tree_frees_graph(no_gc: None) -> None:
-    class Big(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            ctx.big = torch.zeros(1000)
-            return x * 2
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            return g * 2
-
-    y = Big.apply(torch.randn(3, requires_grad=True))
+    y = parking(numel=1000).apply(torch.randn(3, requires_grad=True))
     r = weakref.ref(y.grad_fn.big)
     logged = leakfree.detach_tree({"y": [y]})
     del y

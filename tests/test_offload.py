@@ -23,6 +23,7 @@ from leakfree.offload.handles import _Offloaded
 from leakfree.offload.plan import _plan, _small_below
 from leakfree.offload.pool import HostBlockPool, _size_class
 from leakfree.offload.streams import _follow, _Pass, _to_prefetch
+from tests._functions import raise_in_the_body
 
 
 class Block(nn.Module):
@@ -605,10 +606,7 @@ def test_backward_retain_graph_twice_same_gradients() -> None:
 def test_exception_in_body_pops_hooks_and_retains_nothing(no_gc: None) -> None:
     model, x = make()
     ctx = offload()
-    with pytest.raises(RuntimeError, match="boom"), ctx:
-        loss = model(x).square().mean()
-        raise RuntimeError("boom")
-    del loss
+    raise_in_the_body(ctx, model, x)
     assert ctx.pool.stats.in_use_bytes == 0
     allocations = ctx.pool.stats.allocations
     model(x).square().mean().backward()  # outside: hooks must be gone

@@ -23,6 +23,7 @@ import leakfree
 from leakfree.diagnostics import count_host_syncs
 from leakfree.offload import OffloadWarning
 from leakfree.offload.pool import _size_class
+from tests._functions import raise_in_the_body
 from tests.test_offload import (
     Model,
     assert_equal_grads,
@@ -683,10 +684,7 @@ def test_a_failed_backward_s_blocks_wait_on_the_engine_not_the_pool(sim: Any) ->
 def test_exceptions_in_the_body_and_in_backward(sim: Any) -> None:
     model, x = on_sim()
     ctx = offload()
-    with pytest.raises(RuntimeError, match="boom"), ctx:
-        loss = model(x).square().mean()
-        raise RuntimeError("boom")
-    del loss
+    raise_in_the_body(ctx, model, x)
     assert ctx.pool.stats.in_use_bytes == 0
     fail_a_backward(ctx, model, x)
     # The failed backward's graph leaves nothing, but not at once: autograd's device worker

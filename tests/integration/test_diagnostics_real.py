@@ -20,6 +20,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from leakfree.diagnostics import find_retained
+from tests.integration._models import tiny_llama_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -29,16 +30,7 @@ VOCAB, SEQ, BATCH, HIDDEN = 128, 16, 2, 32
 
 def tiny_llama(cls: Any = None) -> Any:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return (cls or transformers.LlamaForCausalLM)(config)
+    return (cls or transformers.LlamaForCausalLM)(tiny_llama_config(VOCAB))
 
 
 def ids() -> torch.Tensor:

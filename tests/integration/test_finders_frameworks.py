@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tests._dist import run_workers
+from tests.integration._models import tiny_llama_config
 
 STEPS, MICRO = 14, 3
 
@@ -82,7 +83,7 @@ def test_trl_sft_trainer_with_offloading_and_accumulation_is_quiet(tmp_path: Pat
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from datasets import Dataset
     from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
     import leakfree
     from leakfree.integrations import MemoryGrowthWarning
@@ -94,15 +95,7 @@ def test_trl_sft_trainer_with_offloading_and_accumulation_is_quiet(tmp_path: Pat
 
         torch.manual_seed(0)
         vocab = 64
-        config = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
+        config = tiny_llama_config(vocab)
         words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
         tokenizer = PreTrainedTokenizerFast(
             tokenizer_object=words, unk_token="t0", pad_token="t1", eos_token="t2"

@@ -41,6 +41,24 @@ class Tiny(L.LightningModule):  # type: ignore[misc]
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+def trainer_for(
+    tmp_path: Path, callback: LeakfreeCallback, steps: int, *, package: Any = None, **kw: Any
+) -> Any:
+    """A quiet CPU trainer of ``package`` (Lightning by default) for ``steps`` optimizer
+    steps with ``callback``; ``kw``: more trainer options (no logger unless given)."""
+    options: dict[str, Any] = {"logger": False, **kw}
+    return (L if package is None else package).Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **options,
+    )
+
+
 def fit(
     tmp_path: Path,
     callback: LeakfreeCallback,
@@ -50,18 +68,9 @@ def fit(
     **kw: Any,
 ) -> Any:
     data = torch.utils.data.TensorDataset(torch.randn(BATCH * steps * 2, WIDTH))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        callbacks=[callback],
-        logger=L.loggers.CSVLogger(tmp_path, name="run"),
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        **kw,
+    logger = L.loggers.CSVLogger(tmp_path, name="run")
+    trainer = trainer_for(
+        tmp_path, callback, steps, devices=1, logger=logger, log_every_n_steps=1, **kw
     )
     module = Tiny(leaky) if module is None else module
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
@@ -174,16 +183,7 @@ def test_standalone_pytorch_lightning_trainer_runs_it(tmp_path: Path) -> None:
 
     callback = LeakfreeCallback(warmup=2, window=6, sample_every=1)
     data = torch.utils.data.TensorDataset(torch.randn(BATCH * 16, WIDTH))
-    trainer = PL.Trainer(
-        accelerator="cpu",
-        max_steps=8,
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = trainer_for(tmp_path, callback, 8, package=PL)
     with pytest.warns(MemoryGrowthWarning, match=r"pl_module\.kept\["):
         trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=BATCH))
     assert callback.watch.steps == 8 and not callback.watch.active
@@ -209,16 +209,7 @@ def test_a_raising_step_leaves_no_tracker_behind(tmp_path: Path) -> None:
 
     callback = LeakfreeCallback(warmup=0, window=4)
     data = torch.utils.data.TensorDataset(torch.randn(BATCH * 8, WIDTH))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=8,
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = trainer_for(tmp_path, callback, 8)
     with warnings.catch_warnings():  # the error says enough: no "not judged" beside it
         warnings.simplefilter("error", NotJudgedWarning)
         with pytest.raises(RuntimeError, match="boom"):
