@@ -350,34 +350,25 @@ def test_importing_leakfree_imports_no_target_library() -> None:
 
 # --- generic sweep ---------------------------------------------------------------------------
 
+#: a module of the sweep tests' library: one Function that parks a tensor on ctx
+_LEAKY_MODULE = """
+    import torch
+
+    class {name}(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.big = torch.zeros(1000)
+            return x * {factor}
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * {factor}
+"""
+
 SWEEP_LIB = {
     "sweeplib/__init__.py": "",
-    "sweeplib/ops.py": """
-        import torch
-
-        class Leaky(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                ctx.big = torch.zeros(1000)
-                return x * 2
-
-            @staticmethod
-            def backward(ctx, g):
-                return g * 2
-    """,
-    "sweeplib/later.py": """
-        import torch
-
-        class LeakyLater(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                ctx.big = torch.zeros(1000)
-                return x * 3
-
-            @staticmethod
-            def backward(ctx, g):
-                return g * 3
-    """,
+    "sweeplib/ops.py": _LEAKY_MODULE.format(name="Leaky", factor=2),
+    "sweeplib/later.py": _LEAKY_MODULE.format(name="LeakyLater", factor=3),
     # outside the swept prefix: the tests' probe, not a swept module
     "sweepprobe.py": """
         import weakref

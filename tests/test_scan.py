@@ -277,7 +277,7 @@ def test_leakfree_scans_clean_but_for_its_deliberate_leaks() -> None:
     assert "# leakfree: ignore[LF004]" in texts[0] and "# leakfree: ignore[LF001]" in texts[1]
 
 
-# --- issue 26: honest reporting --------------------------------------------------------
+# --- honest reporting ------------------------------------------------------------------
 
 #: PEP 695 (3.12) syntax, not parsed on older interpreters, in a file every rule set wants
 NEWER = "class Box[T](torch.autograd.Function):\n    x.parked = 1\n"

@@ -409,7 +409,7 @@ def test_file_without_functions_and_syntax_of_new_python() -> None:
     assert scan(src) == []
 
 
-# --- evidence before a finding: the false findings of issue 26, from their real shapes ----
+# --- evidence before a finding: the false findings of an earlier version, from their shapes --
 
 
 def test_annotated_numbers_are_not_tensors_megatron_rmsnorm() -> None:
@@ -595,7 +595,7 @@ def test_rng_state_and_parameters_are_notes_not_leaks() -> None:
     assert "RNG state" in found[0].message and "parameter or weight" in found[1].message
 
 
-# --- recall: the misses of issue 26, from their real shapes --------------------------------
+# --- recall: the misses of an earlier version, from their real shapes ----------------------
 
 
 def test_a_dict_built_from_forward_args_deepspeed_tiled_compute() -> None:

@@ -214,7 +214,7 @@ def test_not_this_shape_silent(case: str) -> None:
     assert scan(header + textwrap.dedent(SILENT[case])) == []
 
 
-# --- issue 26: offloaders that key a list by index or store through dict.update -----------
+# --- offloaders that key a list by index or store through dict.update ---------------------
 
 
 def test_a_list_stash_returning_the_index_is_flagged() -> None:

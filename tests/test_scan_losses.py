@@ -384,7 +384,7 @@ def test_an_enum_member_named_like_a_loss_is_not_a_loss() -> None:
     assert [f.line for f in RULES[0].check(source, project)] == [4]
 
 
-# --- issue 26: evidence before a finding, and the FAQ's running sum ----------------------
+# --- evidence before a finding, and the FAQ's running sum --------------------------------
 
 
 def test_a_nested_helper_that_detaches_is_read_deepspeed_pipe_engine() -> None:

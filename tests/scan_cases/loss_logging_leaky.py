@@ -46,7 +46,7 @@ class Trainer:
 
 
 def micro_step(context, model, batch):
-    # the shape as issue 16 spells it: a per-step context's dict of lists
+    # the shape as the report spells it: a per-step context's dict of lists
     loss = model(batch).loss
     for name in context.losses:
         context.losses[name].append(loss)  # LF003 context.losses
