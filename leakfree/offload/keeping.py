@@ -127,7 +127,7 @@ class _Keeping(_Transfers):
         if value is not None and self._planner.device_budget is not None:
             raise _args.ArgumentError(
                 "OffloadActivations: a goal (max_overhead, device_limit) with a "
-                "device_budget set: set device_budget = None first"
+                'device_budget set: set device_budget = "auto" first'
             )
 
     @property
