@@ -9,6 +9,7 @@ peak are the model's, and gradients are compared with plain PyTorch.
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -250,12 +251,23 @@ def test_a_copy_back_without_its_manager_waits_for_the_copies_out(sim: Any) -> N
     model = _model().to(sim.device)
     x = torch.randn(512, 256, device=sim.device)
     sim.lazy = True  # a slow device: the copies out are still running as backward begins
-    with leakfree.OffloadActivations(min_offload_size=1):
+    ctx = leakfree.OffloadActivations(min_offload_size=1)
+    manager = weakref.ref(ctx)
+    with ctx:
         loss = model(x).square().mean()
+    del ctx
     gc.collect()
+    assert manager() is None and sim.copies["to_host"] > 0  # gone, its copies out pending
     loss.backward()
     sim.module.synchronize()
     sim.lazy = False
+    sim.sanitizer.check()  # no copy back read a host block before its copy out wrote it
+    expected = _model().to(sim.device)
+    expected(x).square().mean().backward()
+    assert all(
+        torch.equal(a.grad.cpu(), b.grad.cpu())
+        for a, b in zip(model.parameters(), expected.parameters())
+    )
 
 
 def test_a_held_copy_does_not_widen_the_prefetch_window(

@@ -390,9 +390,10 @@ class OffloadActivations(_Backward, saved_tensors_hooks):
                 if copy is not None and (copy.source is None or copy.source() is None):
                     copy = None  # its storage died: the address was reused
             if copy is None:
-                copy, same = self._new_copy(
-                    t, forward, storage, (ptr, version, total), whole, (first, span_bytes)
-                )
+                exact = first == 0 and contiguous and span_bytes == total
+                key = (ptr, version, total)
+                span = (first, span_bytes, elem)
+                copy, same = self._new_copy(t, forward, storage, key, whole, span, exact)
             else:  # a copy made for an earlier save: is t exactly its bytes too?
                 like = copy.like
                 same = (
@@ -412,15 +413,16 @@ class OffloadActivations(_Backward, saved_tensors_hooks):
         storage: torch.UntypedStorage,
         key: tuple[int, int, int],
         whole: bool,
-        span: tuple[int, int],
+        span: tuple[int, int, int],
+        exact: bool,
     ) -> tuple[_HostCopy, bool]:
         """A host copy of ``t``'s storage (``key``: its address, version and bytes), whole
-        or of ``span`` (its first element and its bytes), recorded in ``forward`` and moved,
-        held or kept as the plan says (lock held); and whether ``t`` is exactly its bytes
-        (:attr:`_Offloaded.same`)."""
+        or of ``span`` (its first element, its bytes, the element size), recorded in
+        ``forward`` and moved, held or kept as the plan says (lock held); and whether ``t``
+        is exactly its bytes (:attr:`_Offloaded.same`; ``exact``: ``t`` is its whole
+        storage, contiguous from its start)."""
         ptr, version, total = key
-        first, span_bytes = span
-        elem = t.element_size()
+        first, span_bytes, elem = span
         copy = _HostCopy(total if whole else span_bytes, 0 if whole else first * elem, t.device)
         copy.version = version
         ref = self._copies.add(copy)  # numbers it
@@ -429,7 +431,7 @@ class OffloadActivations(_Backward, saved_tensors_hooks):
         if whole:
             if total % elem == 0:
                 copy.dtype = t.dtype
-                if first == 0 and t.is_contiguous() and span_bytes == total:
+                if exact:
                     copy.like = (t.dtype, t.shape)
                     same = True
             copy.source = weakref.ref(storage)

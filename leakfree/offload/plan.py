@@ -335,14 +335,12 @@ class Planner:
         self.small_below = below
         self.small_kept = (len(kept), sum(kept))
         self.replans += 1
-        self._group_capacity()
+        self._group_capacity(planned, moved)
 
-    def _group_capacity(self) -> None:
+    def _group_capacity(self, sizes: list[int] | tuple[int, ...], moved: int) -> None:
         # A group is on the device twice (waiting to be sent, and brought back until its
         # last use): bounded by an eighth of what a forward moves, grouping adds at most
         # about that to the device peak, however small the model.
-        assert self.plan is not None
-        sizes, moved = self.plan
         self.capacity = min(self.batch_bytes, sum(sizes[:moved]) // _GROUP_SHARE)
 
     def adopt(self, measurement: Measurement, allocated: int, *, checkable: bool) -> None:
@@ -367,7 +365,7 @@ class Planner:
         self.plan = (sizes, count)
         self.small_below = 0
         self.small_kept = (0, 0)
-        self._group_capacity()
+        self._group_capacity(sizes, count)
         limited = self.device_limit is not None and checkable and count < len(sizes)
         self.check = (measurement, allocated) if limited else None
 
@@ -375,8 +373,8 @@ class Planner:
         """A step under a limit's new plan peaked at ``peak`` bytes on the device: over the
         limit, the plan's prediction of its peak was short by what the step went over it,
         and a plan moving more follows (checked again); else the plan stands."""
-        assert self.check is not None and self.device_limit is not None
-        assert self.prediction is not None
+        if self.check is None or self.device_limit is None or self.prediction is None:
+            raise RuntimeError("leakfree: a plan was checked without a limit; please report this")
         measurement, allocated = self.check
         if peak <= self.device_limit:
             self.check = None
