@@ -20,7 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import leakfree
 from leakfree.offload import OffloadWarning, offload_model, remove_offload_hooks
 from leakfree.offload.handles import _Offloaded
-from leakfree.offload.plan import _plan, _small_below
+from leakfree.offload.plan import _moved_under, _small_below
 from leakfree.offload.pool import HostBlockPool, _size_class
 from leakfree.offload.streams import _follow, _Pass, _to_prefetch
 from tests._functions import raise_in_the_body
@@ -162,8 +162,8 @@ def test_in_place_after_save_is_not_deduplicated() -> None:
             a.add_(1.0)
         graphs.append((a * a).sum())  # saves a again at version 1: a new copy
     assert ctx.pool.stats.allocations == 2
-    first, second = (ctx._copies.at(seq) for seq in (0, 1))
-    assert ctx._copies.next_seq() == 2
+    first, second = (ctx._backward.copies.at(seq) for seq in (0, 1))
+    assert ctx._backward.copies.next_seq() == 2
     assert torch.equal(first.group.on_host(), x.detach())  # each copy is a group here
     assert torch.equal(second.group.on_host(), x.detach() + 1.0)
     del graphs
@@ -212,7 +212,7 @@ def test_small_copies_share_a_group_and_a_large_one_goes_alone() -> None:
         assert ctx.stats.groups == 1  # the large copy went at once; the smalls wait
         losses.append((small[2] * w).sum())
     assert ctx.stats.groups == 2 and ctx.stats.to_host == 4
-    copies = [r() for r in ctx._copies.refs.values()]
+    copies = [r() for r in ctx._backward.copies.refs.values()]
     groups = [c.group for c in copies if c is not None]
     assert groups[0] is groups[1] is groups[3] and groups[2] is not groups[0]
     assert groups[2].used == big.nbytes and groups[0].used == 3 * 1024
@@ -262,7 +262,7 @@ def test_groups_hold_at_most_an_eighth_of_what_a_forward_moves() -> None:
         with ctx:
             loss = model(x).square().mean()
         copies, groups = ctx.stats.to_host - before.to_host, ctx.stats.groups - before.groups
-        sizes = [c.group.used for c in (r() for r in ctx._copies.refs.values()) if c and c.group]
+        sizes = [c.group.used for c in (r() for r in ctx._backward.copies.refs.values()) if c and c.group]
         if step == 0:
             assert capacity == 0 and groups == copies
         else:
@@ -377,7 +377,7 @@ def test_keep_small_set_later_is_checked_and_plans_again() -> None:
     again, as a first forward does (a plan kept as it was would never change while the
     shapes stay the same)."""
     ctx, _ = _normed_steps((64, 64))
-    for bad in (1, None, "no"):
+    for bad in (1, "no"):
         with pytest.raises(ValueError, match=r"keep_small = .*: expected True or False"):
             ctx.keep_small = bad  # type: ignore[assignment]
     assert ctx.keep_small is True and ctx.plan is not None and ctx.plan.small == 9
@@ -564,7 +564,7 @@ def test_forward_without_backward_frees_everything_with_the_graph(no_gc: None) -
     ctx = offload()
     with ctx:
         loss = model(x).square().mean()
-    handles = list(ctx._copies.refs.values())  # the host copies, weakly, in creation order
+    handles = list(ctx._backward.copies.refs.values())  # the host copies, weakly, in creation order
     assert handles and all(h() is not None for h in handles)
     in_use = ctx.pool.stats.in_use_bytes
     assert in_use > 0
@@ -740,7 +740,7 @@ def _pass_over(copies: list[Any], ctx: Any) -> _Pass:
     state = _Pass()
     state.order = [(c.seq, c.used) for c in copies]
     follow = _Pass()
-    _follow(state.learned(), copies[0], ctx._copies, follow)
+    _follow(state.learned(), copies[0], ctx._backward.copies, follow)
     return follow
 
 
@@ -776,16 +776,16 @@ def test_a_learned_order_is_followed_only_where_the_copies_match_it() -> None:
     assert order == ((0, 64), (-1, 64), (-2, 64), (-3, 64))
     _, more = _handles(1)  # another manager's copy: not in ctx's registry
     shifted = _Pass()
-    _follow(order, copies[2], ctx._copies, shifted)  # would start before the first copy
+    _follow(order, copies[2], ctx._backward.copies, shifted)  # would start before the first copy
     assert shifted.plan == []
     again = _Pass()
-    _follow(order, copies[3], ctx._copies, again)
+    _follow(order, copies[3], ctx._backward.copies, again)
     assert [r() for r in again.plan] == list(reversed(copies))
     del hs[1], copies[1]  # a recorded copy died: the shape no longer matches
     gone = _Pass()
-    _follow(order, again.plan[0](), ctx._copies, gone)
+    _follow(order, again.plan[0](), ctx._backward.copies, gone)
     assert gone.plan == []
-    _follow(((0, 32),), more[0].copy.group, ctx._copies, gone)  # another size
+    _follow(((0, 32),), more[0].copy.group, ctx._backward.copies, gone)  # another size
     assert gone.plan == []
 
 
@@ -796,7 +796,7 @@ def test_copies_registry_keeps_about_twice_the_live_copies() -> None:
         kept = (torch.randn(16) * w).sum()  # one graph alive throughout: the oldest copy
         for _ in range(5000):
             (torch.randn(16) * w).sum().backward()
-    copies = ctx._copies
+    copies = ctx._backward.copies
     assert copies.next_seq() > 1000  # (the plan keeps the smallest storages on the device)
     assert len(copies.refs) <= 2 * 1 + 64 + 1 and copies.at(0) is not None
     del kept
@@ -813,7 +813,7 @@ def test_copies_registry_keeps_about_twice_the_live_copies() -> None:
     ],
 )
 def test_plan_keeps_the_latest_copies_that_fit(sizes: list[int], budget: int, moved: int) -> None:
-    assert _plan(sizes, budget) == moved
+    assert _moved_under(sizes, budget) == moved
 
 
 def test_pool_budget_accounting_and_reuse() -> None:
@@ -937,7 +937,7 @@ def test_accelerator_gradients_and_lifetimes(use_streams: bool, accelerator: tor
     ctx = leakfree.OffloadActivations(use_streams=use_streams, min_offload_size=256)
     with ctx:
         loss = model(x).square().mean()
-    assert len(ctx._in_flight) == 0  # __exit__ retired every in-flight copy
+    assert len(ctx._transfers.in_flight) == 0  # __exit__ retired every in-flight copy
     loss.backward()
     got = grads(model)
     ref_model, xr = make()
@@ -946,7 +946,7 @@ def test_accelerator_gradients_and_lifetimes(use_streams: bool, accelerator: tor
     assert_equal_grads(got, grads(ref_model))
     assert ctx.pool.stats.in_use_bytes == 0
     if use_streams:
-        assert ctx._side_streams  # a side stream was made and used
+        assert ctx._transfers.side_streams  # a side stream was made and used
 
 
 def test_accelerator_in_flight_bounded_and_memory_drops(accelerator: torch.device) -> None:
@@ -1070,7 +1070,8 @@ def test_one_with_around_a_loop_records_one_forward_at_a_time_and_follows_its_pl
     assert_equal_grads(long_run[-1], grads(model))
     assert one.plan == per_step.plan and one.plan is not None and one.plan.replans == 0
     assert one.stats == per_step.stats  # the same copies, both ways, as with one block each
-    assert len(one._forward.sizes) == 0 and len(one._held) <= len(per_step._held) + 1
+    assert len(one._forward.sizes) == 0
+    assert len(one._keeper._held) <= len(per_step._keeper._held) + 1
 
 
 @pytest.mark.parametrize("drop", ["at-once", "next-step"])
@@ -1086,10 +1087,10 @@ def test_forwards_without_backward_in_one_with_leave_a_bounded_record(drop: str)
         for i in range(200):
             out = model(x) if drop == "next-step" else model(x).sum().detach()
             if i == 0:
-                per_forward = ctx._copies.next_seq()
+                per_forward = ctx._backward.copies.next_seq()
             assert len(ctx._forward.sizes) <= 2 * 2 * per_forward + 64
-            assert len(ctx._copies.refs) <= 2 * 2 * per_forward + 64
-    assert ctx._copies.next_seq() > 150 * per_forward  # it kept offloading
+            assert len(ctx._backward.copies.refs) <= 2 * 2 * per_forward + 64
+    assert ctx._backward.copies.next_seq() > 150 * per_forward  # it kept offloading
     del out
 
 
@@ -1269,7 +1270,7 @@ def test_trl_s_no_op_manager_name_is_an_alias() -> None:
 def test_the_automatic_budget_has_a_name_and_none_means_it_too() -> None:
     for value in ("auto", None):
         ctx = leakfree.OffloadActivations(force_host_copy=True, device_budget=value)
-        assert ctx.device_budget == "auto" and ctx._window == ctx.use_streams
+        assert ctx.device_budget == "auto" and ctx._transfers.window == ctx.use_streams
     assert leakfree.OffloadActivations(force_host_copy=True).device_budget == "auto"
     with pytest.raises(ValueError, match=r'device_budget=.Auto.*or "auto"'):
         leakfree.OffloadActivations(force_host_copy=True, device_budget="Auto")
@@ -1291,7 +1292,7 @@ def test_an_option_a_budget_or_a_goal_decides_for_itself_is_refused_with_it(
     window to bound) and keeps what it keeps (no small storages besides)."""
     (name,) = option
     (other,) = decider
-    with pytest.raises(ValueError, match=rf"{other}=\.\.\., {name}=.*leave {name} out"):
+    with pytest.raises(ValueError, match=rf"\({other}=\d+\S*, {name}=.*leave {name} out"):
         leakfree.OffloadActivations(force_host_copy=True, **decider, **option)
     ctx = leakfree.OffloadActivations(force_host_copy=True, **decider)
     if name == "keep_small":

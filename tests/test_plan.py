@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import leakfree
+from leakfree.offload.options import Mode
 from leakfree.offload.plan import Measurement, OffloadPlan, choose, head_start, predict
 from tests.simdev.timing import COMPUTE, TO_DEVICE, TO_HOST, Rates, Timeline, attach
 from tests.test_streams import deep
@@ -91,7 +92,7 @@ def predict_free(m: Measurement) -> int:
 def test_a_plan_says_what_moves_what_stays_and_what_it_predicts() -> None:
     plan = OffloadPlan(
         budget=600, kept=3, kept_bytes=600, moved=1, moved_bytes=100, replans=0,
-        goal="max_overhead", overhead=0.031, peak=5 << 30,
+        mode=Mode.OVERHEAD, overhead=0.031, peak=5 << 30,
     )  # fmt: skip
     text = str(plan)
     assert text.startswith("max_overhead: 3 saved tensors")
@@ -156,7 +157,7 @@ def _run(
 def test_a_time_cap_moves_what_hides_and_predicts_its_overhead(sim: Any) -> None:
     ctx, plain, planned, _ = _run(sim, lambda _: leakfree.OffloadActivations(max_overhead=0.05))
     plan = ctx.plan
-    assert plan.goal == "max_overhead" and plan.moved > 0 and plan.kept > 0
+    assert plan.mode.value == "max_overhead" and plan.moved > 0 and plan.kept > 0
     assert plan.overhead <= 0.05
     assert planned.busy(TO_HOST) > 0  # it moves, and the step stays within the cap
     assert planned.end <= 1.10 * plain.end
@@ -174,7 +175,7 @@ def test_the_first_step_of_a_time_cap_is_measured_keeping_everything(sim: Any) -
 
 def test_a_ceiling_that_the_step_fits_under_moves_nothing_after_its_first_step(sim: Any) -> None:
     ctx, _, _, _ = _run(sim, lambda _: leakfree.OffloadActivations(device_limit=1 << 40))
-    assert ctx.plan.moved == 0 and ctx.plan.goal == "device_limit"
+    assert ctx.plan.moved == 0 and ctx.plan.mode.value == "device_limit"
     moved = ctx.stats.to_host  # the first step's, measured moving everything
     model = _model().to(sim.device)
     _step(model, torch.randn(512, 256, device=sim.device), ctx, sim)

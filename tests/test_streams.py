@@ -372,7 +372,7 @@ def test_prefetch_bytes_zero_copies_back_only_on_demand(
 def _group_sizes(ctx: Any) -> list[int]:
     """The bytes each live group of ``ctx``'s copies holds."""
     groups = {}
-    for ref in ctx._copies.refs.values():
+    for ref in ctx._backward.copies.refs.values():
         copy = ref()
         if copy is not None and copy.group is not None:
             groups[id(copy.group)] = copy.group.used
@@ -432,7 +432,7 @@ def test_a_group_leaves_the_device_when_its_last_handle_is_unpacked(sim: Any) ->
     ctx = offload(batch_bytes=24 * 1024)  # three 8 KiB copies a group
     with ctx:
         loss = model(x).square().mean()
-    copies = (r() for r in ctx._copies.refs.values())
+    copies = (r() for r in ctx._backward.copies.refs.values())
     groups = {id(c.group): c.group for c in copies if c and c.group}
     assert len(groups) >= 3
     alive: list[int] = []
@@ -527,7 +527,7 @@ def test_in_flight_window_frees_activations_while_their_copies_run(sim: Any) -> 
     ctx = offload(max_fwd_stash_size=1)
     with ctx:
         loss = model(x).square().mean()
-        peak_window = len(ctx._in_flight)
+        peak_window = len(ctx._transfers.in_flight)
     assert peak_window <= 1
     loss.backward()
     ref = deep(width=128, depth=12)
@@ -725,13 +725,13 @@ def test_a_partial_pass_frees_what_it_kept_when_it_ends(sim: Any) -> None:
         inner = q * k  # saves q and k: views of the qkv storage
         loss = (model.out(inner + v.sin()) * q.cos()).square().mean()
     torch.autograd.grad(inner.sum(), x, retain_graph=True)  # reaches mul only, not sin/cos
-    copies = [r() for r in ctx._copies.refs.values()]
+    copies = [r() for r in ctx._backward.copies.refs.values()]
     kept = [c.group.keep for c in copies if c is not None and c.group is not None]
     assert kept  # the qkv storage's group, at least
     kept = [k for k in kept if k is not None]
     del copies
     assert kept == []  # the pass ended: its keep is gone, though sin and cos never ran
-    assert not ctx._passes
+    assert not ctx._backward._passes
     loss.backward()
 
 
@@ -870,7 +870,7 @@ def test_the_in_flight_window_records_a_stream_only_for_copies_still_running(
     ctx = offload(max_fwd_stash_size=2, batch_bytes=0)  # each copy sent as it is made
     with ctx:
         loss = model(x).square().mean()
-        held = [weakref.ref(t) for t, _ in ctx._in_flight]
+        held = [weakref.ref(t) for t, _ in ctx._transfers.in_flight]
         del loss  # the graph dies mid-forward: its handles go, the window's tensors stay
         assert len(held) == 2 and all(r() is not None for r in held)
     recorded = [e for e in sim.log if e[0] == "record_stream"]
@@ -892,10 +892,10 @@ def test_a_budget_set_later_lets_moved_tensors_go_at_once(sim: Any) -> None:
         before = ctx.stats.to_host
         with ctx:
             loss = model(x).square().mean()
-            window = len(ctx._in_flight)
+            window = len(ctx._transfers.in_flight)
         moved = ctx.stats.to_host - before
         loss.backward()
-        out = {side.stream_id for (_, back), side in ctx._side_streams.items() if not back}
+        out = {side.stream_id for (_, back), side in ctx._transfers.side_streams.items() if not back}
         recorded = [e for e in sim.log if e[0] == "record_stream" and e[2] in out]
         if budget is None:
             assert window > 0 and not recorded
@@ -955,11 +955,11 @@ def test_a_plan_that_keeps_everything_makes_no_copy_objects_and_still_holds_the_
         with ctx:
             loss = model(small).square().mean()
         loss.backward()
-    made = ctx._copies.next_seq()
+    made = ctx._backward.copies.next_seq()
     ctx.stats.peak_held_bytes = 0
     with ctx:
         loss = model(small).square().mean()
-    assert ctx._copies.next_seq() == made and ctx.stats.to_host == 0  # no copy at all
+    assert ctx._backward.copies.next_seq() == made and ctx.stats.to_host == 0  # no copy at all
     large = torch.randn(32, 64, device="sim")
     with ctx:  # a second forward before the first's backward, twice as big
         big = model(large).square().mean()

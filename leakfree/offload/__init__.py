@@ -39,10 +39,15 @@ than returned to a pool that is gone.
 
 Layout
 ------
-``hooks`` (the context managers and the copies they make), ``handles`` (what the graph
-owns: handles, host copies, their groups, and the dedup map), ``pool`` (host blocks and their
-budget), ``streams`` (in-flight window, prefetch), ``models`` (``offload_model`` and head
-discovery). Imports go one way: hooks -> streams -> handles -> pool.
+A front that holds its parts, each owning its state and called under the front's lock:
+``hooks`` (the context managers: the hooks, the settings, a forward's bounds) holds
+``transfers`` (the copies, their streams and the in-flight window), ``keeping`` (what
+stays on the device), ``plan`` (the planner, over ``options``: the options and the mode
+they make), ``measure`` (a goal's measured and checked steps) and ``backward`` (the
+passes: restore, prefetch, the order learned). ``handles`` is what the graph owns
+(handles, host copies, their groups, a forward's record), ``pool`` the host blocks and
+their budget, ``streams`` the order's bookkeeping, ``stats`` what was moved, ``models``
+``offload_model`` and head discovery.
 """
 
 from leakfree.offload.hooks import NoOffload, OffloadActivations

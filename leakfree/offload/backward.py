@@ -2,28 +2,65 @@
 pass and kept until its last handle is unpacked, prefetch in the order the previous pass
 used, and a goal's early copies back while the last copies out still run.
 
-:class:`_Backward` is the part of :class:`~leakfree.offload.OffloadActivations` that
-unpacks; :mod:`leakfree.offload.streams` has the order's bookkeeping.
+:class:`Backward` ("the passes") is the part of
+:class:`~leakfree.offload.OffloadActivations` that unpacks: the handles the graph owns call
+it (weakly), and the engine's end-of-pass callback; :mod:`leakfree.offload.streams` has the
+order's bookkeeping.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
-from typing import cast
+from collections.abc import Callable
 
 import torch
 
 from leakfree.offload.handles import _Group, _HostCopy, _Offloaded
-from leakfree.offload.keeping import _Keeping
-from leakfree.offload.state import _graph_task, _queue_callback
-from leakfree.offload.streams import _follow, _Pass, _to_prefetch
+from leakfree.offload.measure import Measurer
+from leakfree.offload.plan import Planner
+from leakfree.offload.streams import Order, _Copies, _follow, _Pass, _to_prefetch
+from leakfree.offload.transfers import Transfers
+
+#: the backward pass running on this thread (-1 outside one), and the engine's "run this
+#: when the pass is over"
+graph_task: Callable[[], int] = torch._C._current_graph_task_id
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
-class _Backward(_Keeping):
-    """Backward's side of the copies (see the module doc)."""
+class Backward:
+    """Backward's side of the copies (see the module doc).
 
-    def _restore(self, handle: _Offloaded) -> torch.Tensor:
+    Kept here: the state of the passes under way (until each ends), the order the last
+    finished pass used (creation numbers and sizes), and weak references to the live host
+    copies by creation number. Called under the manager's ``lock``: backward may unpack
+    on several device threads."""
+
+    def __init__(
+        self,
+        transfers: Transfers,
+        planner: Planner,
+        measurer: Measurer,
+        lock: threading.RLock,
+        prefetch_bytes: int | None,
+    ) -> None:
+        self._transfers = transfers
+        self._planner = planner
+        self._measurer = measurer
+        self._lock = lock
+        #: how many bytes a pass may have brought back ahead of their use (None: twice
+        #: the largest group the pass will bring back)
+        self.prefetch_bytes = prefetch_bytes
+        self.copies = _Copies()  #: the live host copies, by creation number
+        #: backward passes under way (graph task id -> its state), and the order the last
+        #: finished pass used, which the next pass of the same shape prefetches in
+        self._passes: dict[int, _Pass] = {}
+        self._order: Order = ()
+        self.began = 0  #: passes begun: a forward record ends at a save after one began
+        self.ref = weakref.ref(self)  #: what the handles hold
+
+    def restore(self, handle: _Offloaded) -> torch.Tensor:
         """``handle``'s tensor on the device, viewing its group's device tensor: the one
         this pass keeps, a live restored one, the prefetched one, or a new copy in.
 
@@ -35,10 +72,10 @@ class _Backward(_Keeping):
         group = copy.group
         if group is None:  # unreachable: a handle without a group is held on the device
             raise RuntimeError("leakfree: an offloaded tensor has no host copy; please report this")
-        task = _graph_task()
+        task = graph_task()
         with self._lock:
             if group.block is None:  # needed before its forward ended: send it now
-                self._send(group)
+                self._transfers.send(group)
             state = None
             if task >= 0:
                 state = self._passes.get(task) or self._pass(task, group)
@@ -50,7 +87,7 @@ class _Backward(_Keeping):
                 if sibling is not None:  # a sibling's, from another pass: maybe another stream
                     dev, event = sibling
                     if event is not None:
-                        self._use_here(dev, event)
+                        self._transfers.use_here(dev, event)
                 else:
                     if group.prefetched is not None:
                         dev, event = group.prefetched
@@ -58,9 +95,9 @@ class _Backward(_Keeping):
                         early = state.early if state is not None else None
                         if state is not None and (early is None or group.seq not in early):
                             state.outstanding -= group.used
-                        self._use_here(dev, event)
+                        self._transfers.use_here(dev, event)
                     else:
-                        dev, event = self._copy_in(group)
+                        dev, event = self._transfers.copy_in(group)
                     # a later pass may find it alive (a double-backward graph keeps it)
                     group.restored = (weakref.ref(dev.untyped_storage()), event)
             if state is not None:
@@ -98,9 +135,10 @@ class _Backward(_Keeping):
         group.remaining = group.users
         state.order.append((group.seq, group.used))
         state.held.append(weakref.ref(group))
-        if self._measuring is not None:
-            self._measuring.sample(group.used, moved=True)
-        if not (state.plan and self.use_streams):
+        measuring = self._measurer.measuring
+        if measuring is not None:
+            measuring.sample(group.used, moved=True)
+        if not (state.plan and self._transfers.use_streams):
             return
         if self._planner.early:
             self._prefetch_early(state, group)
@@ -109,7 +147,7 @@ class _Backward(_Keeping):
             window = state.window
         if window:
             for ahead in _to_prefetch(state, group, window):
-                ahead.prefetched = self._copy_in(ahead, prefetch=True)
+                ahead.prefetched = self._transfers.copy_in(ahead, prefetch=True)
                 state.prefetched.append(weakref.ref(ahead))
 
     def _prefetch_early(self, state: _Pass, first: _Group | _HostCopy) -> None:
@@ -134,8 +172,7 @@ class _Backward(_Keeping):
         queue = state.early_queue
         if not queue:
             return
-        device = cast(torch.device, self.device)
-        allocated = int(self._device_module.memory_allocated(device))
+        allocated = self._transfers.allocated()
         position = len(state.order) - 1
         rises = self._planner.rises
         ceiling = self._planner.ceiling - (rises[position] if position < len(rises) else 0)
@@ -152,23 +189,24 @@ class _Backward(_Keeping):
             ):
                 continue
             allocated += group.used
-            group.prefetched = self._copy_in(group, prefetch=True)
+            group.prefetched = self._transfers.copy_in(group, prefetch=True)
             state.prefetched.append(weakref.ref(group))
             state.early.add(group.seq)
 
-    def _note(self, copy: _HostCopy) -> None:
+    def note(self, copy: _HostCopy) -> None:
         """A copy held on the device was unpacked: its place in this pass's order (so the
         order of the next pass lines up, whichever copies it holds)."""
-        task = _graph_task()
+        task = graph_task()
         if task < 0 or copy.task == task:
             return
         with self._lock:
             state = self._pass(task, copy)
             copy.task = task
             state.order.append((copy.seq, copy.nbytes))
-            if self._measuring is not None:
-                self._measuring.sample(copy.nbytes, moved=False)
-            if state.plan and self._planner.early and self.use_streams:
+            measuring = self._measurer.measuring
+            if measuring is not None:
+                measuring.sample(copy.nbytes, moved=False)
+            if state.plan and self._planner.early and self._transfers.use_streams:
                 self._prefetch_early(state, copy)
 
     def _pass(self, task: int, first: _Group | _HostCopy) -> _Pass:
@@ -176,15 +214,16 @@ class _Backward(_Keeping):
         ``first``: it follows the order learned last time, and ends in a callback."""
         state = self._passes.get(task)
         if state is None:
-            self._forward.over = True  # the next save outside a pass begins a new forward
+            self.began += 1  # the next save outside a pass begins a new forward
             state = self._passes[task] = _Pass()
-            if self._measuring is not None:
-                self._measuring.backward_begins()
-            _follow(self._order, first, self._copies, state)
-            _queue_callback(functools.partial(_pass_over, self._ref, task))
+            measuring = self._measurer.measuring
+            if measuring is not None:
+                measuring.backward_begins()
+            _follow(self._order, first, self.copies, state)
+            _queue_callback(functools.partial(_pass_over, self.ref, task))
         return state
 
-    def _end_pass(self, task: int) -> None:
+    def end_pass(self, task: int) -> None:
         """The pass is over: drop what it kept and prefetched, learn the order it used."""
         with self._lock:
             state = self._passes.pop(task, None)
@@ -202,16 +241,12 @@ class _Backward(_Keeping):
                     group.prefetched = None
             if state.order:
                 self._order = state.learned()
-            measuring = self._measuring
-            if measuring is not None and measuring.backward is not None:
-                self._plan_measured(measuring)
-            elif self._checking is not None:
-                self._check_end()
+            self._measurer.pass_ended()
 
 
-def _pass_over(manager_ref: weakref.ref[_Backward], task: int) -> None:
+def _pass_over(passes_ref: weakref.ref[Backward], task: int) -> None:
     """The engine's callback at the end of backward pass ``task`` (weakly: a manager
     dropped meanwhile has nothing to end)."""
-    manager = manager_ref()
-    if manager is not None:
-        manager._end_pass(task)
+    passes = passes_ref()
+    if passes is not None:
+        passes.end_pass(task)

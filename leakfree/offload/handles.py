@@ -23,12 +23,13 @@ from leakfree.offload.pool import HostBlock, HostBlockPool
 
 
 class _Restorer(Protocol):
-    """What a handle asks of the manager that packed it (``OffloadActivations``), which it
-    holds weakly: bring its group's bytes back (and look ahead)."""
+    """What a handle asks of the manager that packed it (its backward passes:
+    :class:`~leakfree.offload.backward.Backward`), which it holds weakly: bring its
+    group's bytes back (and look ahead)."""
 
-    def _restore(self, handle: _Offloaded) -> torch.Tensor: ...
+    def restore(self, handle: _Offloaded) -> torch.Tensor: ...
 
-    def _note(self, copy: _HostCopy) -> None: ...
+    def note(self, copy: _HostCopy) -> None: ...
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -99,9 +100,9 @@ class _Forward:
     __slots__ = (
         "__weakref__",
         "alive",
+        "began",
         "kept",
         "mark",
-        "over",
         "records",
         "shared",
         "sizes",
@@ -109,7 +110,7 @@ class _Forward:
         "spans",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, began: int = 0) -> None:
         #: (storage address, version) -> the copy made of it (weakly)
         self.shared: dict[tuple[int, int], weakref.ref[_HostCopy]] = {}
         #: the copies' sizes, in creation order (what the plan is made from); the copies of
@@ -126,13 +127,60 @@ class _Forward:
         self.records = 0
         self.alive: weakref.WeakSet[Any] = weakref.WeakSet()
         self.mark = FORWARD_SLACK
-        #: a backward pass began unpacking this manager's tensors
-        self.over = False
+        #: the backward passes begun through this manager's tensors when it began: once
+        #: another begins, the next save outside a pass begins a new forward
+        self.began = began
 
     def record(self, made: Any) -> None:
         """Count ``made`` (a new copy, or a kept handle) among this forward's records."""
         self.records += 1
         self.alive.add(made)
+
+    def new_copy(
+        self,
+        t: torch.Tensor,
+        storage: torch.UntypedStorage,
+        key: tuple[int, int, int],
+        whole: bool,
+        span: tuple[int, int, int],
+        exact: bool,
+    ) -> tuple[_HostCopy, bool]:
+        """A host copy of ``t``'s storage (``key``: its address, version and bytes), whole
+        or of ``span`` (its first element, its bytes, the element size), recorded here;
+        and whether ``t`` is exactly its bytes (:attr:`_Offloaded.same`; ``exact``: ``t``
+        is its whole storage, contiguous from its start). A whole copy is the storage's
+        for later saves once the caller has numbered it into :attr:`shared`."""
+        _, version, total = key
+        first, span_bytes, elem = span
+        copy = _HostCopy(total if whole else span_bytes, 0 if whole else first * elem, t.device)
+        copy.version = version
+        self.record(copy)
+        same = False
+        if whole:
+            if total % elem == 0:
+                copy.dtype = t.dtype
+                if exact:
+                    copy.like = (t.dtype, t.shape)
+                    same = True
+            copy.source = weakref.ref(storage)
+        sizes = self.sizes
+        if not whole:  # the small-storage rule weighs the storage it keeps
+            self.spans[len(sizes)] = key
+        sizes.append(copy.nbytes)  # this forward's copies, for the plan
+        return copy, same
+
+    def weighed(self) -> tuple[list[int], list[int], list[int]]:
+        """What the plan weighs of this forward: its copies' bytes in the order saved;
+        each copy's storage bytes (a span's storage may be larger than the span); and
+        every storage it saved, once (whole copies are one per storage, the dedup map;
+        spans of one storage, or of a storage copied whole, count once more; and the
+        small storages it kept)."""
+        sizes, spans, shared = self.sizes, self.spans, self.shared
+        storages = [spans[i][2] if i in spans else n for i, n in enumerate(sizes)]
+        saved = [n for i, n in enumerate(sizes) if i not in spans]
+        saved += [key[2] for key in set(spans.values()) if key[:2] not in shared]
+        saved += self.small.values()
+        return sizes, storages, saved
 
     def outlived(self) -> bool:
         """Whether most of what this forward recorded has died (its ``records`` are past
@@ -425,13 +473,13 @@ class _Offloaded:
                 raise _version_error(held._version, copy.version, self.shape)
             manager = self.manager()
             if manager is not None:
-                manager._note(copy)  # its place in the pass's order, for later prefetch
+                manager.note(copy)  # its place in the pass's order, for later prefetch
             return self.view_of(held, copy.byte_start, self.same)
         if copy.stale is not None:
             raise _version_error(copy.stale, copy.version, self.shape)
         manager = self.manager()
         if manager is not None:
-            return manager._restore(self)
+            return manager.restore(self)
         # dropped while its graph lives on: a plain synchronous copy back
         group = copy.group
         base = _restore_without_manager(group)

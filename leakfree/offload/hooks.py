@@ -1,13 +1,14 @@
 """The context managers: :class:`OffloadActivations` and :class:`NoOffload`.
 
-:class:`OffloadActivations`'s pack hook returns a handle (:mod:`leakfree.offload.handles`)
-that the graph owns. The manager is assembled from one part per concern, each in its own
-module, over the state :mod:`leakfree.offload.state` declares: the copies and their
-streams (:mod:`~leakfree.offload.transfers`), what stays on the device and the plans
-(:mod:`~leakfree.offload.keeping`, deciding with :mod:`~leakfree.offload.plan`), and
-backward's passes (:mod:`~leakfree.offload.backward`). This module has the hooks, the
-settings' checks and the forward's bounds. :class:`NoOffload` keeps saved tensors where
-they are.
+:class:`OffloadActivations` is a front that holds one part per concern, each owning its
+state: the copies and their streams (:class:`~leakfree.offload.transfers.Transfers`), what
+stays on the device (:class:`~leakfree.offload.keeping.Keeper`), the plan
+(:class:`~leakfree.offload.plan.Planner`, over the
+:class:`~leakfree.offload.options.Options` and their mode), a goal's measured steps
+(:class:`~leakfree.offload.measure.Measurer`) and backward's passes
+(:class:`~leakfree.offload.backward.Backward`). The front has the hooks, the settings and
+a forward's bounds; its pack hook returns a handle (:mod:`leakfree.offload.handles`) that
+the graph owns. :class:`NoOffload` keeps saved tensors where they are.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from __future__ import annotations
 import operator
 import threading
 import weakref
-from collections import deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,33 +25,15 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import leakfree._args as _args
 from leakfree._device import accelerator, device_module
-from leakfree.offload.backward import _Backward
-from leakfree.offload.handles import (
-    _Forward,
-    _Group,
-    _HostCopy,
-    _Kept,
-    _Offloaded,
-    _span,
-)
-from leakfree.offload.keeping import (
-    AUTO,
-    _check_device_budget,
-    _check_device_limit,
-    _check_keep_small,
-    _check_max_overhead,
-    _refuse_overridden,
-)
-from leakfree.offload.measure import StepMeasure
-from leakfree.offload.plan import Planner
+from leakfree.offload.backward import Backward, graph_task
+from leakfree.offload.handles import _Forward, _HostCopy, _Kept, _Offloaded, _span
+from leakfree.offload.keeping import Keeper
+from leakfree.offload.measure import Measurer
+from leakfree.offload.options import AUTO, Mode, Options
+from leakfree.offload.plan import OffloadPlan, Planner
 from leakfree.offload.pool import HostBlockPool
-from leakfree.offload.state import OffloadStats, _graph_task
-from leakfree.offload.streams import (
-    Flight,
-    Order,
-    _Copies,
-    _Pass,
-)
+from leakfree.offload.stats import OffloadStats
+from leakfree.offload.transfers import Transfers
 
 __all__ = ["NoOffload", "OffloadActivations"]
 
@@ -62,23 +44,17 @@ def _check_min_offload_size(name: str | None, value: object) -> None:
     _args.count(call, name, value, 0, unit="bytes")
 
 
-def _checked(
+def _target(
     use_pin_memory: object,
     use_streams: object,
-    min_offload_size: object,
-    max_fwd_stash_size: object,
-    device: object,
     force_host_copy: object,
-    pin_memory_budget: object,
+    min_offload_size: object,
     prefetch_bytes: object,
-    device_budget: object,
-    batch_bytes: object,
-    keep_small: object,
-    max_overhead: object,
-    device_limit: object,
-) -> tuple[int | None, torch.device | None]:
-    """Every argument of :class:`OffloadActivations` checked, before any state exists:
-    the device budget (None: the automatic one) and the device offloaded from."""
+    pin_memory_budget: object,
+    device: object,
+) -> torch.device | None:
+    """The arguments of :class:`OffloadActivations` that are not :class:`Options`, checked
+    before any state exists; the device offloaded from (None: nothing to offload from)."""
     call = "OffloadActivations"
     for name, value in (
         ("use_pin_memory", use_pin_memory),
@@ -86,29 +62,8 @@ def _checked(
         ("force_host_copy", force_host_copy),
     ):
         _args.flag(call, name, value)
-    _args.count(
-        call, "max_fwd_stash_size", max_fwd_stash_size, 1, none=True, unit="copies in flight"
-    )
     _args.count(call, "prefetch_bytes", prefetch_bytes, 0, none=True, unit="bytes; 0: none")
-    _args.count(call, "batch_bytes", batch_bytes, 0, unit="bytes; 0: every copy alone")
     _args.count(call, "pin_memory_budget", pin_memory_budget, 0, none=True, unit="bytes")
-    budget = _check_device_budget("device_budget", device_budget)
-    _check_max_overhead("max_overhead", max_overhead)
-    _check_device_limit("device_limit", device_limit)
-    if budget is not None and (max_overhead is not None or device_limit is not None):
-        other = "max_overhead" if max_overhead is not None else "device_limit"
-        raise _args.ArgumentError(
-            f"OffloadActivations(device_budget=..., {other}=...): a device budget fixes "
-            f"the bytes kept, {other} plans them from a measured step: give one of the two"
-        )
-    if keep_small is not None:
-        _check_keep_small("keep_small", keep_small)
-    decider = "device_budget" if budget is not None else None
-    decider = "max_overhead" if max_overhead is not None else decider
-    decider = "device_limit" if device_limit is not None else decider
-    if decider is not None:
-        given = {"keep_small": keep_small, "max_fwd_stash_size": max_fwd_stash_size}
-        _refuse_overridden(decider, given)
     _check_min_offload_size("min_offload_size", min_offload_size)
     target = _args.device(call, "device", device) if device is not None else accelerator()
     if target is None and force_host_copy:
@@ -118,7 +73,21 @@ def _checked(
             "OffloadActivations(device='cpu'): offloading CPU tensors to CPU only makes "
             "sense to exercise the path; pass force_host_copy=True for that"
         )
-    return budget, target
+    return target
+
+
+def _storages_of(model: nn.Module) -> frozenset[int]:
+    """The addresses of ``model``'s parameters' and buffers' storages."""
+    storages = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        local = getattr(t, "_local_tensor", t)  # DTensor shards
+        try:
+            ptr = local.untyped_storage().data_ptr()
+        except RuntimeError:
+            continue
+        if ptr:
+            storages.add(ptr)
+    return frozenset(storages)
 
 
 def _pack_hook(manager_ref: weakref.ref[OffloadActivations]) -> Callable[[torch.Tensor], Any]:
@@ -135,88 +104,52 @@ def _pack_hook(manager_ref: weakref.ref[OffloadActivations]) -> Callable[[torch.
 _unpack_hook: Callable[[Any], torch.Tensor] = operator.methodcaller("unpack")
 
 
-class OffloadActivations(_Backward, saved_tensors_hooks):
+class OffloadActivations(saved_tensors_hooks):
     """Offload activations saved for backward to host memory; the graph owns every payload.
 
     Args (the first four as TRL's ``OffloadActivations``):
         use_pin_memory: copy into pinned host memory (from a reusable pool) so copies can be
             asynchronous.
-        use_streams: on an accelerator, copy on side streams that overlap with compute:
-            device-to-host in forward on one, host-to-device prefetch in backward on
-            another (so the two directions run at once).
+        use_streams: on an accelerator, copy on two side streams (one each way, so the
+            directions run at once) that overlap with compute.
         min_offload_size: tensors smaller than this many bytes stay where they are.
-        max_fwd_stash_size: how many device-to-host copies may be in flight at once after
-            their group is sent (their device tensors are kept alive until then), as TRL's.
-            At least 1; default (None) 5. (A group not sent yet holds its copies' tensors
-            too: at most ``batch_bytes``.) Under the automatic budget only: an explicit
-            ``device_budget`` or a goal lets a moved tensor go as soon as its copy is issued
-            (``record_stream`` keeps its memory safe), so giving it with one is refused.
+        max_fwd_stash_size: how many copies out may be in flight holding their device
+            tensors, as TRL's (default None: 5; the automatic budget only).
         prefetch_bytes: how many bytes backward may have brought back ahead of their use
-            (with ``use_streams``; at least one group). Default (None): twice the largest
-            group the pass will bring back (a copy kept on the device does not count), so
-            about two copies ahead, in whole groups. A goal's plan also brings back the
-            earliest groups as backward begins (see ``max_overhead``), besides this.
-            Backward prefetches in the order the previous backward of the same shape used,
-            so only what it will use; the first one copies on demand. 0 turns prefetch off.
-        batch_bytes: copies out smaller than this share a host block with the ones of
-            their dtype saved just before and after them, up to this many bytes, and come
-            back to the device with them in one transfer (one device allocation, one
-            prefetch): small copies cost more in fixed overhead than in bytes. A copy this
-            large or larger goes alone; 0 sends every copy alone. A group is on the device
-            until it is sent and again in backward from its first use to its last, so a
-            group also holds at most an eighth of what the previous forward moved (the
-            first forward sends every copy alone): grouping adds at most about that to the
-            device peak. Default 256 KiB.
-        keep_small: under the automatic budget (default None: True; refused with an
-            explicit ``device_budget`` or a goal), from the second forward on (the first
-            makes the plan), the smallest saved storages stay on the device, as long as
-            together they are at most 1/64 of what a forward saves (per-row statistics of
-            norms, for instance): each would cost a handle, a host copy, its share of a
-            transfer each way and a view in backward, and its bytes would save next to
-            nothing. A saved view is weighed by its storage (a small view of a large
-            storage moves). A forward of other shapes keeps at most as many small bytes
-            as the plan did: what does not fit moves, and a new plan follows.
-            :attr:`plan` reports them. False: every storage of at least
-            ``min_offload_size`` moves (as TRL's). Settable: the next forward then plans
-            again, as a first forward does.
-        device_budget: bytes of saved activations to keep on the device (``"auto"``, the
-            default, or None: twice the largest copy, what prefetch would bring back at
-            once anyway, with ``keep_small`` and the in-flight window; 0: move every one).
-            The ones backward needs first (the last saved) stay, within the budget; the
-            earlier ones move. The first forward holds its saved tensors and moves the
-            oldest whenever the budget is exceeded, and leaves a plan that the next
-            forwards of the same shapes follow (moving as they go); a forward of other
-            shapes makes a new plan. :attr:`plan` reports it, :attr:`stats` the bytes each
-            way. Settable, as ``keep_small``.
-        max_overhead: a goal instead of a budget: the step time offloading may add, a
-            fraction of the step's compute (0.05: 5%). The first step of each shape is
-            measured keeping everything on the device; the plan then moves the most bytes
-            whose copies hide behind compute within it (:mod:`leakfree.offload.plan`).
-        device_limit: a goal: bytes the step may allocate on the device (its allocator's
-            count, parameters included). The first step of each shape is measured moving
-            everything; the plan then moves the fewest bytes, costing the least time, that
-            keep the step under it (nothing when it fits), and the next step checks it.
-            With either goal, :attr:`plan` also says the predicted overhead and peak.
-            Neither goes with ``device_budget``. Settable, as ``keep_small``.
+            (with ``use_streams``; at least one group), in the order the previous backward
+            of the same shape used (the first copies on demand). Default (None): twice the
+            largest group the pass brings back. 0 turns prefetch off. (A goal's plan also
+            brings back the earliest groups as backward begins, besides this.)
+        batch_bytes: copies out smaller than this share a host block and one transfer each
+            way with the ones of their dtype saved beside them (default 256 KiB; 0: each
+            alone).
+        keep_small: the automatic budget keeps the smallest saved storages on the device,
+            up to 1/64 of what a forward saves (default None: True; False: every storage
+            of at least ``min_offload_size`` moves, as TRL's).
+        device_budget: bytes of saved activations to keep on the device: ``"auto"`` (the
+            default; None means the same) or a number (0: move every one).
+        max_overhead: a time goal: the step time offloading may add, a fraction of the
+            step's compute (0.05: 5%), planned from a measured step.
+        device_limit: a memory goal: bytes the step may hold on the device, planned from a
+            measured step and checked by the next.
+
+        These six decide what stays on the device, and make the manager's :attr:`mode`:
+        :class:`~leakfree.offload.options.Options` says in full what each does and which
+        go together (a budget and a goal do not; ``keep_small`` and
+        ``max_fwd_stash_size`` only with the automatic budget). All are settable: the
+        next forward then plans, or is measured, again, as a first forward is.
         device: the device to offload from; by default the current accelerator. Tensors on
             other device types stay put.
-        force_host_copy: on a machine without an accelerator, offload CPU tensors to
-            separate host buffers, so the whole path (handles, pool, dedup, lifetimes) runs
-            and is tested on CPU; restored tensors view those buffers (nothing is copied
-            back on CPU). Without it, on such a machine, nothing is offloaded and the
-            context is a cheap no-op.
-        pin_memory_budget: bytes of pinned host memory the pool may hold (in use plus
-            cached, counted as PyTorch's pinned allocator rounds them: powers of two);
-            beyond it copies use pageable memory. Default (None): one budget for the
-            whole process, a quarter of RAM, shared by every manager that does not set
-            its own (``leakfree.offload.pool.PROCESS_BUDGET``).
+        force_host_copy: without an accelerator, offload CPU tensors to separate host
+            buffers, so the whole path runs and is tested on the CPU (restored tensors view
+            those buffers). Without it, on such a machine, the context is a cheap no-op.
+        pin_memory_budget: bytes of pinned host memory the pool may hold (as PyTorch's
+            pinned allocator rounds them); beyond it copies use pageable memory. Default
+            (None): the process's share (``leakfree.offload.pool.PROCESS_BUDGET``).
 
-    Copies out travel in groups (``batch_bytes``): a group is sent to one host block when
-    it is full, when backward needs it, or at ``__exit__``, and comes back in one copy. In
-    one backward pass each group comes back to the device at most once: its restored
-    tensor is kept until the last handle of its copies (views of one storage saved by
-    several nodes among them) has been unpacked, and let go when the pass ends at the
-    latest.
+    Copies out travel in groups (``batch_bytes``), sent to one host block when full, when
+    backward needs them, or at ``__exit__``. In one backward pass each group comes back
+    once: kept until the last handle of its copies is unpacked, or the pass ends.
 
     Parameters, views of parameters, what ``update_model_params`` registered (matched by
     storage address: call it again after moving the model), tensor subclasses, non-strided
@@ -226,10 +159,8 @@ class OffloadActivations(_Backward, saved_tensors_hooks):
     gradients are bit-identical. In-place changes to a saved tensor are reported as PyTorch
     reports them while the tensor is still on the device (kept, or its group not sent).
 
-    ``__exit__`` sends the open groups and lets go of every device tensor kept for an
-    in-flight copy (``record_stream`` where its copy still runs): the compute stream does
-    not wait for the copies out, so backward begins while they run. The hooks are popped
-    in ``finally``, always.
+    ``__exit__`` sends the open groups and lets go of the device tensors kept for copies
+    in flight: backward may begin while they run. The hooks are popped in ``finally``.
 
     *A forward* (what the dedup map and the plan are per) is what is saved from the
     outermost ``__enter__`` to its ``__exit__``; in one ``with`` around many steps, it
@@ -256,56 +187,60 @@ class OffloadActivations(_Backward, saved_tensors_hooks):
         max_overhead: float | None = None,
         device_limit: int | None = None,
     ) -> None:
-        budget, target = _checked(
-            use_pin_memory, use_streams, min_offload_size, max_fwd_stash_size, device,
-            force_host_copy, pin_memory_budget, prefetch_bytes, device_budget, batch_bytes,
-            keep_small, max_overhead, device_limit,
+        target = _target(
+            use_pin_memory, use_streams, force_host_copy, min_offload_size, prefetch_bytes,
+            pin_memory_budget, device,
         )  # fmt: skip
-        self.device: torch.device | None = target
-        accelerated = target is not None and target.type != "cpu"
-        self.use_streams = use_streams and accelerated
-        self.use_pin_memory = use_pin_memory and accelerated
-        self.min_offload_size = min_offload_size
-        self.max_fwd_stash_size = 5 if max_fwd_stash_size is None else max_fwd_stash_size
-        self.prefetch_bytes = prefetch_bytes
-        self._planner = Planner(
-            device_budget=budget,
-            keep_small=True if keep_small is None else keep_small,
+        options = Options.checked(
+            "OffloadActivations",
+            device_budget=device_budget,
+            keep_small=keep_small,
+            max_fwd_stash_size=max_fwd_stash_size,
             max_overhead=max_overhead,
             device_limit=device_limit,
             batch_bytes=batch_bytes,
         )
-        self._measuring: StepMeasure | None = None
-        self._bandwidth: tuple[float, float] | None = None
-        self._checking: int | None = None
-        self._small_room = 0
-        self._window = self.use_streams and budget is None and not self._planner.goal
-        self._device_type = target.type if target is not None else None
-        self.pool = HostBlockPool(pin_memory_budget, pin=self.use_pin_memory)
-        self._device_module: Any = device_module(target) if accelerated and target else None
-        self._on_host = target is not None and target.type == "cpu"
-        self._side_streams: dict[tuple[torch.device, bool], Any] = {}
-        self._param_storages: frozenset[int] = frozenset()
-        self._forward = _Forward()
-        self._depth = 0
-        self._in_flight: deque[Flight] = deque()
-        self._lock = threading.RLock()
-        self._ref = weakref.ref(self)
-        self._copies = _Copies()
-        self._open: dict[tuple[torch.dtype, torch.device], weakref.ref[_Group]] = {}
-        self._passes: dict[int, _Pass] = {}
-        self._order: Order = ()
-        self._held: deque[tuple[weakref.ref[_HostCopy], int]] = deque()
-        self._held_bytes = 0
-        self._kept: list[tuple[list[weakref.ref[_Kept]], int]] = []
-        self._kept_bytes = 0
-        self._keep_all = False
-        self._on_plan = False
+        self.device: torch.device | None = target
+        accelerated = target is not None and target.type != "cpu"
+        self.use_pin_memory = use_pin_memory and accelerated
+        self.min_offload_size = min_offload_size
         self.stats = OffloadStats()
         self.enabled = target is not None
+        self._device_type = target.type if target is not None else None
+        self._param_storages: frozenset[int] = frozenset()
+        self._lock = threading.RLock()  # backward may unpack on several device threads
+        self._ref = weakref.ref(self)
+        self._depth = 0  # nested entries of the same manager
+        # the parts, each owning its state; they are called under the lock
+        self._planner = Planner(options)
+        self._transfers = Transfers(
+            target,
+            device_module(target) if accelerated and target else None,
+            use_streams=use_streams and accelerated,
+            pool=HostBlockPool(pin_memory_budget, pin=self.use_pin_memory),
+            stats=self.stats,
+            window=use_streams and accelerated and options.mode is Mode.AUTO,
+            stash=options.stash,
+        )
+        self._keeper = Keeper(self._planner, self._transfers, self.stats)
+        self._measurer = Measurer(self._planner, self._transfers, self.stats)
+        self._backward = Backward(
+            self._transfers, self._planner, self._measurer, self._lock, prefetch_bytes
+        )
+        self._forward = _Forward()  # what this forward saved, for dedup and the plan
         super().__init__(_pack_hook(self._ref), _unpack_hook)
 
-    # -- configuration ------------------------------------------------------------------
+    # -- settings -------------------------------------------------------------------------
+
+    @property
+    def use_streams(self) -> bool:
+        """Whether copies run on side streams (on an accelerator, when asked)."""
+        return self._transfers.use_streams
+
+    @property
+    def pool(self) -> HostBlockPool:
+        """The pool of host blocks copies go to (kept until trimmed, or the manager dies)."""
+        return self._transfers.pool
 
     @property
     def min_offload_size(self) -> int:
@@ -318,6 +253,90 @@ class OffloadActivations(_Backward, saved_tensors_hooks):
         self._min_offload_size = value
         self._min_bytes = max(value, 1)  # what the pack hook compares, precomputed
 
+    @property
+    def prefetch_bytes(self) -> int | None:
+        """Bytes backward may have brought back ahead of their use (see the class)."""
+        return self._backward.prefetch_bytes
+
+    @property
+    def mode(self) -> Mode:
+        """How this manager decides what stays on the device (:class:`Mode`)."""
+        return self._planner.mode
+
+    @property
+    def batch_bytes(self) -> int:
+        """Copies smaller than this share a host block and a transfer (see the class)."""
+        return self._planner.options.batch_bytes
+
+    @property
+    def max_fwd_stash_size(self) -> int:
+        """Copies out in flight that may hold their device tensors (the automatic
+        budget's window; settable, as ``keep_small``)."""
+        return self._planner.options.stash
+
+    @max_fwd_stash_size.setter
+    def max_fwd_stash_size(self, value: int | None) -> None:
+        self._set("max_fwd_stash_size", value)
+
+    @property
+    def device_budget(self) -> int | str:
+        """Bytes of saved activations to keep on the device, or ``"auto"`` (settable: the
+        next forward then plans again, as a first forward does)."""
+        budget = self._planner.options.device_budget
+        return AUTO if budget is None else budget
+
+    @device_budget.setter
+    def device_budget(self, value: int | str | None) -> None:
+        self._set("device_budget", value)
+
+    @property
+    def max_overhead(self) -> float | None:
+        """The step time offloading may add, a fraction of the step's compute (settable:
+        the next step is measured and planned again)."""
+        return self._planner.options.max_overhead
+
+    @max_overhead.setter
+    def max_overhead(self, value: float | None) -> None:
+        self._set("max_overhead", value)
+
+    @property
+    def device_limit(self) -> int | None:
+        """Bytes the step may hold on the device (settable: the next step is measured and
+        planned again)."""
+        return self._planner.options.device_limit
+
+    @device_limit.setter
+    def device_limit(self, value: int | None) -> None:
+        self._set("device_limit", value)
+
+    @property
+    def keep_small(self) -> bool:
+        """Whether the plan keeps the smallest saved storages on the device (settable:
+        the next forward then plans again, as a first forward does)."""
+        return self._planner.options.keeps_small
+
+    @keep_small.setter
+    def keep_small(self, value: bool | None) -> None:
+        self._set("keep_small", value)
+
+    def _set(self, option: str, value: object) -> None:
+        """Set ``option`` (checked with the others, refused before anything changes); a
+        change makes the next forward plan, or be measured, again, as a first forward is."""
+        options = self._planner.options.with_(option, value)
+        with self._lock:
+            if options != self._planner.options:
+                self._measurer.reset()
+            self._planner.set(options)
+            transfers = self._transfers
+            transfers.window = transfers.use_streams and options.mode is Mode.AUTO
+            transfers.stash = options.stash
+
+    @property
+    def plan(self) -> OffloadPlan | None:
+        """What stays on the device and what moves per forward, and what a goal's plan
+        predicts (None before the first forward ends, or a goal's first step)."""
+        return self._planner.report()
+
     def update_model_params(self, model: nn.Module) -> None:
         """Never offload ``model``'s parameters and buffers (matched by storage address).
 
@@ -325,16 +344,7 @@ class OffloadActivations(_Backward, saved_tensors_hooks):
         call it again then.
         """
         _args.module("OffloadActivations.update_model_params", "model", model)
-        storages = set()
-        for t in [*model.parameters(), *model.buffers()]:
-            local = getattr(t, "_local_tensor", t)  # DTensor shards
-            try:
-                ptr = local.untyped_storage().data_ptr()
-            except RuntimeError:
-                continue
-            if ptr:
-                storages.add(ptr)
-        self._param_storages = frozenset(storages)
+        self._param_storages = _storages_of(model)
 
     # -- the hooks --------------------------------------------------------------------------
 
@@ -364,12 +374,14 @@ class OffloadActivations(_Backward, saved_tensors_hooks):
         total = storage.nbytes()
         version = t._version
         forward = self._forward
-        if forward.over or forward.records > forward.mark:
+        if forward.began != self._backward.began or forward.records > forward.mark:
             forward = self._next_forward()
-        if total < self._planner.small_below and self._small_stays((ptr, version, total)):
-            return _Kept(t)  # too small to be worth moving: see _end_forward
-        if self._keep_all:  # the plan moves nothing: kept as it is, its bytes counted
-            kept = self._keep(t, (ptr, version, total))
+        keeper = self._keeper
+        if total < self._planner.small_below and keeper.small_stays(forward, (ptr, version, total)):
+            return _Kept(t)  # too small to be worth moving: see Planner.from_forward
+        if keeper.keep_all:  # the plan moves nothing: kept as it is, its bytes counted
+            with self._lock:
+                kept = keeper.keep(forward, t, (ptr, version, total))
             if kept is not None:
                 return kept
         elem = t.element_size()
@@ -404,7 +416,7 @@ class OffloadActivations(_Backward, saved_tensors_hooks):
                     and like[1] == t.shape
                 )
             offset = first - copy.byte_start // elem
-            return _Offloaded(self._ref, copy, t, offset, same)  # type: ignore[arg-type]
+            return _Offloaded(self._backward.ref, copy, t, offset, same)
 
     def _new_copy(
         self,
@@ -416,69 +428,45 @@ class OffloadActivations(_Backward, saved_tensors_hooks):
         span: tuple[int, int, int],
         exact: bool,
     ) -> tuple[_HostCopy, bool]:
-        """A host copy of ``t``'s storage (``key``: its address, version and bytes), whole
-        or of ``span`` (its first element, its bytes, the element size), recorded in
-        ``forward`` and moved, held or kept as the plan says (lock held); and whether ``t``
-        is exactly its bytes (:attr:`_Offloaded.same`; ``exact``: ``t`` is its whole
-        storage, contiguous from its start)."""
-        ptr, version, total = key
-        first, span_bytes, elem = span
-        copy = _HostCopy(total if whole else span_bytes, 0 if whole else first * elem, t.device)
-        copy.version = version
-        ref = self._copies.add(copy)  # numbers it
-        forward.record(copy)
-        same = False
+        """A new host copy of ``t``'s storage, numbered and recorded in ``forward``
+        (:meth:`_Forward.new_copy`), and placed by the keeper (lock held); and whether
+        ``t`` is exactly its bytes."""
+        copy, same = forward.new_copy(t, storage, key, whole, span, exact)
+        ref = self._backward.copies.add(copy)  # numbers it
         if whole:
-            if total % elem == 0:
-                copy.dtype = t.dtype
-                if exact:
-                    copy.like = (t.dtype, t.shape)
-                    same = True
-            copy.source = weakref.ref(storage)
-            forward.shared[(ptr, version)] = ref
-        sizes = forward.sizes
-        if not whole:  # the small-storage rule weighs the storage it keeps
-            forward.spans[len(sizes)] = key
-        sizes.append(copy.nbytes)  # this forward's copies, for the plan
-        if self._measuring is not None:  # when it was saved, for the plan
-            self._measuring.saved()
-        planner = self._planner
-        if planner.plan is None and planner.device_budget is None and not planner.goal:
-            self._copy_out(t, copy, ref)  # a first forward with no budget: all move
-        else:
-            self._budgeted(copy, t, ref)
+            forward.shared[key[:2]] = ref
+        measuring = self._measurer.measuring
+        if measuring is not None:  # when it was saved, for the plan
+            measuring.saved()
+        self._keeper.place(forward, copy, t, ref)
         return copy, same
 
-    # -- context ------------------------------------------------------------------------------
+    # -- a forward's bounds -------------------------------------------------------------------
 
     def _begin_forward(self) -> None:
-        """A forward begins (lock held): the small storages it may keep, and whether it
-        follows the plan, start over; the held copies and kept storages whose graphs are
-        gone no longer count. (Its record, ``_forward``, is fresh.)"""
-        planner = self._planner
-        self._small_room = planner.small_kept[1]
-        self._on_plan = True
-        plan = planner.plan
-        if planner.goal and plan is None:
-            device = cast(torch.device, self.device)
-            self._measuring = StepMeasure(device, self._device_module, self.stats.to_host_bytes)
-        elif planner.check is not None and self._device_module is not None:
-            self._check_start()
-        self._keep_all = plan is not None and plan[1] == 0
-        if self._held or self._kept:
-            self._forget_dead_held()
+        """A forward begins (lock held): its record is fresh, and each part starts over."""
+        self._forward = _Forward(self._backward.began)
+        self._keeper.begin_forward()
+        self._measurer.begin_forward()
 
     def _close_forward(self) -> None:
         """The forward is over (lock held): its open groups are sent (a group holds one
-        forward's copies), the next forward's plan is made from it, and its record is
-        dropped. Earlier forwards' handles keep their own copies."""
-        for group in self._open_groups():
-            self._send(group)
-        self._open.clear()
-        self._end_forward()
-        held = self._held_bytes + self._kept_bytes
-        self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, held)
-        self._forward = _Forward()
+        forward's copies), the next forward's plan is made from it, unless it followed
+        the plan (a goal's is made once the step is measured, at the end of its backward;
+        a forward of other shapes makes the next one measured). Earlier forwards' handles
+        keep their own copies."""
+        self._transfers.send_open()
+        forward = self._forward
+        planner = self._planner
+        sizes = forward.sizes
+        split = planner.split
+        if sizes and (split is None or tuple(sizes) != split.sizes):
+            if planner.mode.goal:
+                self._measurer.forward_ended(tuple(sizes))
+            else:
+                planner.from_forward(*forward.weighed())
+        self._keeper.end_forward()
+        self._forward = _Forward(self._backward.began)  # its record goes
 
     def _next_forward(self) -> _Forward:
         """The pack hook's record is due a look (one ``with`` around many steps): a
@@ -488,8 +476,8 @@ class OffloadActivations(_Backward, saved_tensors_hooks):
         extends) or most of what the record holds is still alive."""
         with self._lock:
             forward = self._forward
-            if forward.over:
-                if _graph_task() >= 0:
+            if forward.began != self._backward.began:
+                if graph_task() >= 0:
                     return forward
             elif not forward.outlived():
                 return forward
@@ -511,12 +499,9 @@ class OffloadActivations(_Backward, saved_tensors_hooks):
                 self._depth -= 1
                 if self._depth == 0:
                     self._close_forward()
-                # The window's tensors go: those whose copies are still running are
-                # recorded on the side stream, so the compute stream never waits for the
-                # copies out here (backward may begin while they run: only the copies
-                # back of their groups wait for them).
-                self._let_go(list(self._in_flight))
-                self._in_flight.clear()
+                # The window's tensors go (those whose copies still run are recorded on
+                # the side stream): backward may begin while the copies out run.
+                self._transfers.let_go()
         finally:
             super().__exit__(*exc)
 

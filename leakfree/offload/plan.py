@@ -1,11 +1,12 @@
 """What a forward moves to the host and what stays on the device: the plan.
 
-Every plan moves a *prefix* of a forward's saved storages (in the order they were saved)
-and keeps the rest: the earliest saved are needed last by backward, so their copies have
-the longest to go out and come back. Three ways to choose how long the prefix is:
+Every plan is a :class:`Split`: it moves a *prefix* of a forward's saved storages (in the
+order they were saved) and keeps the rest: the earliest saved are needed last by backward,
+so their copies have the longest to go out and come back. The manager's
+:class:`~leakfree.offload.options.Mode` chooses how long the prefix is:
 
-* ``device_budget`` (bytes): the latest saved storages that fit in the budget stay
-  (:func:`_plan`);
+* the automatic budget or ``device_budget`` (bytes): the latest saved storages that fit
+  in the budget stay (:func:`_moved_under`);
 * ``max_overhead`` (a fraction of the step): the longest prefix whose predicted stall is
   within that fraction of the step's compute (:func:`choose`);
 * ``device_limit`` (bytes the step may allocate on the device): the shortest prefix whose
@@ -24,8 +25,19 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
-__all__ = ["Measurement", "OffloadPlan", "Planner", "choose", "head_start", "predict"]
+from leakfree.offload.options import Mode, Options
+
+__all__ = [
+    "Measurement",
+    "OffloadPlan",
+    "Planner",
+    "Split",
+    "choose",
+    "head_start",
+    "predict",
+]
 
 
 @dataclass(frozen=True)
@@ -157,9 +169,10 @@ class OffloadPlan:
     """What stays on the device and what moves to the host, per forward: the plan made
     from the last forward whose saved tensors it saw.
 
-    ``goal``: what chose it (``"device_budget"``, ``"max_overhead"``, ``"device_limit"``);
-    ``budget``: the bytes of saved activations kept (the device budget's, or what the
-    goal's plan keeps); ``kept`` / ``moved``: how many copies, by storage; ``*_bytes``:
+    ``mode``: what chose it (:class:`~leakfree.offload.options.Mode`: the automatic
+    budget, an explicit ``device_budget``, ``max_overhead`` or ``device_limit``);
+    ``budget``: the bytes of saved activations kept (the budget's, or what the goal's plan
+    keeps); ``kept`` / ``moved``: how many copies, by storage; ``*_bytes``:
     their sizes, so ``moved_bytes`` go to the host in forward and back in backward.
     ``replans``: how many times a forward of another shape made a new plan. ``small``
     storages (``small_bytes`` in all), each under ``small_below`` bytes, stay on the
@@ -176,7 +189,7 @@ class OffloadPlan:
     small: int = 0
     small_bytes: int = 0
     small_below: int = 0
-    goal: str = "device_budget"
+    mode: Mode = Mode.AUTO
     overhead: float | None = None
     peak: int | None = None
 
@@ -189,10 +202,12 @@ class OffloadPlan:
                 f", and {self.small} small ones ({format_bytes(self.small_bytes)}, each "
                 f"under {format_bytes(self.small_below)}) stay as well"
             )
-        if self.goal == "device_budget":
+        if self.mode is Mode.AUTO:
+            head = f"automatic device budget {format_bytes(self.budget)}"
+        elif self.mode is Mode.BUDGET:
             head = f"device budget {format_bytes(self.budget)}"
         else:
-            head = self.goal
+            head = self.mode.value
         predicted = ""
         if self.overhead is not None and self.peak is not None:
             predicted = (
@@ -207,7 +222,7 @@ class OffloadPlan:
         )
 
 
-def _plan(sizes: list[int] | tuple[int, ...], budget: int) -> int:
+def _moved_under(sizes: list[int] | tuple[int, ...], budget: int) -> int:
     """How many of ``sizes`` (a forward's copies, in creation order) move: the earliest
     ones, which backward needs last. The kept ones are the latest that fit in ``budget``
     together; the first that does not fit, and all before it, move."""
@@ -244,32 +259,27 @@ _GROUP_SHARE = 8
 _UNLIMITED = 1 << 62
 
 
+class Split(NamedTuple):
+    """A plan of one forward's shapes: its saved storages' bytes in the order saved
+    (``sizes``) and how many of the first move (``moved``); the rest stay."""
+
+    sizes: tuple[int, ...]
+    moved: int
+
+
 class Planner:
     """What one :class:`~leakfree.offload.OffloadActivations` has decided to move: its
-    settings (``device_budget``, ``keep_small``, the goals ``max_overhead`` and
-    ``device_limit``), the plan of the last forward of each shape, and what a goal's
-    plan predicted. Numbers only: the hooks measure and move, this decides.
+    :class:`~leakfree.offload.options.Options` (and so its mode), the :class:`Split` of the
+    last forward of each shape, and what a goal's plan predicted. Numbers only: the
+    other parts measure and move, this decides.
 
-    ``plan``: (the forward's copy sizes, how many of the first move), None until a
-    forward (a device budget's) or a measured step (a goal's) made one."""
+    ``split``: None until a forward (a budget's) or a measured step (a goal's) made one."""
 
-    def __init__(
-        self,
-        *,
-        device_budget: int | None,
-        keep_small: bool,
-        max_overhead: float | None,
-        device_limit: int | None,
-        batch_bytes: int,
-    ) -> None:
-        self.device_budget = device_budget
-        self.keep_small = keep_small
-        self.max_overhead = max_overhead
-        self.device_limit = device_limit
-        self.batch_bytes = batch_bytes
-        self.plan: tuple[tuple[int, ...], int] | None = None
-        #: storages smaller than this stay where they are (the plan's, without a budget);
-        #: and how many of the planned forward's storages that kept, with their bytes
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.split: Split | None = None
+        #: storages smaller than this stay where they are (the automatic budget's); and
+        #: how many of the planned forward's storages that kept, with their bytes
         self.small_below = 0
         self.small_kept = (0, 0)
         #: what a group may hold: batch_bytes, at most an eighth of what the last planned
@@ -287,51 +297,56 @@ class Planner:
         self.check: tuple[Measurement, int] | None = None
 
     @property
-    def goal(self) -> bool:
-        """Whether the plan is chosen for a goal, from a measured step."""
-        return self.max_overhead is not None or self.device_limit is not None
+    def mode(self) -> Mode:
+        return self.options.mode
+
+    def set(self, options: Options) -> None:
+        """New options (checked): a change makes the next forward plan, or be measured,
+        again, as a first forward is. (Kept as it was, a plan would not change while the
+        shapes stay.)"""
+        if options != self.options:
+            self.forget()
+        self.options = options
 
     def forget(self) -> None:
-        """Settings changed: the next forward plans (or is measured) again, as a first
-        forward is. (Kept as it was, a plan would not change while the shapes stay.)"""
-        self.plan = None
+        """The next forward plans (or is measured) again, as a first forward is."""
+        self.split = None
         self.small_below = 0
         self.check = None
 
     def budget(self, sizes: tuple[int, ...] | list[int] | None = None, *, on_plan: bool) -> int:
         """The bytes of saved activations kept on the device: the device budget given, or
-        (None) twice the largest copy of a forward (``sizes``; by default the planned
-        one): what backward's prefetch would bring back at once anyway. A goal's plan
-        keeps what it does not move (``on_plan``: the forward follows it); a step measured
-        for one keeps everything, or (under a limit) moves everything."""
-        if self.device_budget is not None:
-            return self.device_budget
-        if self.goal:
-            if self.plan is not None and on_plan:
-                return sum(self.plan[0])
-            return 0 if self.device_limit is not None else _UNLIMITED
+        (the automatic budget) twice the largest copy of a forward (``sizes``; by default
+        the planned one): what backward's prefetch would bring back at once anyway. A
+        goal's plan keeps what it does not move (``on_plan``: the forward follows it); a
+        step measured for one keeps everything, or (under a limit) moves everything."""
+        mode = self.options.mode
+        if mode is Mode.BUDGET:
+            return self.options.device_budget  # type: ignore[return-value]
+        if mode.goal:
+            if self.split is not None and on_plan:
+                return sum(self.split.sizes)
+            return 0 if mode is Mode.LIMIT else _UNLIMITED
         if sizes is None:
-            sizes = self.plan[0] if self.plan is not None else ()
+            sizes = self.split.sizes if self.split is not None else ()
         return 2 * max(sizes, default=0)
 
     def from_forward(self, sizes: list[int], storages: list[int], saved: list[int]) -> None:
-        """Plan the next forwards from one that did not follow the plan (a device budget's,
-        or none): ``sizes``, its copies' bytes in the order saved; ``storages``, each
-        copy's storage bytes; ``saved``, every storage it saved, once.
+        """Plan the next forwards from one that did not follow the plan (a budget's):
+        ``sizes``, its copies' bytes in the order saved; ``storages``, each copy's storage
+        bytes; ``saved``, every storage it saved, once.
 
-        Without a device budget the plan also keeps the smallest saved storages on the
-        device (``keep_small``), while together they are at most 1/64 of what the forward
-        saves: each costs a handle, a host copy, its part of a transfer each way and a view
-        in backward, whatever its size, and its bytes would save next to nothing. The rule
+        The automatic budget also keeps the smallest saved storages on the device
+        (``keep_small``), while together they are at most 1/64 of what the forward saves:
+        each costs a handle, a host copy, its part of a transfer each way and a view in
+        backward, whatever its size, and its bytes would save next to nothing. The rule
         weighs every storage the forward saved (the ones it kept for their size among
         them), so a forward of the same shapes makes the same choice again."""
-        below = 0
-        if self.keep_small and self.device_budget is None:
-            below = _small_below(saved)
+        below = _small_below(saved) if self.options.keeps_small else 0
         kept = [n for n in saved if n < below]
         planned = [n for n, s in zip(sizes, storages) if s >= below]  # the copies to come
-        moved = _plan(planned, self.budget(planned, on_plan=False))
-        self.plan = (tuple(planned), moved)
+        moved = _moved_under(planned, self.budget(planned, on_plan=False))
+        self.split = Split(tuple(planned), moved)
         self.small_below = below
         self.small_kept = (len(kept), sum(kept))
         self.replans += 1
@@ -341,17 +356,18 @@ class Planner:
         # A group is on the device twice (waiting to be sent, and brought back until its
         # last use): bounded by an eighth of what a forward moves, grouping adds at most
         # about that to the device peak, however small the model.
-        self.capacity = min(self.batch_bytes, sum(sizes[:moved]) // _GROUP_SHARE)
+        self.capacity = min(self.options.batch_bytes, sum(sizes[:moved]) // _GROUP_SHARE)
 
     def adopt(self, measurement: Measurement, allocated: int, *, checkable: bool) -> None:
         """A goal's plan from ``measurement`` (``allocated``: what the device held before
         the measured step). Under a limit, and where the device reports its peak
         (``checkable``), the next step's peak is checked against it (:meth:`checked`)."""
         sizes = measurement.sizes
+        limit = self.options.device_limit
         count, self.early = choose(
             measurement,
-            max_overhead=self.max_overhead,
-            device_limit=self.device_limit,
+            max_overhead=self.options.max_overhead,
+            device_limit=limit,
             allocated=allocated,
         )
         stall, peak = predict(measurement, count, self.early)
@@ -360,23 +376,24 @@ class Planner:
         # what bringing groups back early stays under: the plan's ceiling (less, at each
         # point of backward, how far the measured backward rose above it later: ``rises``)
         self.ceiling = allocated + peak
-        if self.device_limit is not None:
-            self.ceiling = max(self.ceiling, self.device_limit)
-        self.plan = (sizes, count)
+        if limit is not None:
+            self.ceiling = max(self.ceiling, limit)
+        self.split = Split(sizes, count)
         self.small_below = 0
         self.small_kept = (0, 0)
         self._group_capacity(sizes, count)
-        limited = self.device_limit is not None and checkable and count < len(sizes)
+        limited = limit is not None and checkable and count < len(sizes)
         self.check = (measurement, allocated) if limited else None
 
     def checked(self, peak: int) -> None:
         """A step under a limit's new plan peaked at ``peak`` bytes on the device: over the
         limit, the plan's prediction of its peak was short by what the step went over it,
         and a plan moving more follows (checked again); else the plan stands."""
-        if self.check is None or self.device_limit is None or self.prediction is None:
+        limit = self.options.device_limit
+        if self.check is None or limit is None or self.prediction is None:
             raise RuntimeError("leakfree: a plan was checked without a limit; please report this")
         measurement, allocated = self.check
-        if peak <= self.device_limit:
+        if peak <= limit:
             self.check = None
             return
         short = peak - self.prediction[1]
@@ -387,18 +404,16 @@ class Planner:
 
     def report(self) -> OffloadPlan | None:
         """The plan as :class:`OffloadPlan` (None before there is one)."""
-        if self.plan is None:
+        if self.split is None:
             return None
-        sizes, moved = self.plan
+        sizes, moved = self.split
         small, small_bytes = self.small_kept
-        goal, overhead, peak = "device_budget", None, None
-        if self.goal:
-            names = [n for n in ("device_limit", "max_overhead") if getattr(self, n) is not None]
-            goal = ", ".join(names)
-            if self.prediction is not None:
-                overhead, peak = self.prediction
+        mode = self.options.mode
+        overhead, peak = None, None
+        if mode.goal and self.prediction is not None:
+            overhead, peak = self.prediction
         return OffloadPlan(
-            budget=sum(sizes[moved:]) if self.goal else self.budget(on_plan=True),
+            budget=sum(sizes[moved:]) if mode.goal else self.budget(on_plan=True),
             kept=len(sizes) - moved,
             kept_bytes=sum(sizes[moved:]),
             moved=moved,
@@ -407,7 +422,7 @@ class Planner:
             small=small,
             small_bytes=small_bytes,
             small_below=self.small_below,
-            goal=goal,
+            mode=mode,
             overhead=overhead,
             peak=peak,
         )

@@ -3,31 +3,76 @@ side stream), back in backward (now, on the current stream, or ahead, on the pre
 side stream), and what keeps their memory safe (the in-flight window, ``record_stream``,
 the events the consumers wait on).
 
-:class:`_Transfers` is the part of :class:`~leakfree.offload.OffloadActivations` that
-makes the copies; it reads the manager's state (:class:`~leakfree.offload.state.ManagerState`).
+:class:`Transfers` ("the copies") is the part of
+:class:`~leakfree.offload.OffloadActivations` that makes them: it owns the host block pool,
+the side streams, the open groups and the in-flight window, and counts what it moves in the
+manager's :class:`~leakfree.offload.stats.OffloadStats`. The front calls it with its lock
+held.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from typing import Any, cast
 
 import torch
 
 from leakfree._device import device_index
 from leakfree.offload.handles import _Group, _HostCopy
-from leakfree.offload.pool import HostBlock
-from leakfree.offload.state import ManagerState
+from leakfree.offload.measure import bandwidth
+from leakfree.offload.pool import HostBlock, HostBlockPool
+from leakfree.offload.stats import OffloadStats
 from leakfree.offload.streams import Flight
 
 
-class _Transfers(ManagerState):
-    """The copies and their streams (see the module doc)."""
+class Transfers:
+    """The copies and their streams (see the module doc).
 
-    def _copy_out(self, t: torch.Tensor, copy: _HostCopy, ref: weakref.ref[_HostCopy]) -> None:
+    Kept here: the pool's free host blocks (until the pool is trimmed or dies), the side
+    streams, weak references to the open groups, and, with the in-flight window
+    (``window``), the device tensors of the last ``stash`` copies out until they retire.
+    Nothing else per step: the graph owns the groups and their blocks."""
+
+    def __init__(
+        self,
+        device: torch.device | None,
+        module: Any,
+        *,
+        use_streams: bool,
+        pool: HostBlockPool,
+        stats: OffloadStats,
+        window: bool,
+        stash: int,
+    ) -> None:
+        self.device = device
+        #: the device's module (``torch.cuda``...); None on the CPU
+        self.module = module
+        self.use_streams = use_streams
+        self.pool = pool
+        self.stats = stats
+        #: force_host_copy on the CPU: the "device" is the host itself, so copies out are
+        #: plain host copies and restored tensors view the host bytes (no copy back)
+        self.on_host = device is not None and device.type == "cpu"
+        #: whether moved tensors stay alive while their copies are in flight (the automatic
+        #: budget's window), and how many at most
+        self.window = window
+        self.stash = stash
+        #: (device, direction) -> its side stream: one for copies out and one for prefetch
+        #: back per device, so the two directions run at once (a stream runs in order)
+        self.side_streams: dict[tuple[torch.device, bool], Any] = {}
+        self.in_flight: deque[Flight] = deque()  #: device tensors whose copies may run
+        #: the groups copies join, one per dtype and device (weakly: a graph dropped
+        #: mid-forward frees its group, and the bytes it would send)
+        self.open: dict[tuple[torch.dtype, torch.device], weakref.ref[_Group]] = {}
+        self._bandwidth: tuple[float, float] | None = None
+
+    def copy_out(
+        self, t: torch.Tensor, copy: _HostCopy, ref: weakref.ref[_HostCopy], capacity: int
+    ) -> None:
         """Move ``copy`` (``ref``: a weak reference to it) of ``t``'s storage to the host:
         it joins the open group (sent once full, or at ``__exit__``), or goes at once in a
-        group of its own."""
+        group of its own (``capacity``: what a group may hold)."""
         # Until sent, the group holds t as it is (a saved output's grad_fn then holds the
         # group back, through this copy's handle: a cycle that sending breaks, at the
         # latest at __exit__, which sends the open group).
@@ -46,30 +91,44 @@ class _Transfers(ManagerState):
         # One open group per dtype and device: the float32 statistics a mixed-precision
         # layer saves between its bfloat16 activations do not close each other's groups.
         key = (copy.dtype, copy.device)
-        opened = self._open.get(key)
+        opened = self.open.get(key)
         group = opened() if opened is not None else None
         if group is not None and group.fits(copy):
             group.add(copy, ref, src, t)
             return
-        capacity = self._planner.capacity
         if copy.nbytes >= capacity:  # alone, at once; the open group stays open
             group = _Group(copy.nbytes, copy.dtype, copy.device)
             group.add(copy, ref, src, t)
-            self._send(group)
+            self.send(group)
             return
         if group is not None:
-            self._send(group)  # full: off it goes
+            self.send(group)  # full: off it goes
         group = _Group(capacity, copy.dtype, copy.device)
         group.add(copy, ref, src, t)
-        self._open[key] = weakref.ref(group)
+        self.open[key] = weakref.ref(group)
 
-    def _send(self, group: _Group) -> None:
+    def open_groups(self) -> list[_Group]:
+        """The groups waiting to be sent, oldest first."""
+        groups = []
+        for ref in self.open.values():
+            group = ref()
+            if group is not None:
+                groups.append(group)
+        return groups
+
+    def send_open(self) -> None:
+        """Send every open group (a forward ends: a group holds one forward's copies)."""
+        for group in self.open_groups():
+            self.send(group)
+        self.open.clear()
+
+    def send(self, group: _Group) -> None:
         """Copy the group's bytes to a host block of their size, on the side stream where
         there is one (after the compute stream, which made them), with one event for all."""
         key = (group.dtype, group.device)
-        opened = self._open.get(key)
+        opened = self.open.get(key)
         if opened is not None and opened() is group:
-            del self._open[key]
+            del self.open[key]
         block, pairs = group.take_block(self.pool)
         group.sent = self.stats.groups  # copies out run in this order
         self.stats.groups += 1
@@ -78,15 +137,15 @@ class _Transfers(ManagerState):
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            if self._on_host:
+            if self.on_host:
                 for dst, src in pairs:
                     dst.copy_(src)
                 return
             device = group.device
-            module = self._device_module
+            module = self.module
             side = None
             if self.use_streams:
-                side = self._side_streams.get((device, False)) or self._side(device, False)
+                side = self.side_streams.get((device, False)) or self.side(device, False)
             if side is not None:
                 side.wait_stream(module.current_stream(device))  # the activations are made
             with module.stream(side):  # stream(None): stay on the current one
@@ -98,13 +157,13 @@ class _Transfers(ManagerState):
             torch._C._set_grad_enabled(grad)
         if side is None or not block.pinned:
             return  # on the current stream, or synchronous: nothing to keep
-        if self._window:
+        if self.window:
             # The device tensors stay alive until their copies retire.
-            window = self._in_flight
+            window = self.in_flight
             event = group.written
             for _, src in pairs:
                 window.append((src, event))
-            excess = len(window) - self.max_fwd_stash_size
+            excess = len(window) - self.stash
             if excess > 0:  # the oldest retire
                 self._let_go([window.popleft() for _ in range(excess)])
         else:
@@ -113,7 +172,7 @@ class _Transfers(ManagerState):
             for _, src in pairs:
                 src.record_stream(side)
 
-    def _copy_in(self, group: _Group, *, prefetch: bool = False) -> tuple[torch.Tensor, Any]:
+    def copy_in(self, group: _Group, *, prefetch: bool = False) -> tuple[torch.Tensor, Any]:
         """Bring ``group``'s bytes back: needed now, on the current stream (after the copies
         out); ahead of use, on the side stream, into memory of the current stream (the
         side waits for the current stream first, as that memory may be its own; the
@@ -121,7 +180,7 @@ class _Transfers(ManagerState):
         """
         host = group.on_host()  # raises unless the group was sent: it has its block
         block = cast(HostBlock, group.block)
-        if self._on_host:
+        if self.on_host:
             # the host bytes are already where the tensor lives, so restored tensors view
             # them (no copy back); the block then stays theirs and is never handed out again
             group.lent = True
@@ -129,10 +188,10 @@ class _Transfers(ManagerState):
         stats = self.stats
         stats.to_device += 1
         stats.to_device_bytes += group.used
-        module = self._device_module
+        module = self.module
         current = module.current_stream(group.device)
         if prefetch and self.use_streams:
-            side = self._side_streams.get((group.device, True)) or self._side(group.device, True)
+            side = self.side_streams.get((group.device, True)) or self.side(group.device, True)
             if group.written is not None:  # the copy out, on the other side stream
                 side.wait_event(group.written)
             with module.stream(side):  # the side stream's memory: waits for nothing else
@@ -147,6 +206,13 @@ class _Transfers(ManagerState):
         block.event = event  # the host block is read until this completes
         return dev, event
 
+    def let_go(self) -> None:
+        """End the in-flight window's hold of every device tensor (``__exit__``): the
+        compute stream never waits for the copies out here, so backward may begin while
+        they run (only the copies back of their groups wait for them)."""
+        self._let_go(list(self.in_flight))
+        self.in_flight.clear()
+
     def _let_go(self, flights: list[Flight]) -> None:
         """End the in-flight window's hold of device tensors whose copies out recorded
         their events, before the compute stream waits for them. A tensor whose copy is
@@ -157,25 +223,45 @@ class _Transfers(ManagerState):
             if event is not seen:
                 seen, running = event, not event.query()
             if running:
-                t.record_stream(self._side(t.device, False))
+                t.record_stream(self.side(t.device, False))
 
-    def _use_here(self, dev: torch.Tensor, event: Any) -> None:
+    def use_here(self, dev: torch.Tensor, event: Any) -> None:
         """Make ``dev``, written on another stream up to ``event``, usable on the current
         stream: wait for the write, and keep the allocator from reusing the memory before
         this stream is done with it."""
-        current = self._device_module.current_stream(dev.device)
+        current = self.module.current_stream(dev.device)
         current.wait_event(event)
         dev.record_stream(current)
 
-    def _side(self, device: torch.device, back: bool) -> Any:
+    def allocated(self) -> int:
+        """What the device's allocator counts allocated now."""
+        return int(self.module.memory_allocated(self.device))
+
+    def bandwidth(self, nbytes: int) -> tuple[float, float]:
+        """The copy bandwidths each way (measured once, with ``nbytes``), on the side
+        streams where there are."""
+        if self._bandwidth is None:
+            module = self.module
+            device = cast(torch.device, self.device)
+            if module is not None and self.use_streams:
+                streams = (self.side(device, False), self.side(device, True))
+            elif module is not None:
+                current = module.current_stream(device)
+                streams = (current, current)
+            else:
+                streams = (None, None)
+            self._bandwidth = bandwidth(device, module, streams, nbytes)
+        return self._bandwidth
+
+    def side(self, device: torch.device, back: bool) -> Any:
         """The side stream of ``device`` for copies out (``back`` False) or prefetch back
         (True): made on first use, and kept under the device as given and with its index,
         so a tensor's own ``device`` finds it in one look-up."""
         indexed = torch.device(device.type, device_index(device))
-        side = self._side_streams.get((indexed, back))
+        side = self.side_streams.get((indexed, back))
         if side is None:
-            side = self._side_streams[(indexed, back)] = self._device_module.Stream(device=indexed)
-        self._side_streams[(device, back)] = side
+            side = self.side_streams[(indexed, back)] = self.module.Stream(device=indexed)
+        self.side_streams[(device, back)] = side
         return side
 
 

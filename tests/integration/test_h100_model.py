@@ -71,7 +71,7 @@ def test_a_five_percent_time_cap_saves_at_least_15_percent_within_7_percent(
     assert _ratio(frontier, mode) <= 1.07
     assert _lower(frontier, mode) >= 0.15
     plan = frontier[mode].plan
-    assert plan.goal == "max_overhead" and 0 < plan.moved_bytes == frontier[mode].to_host
+    assert plan.mode.value == "max_overhead" and 0 < plan.moved_bytes == frontier[mode].to_host
     assert plan.overhead <= 0.05
 
 
@@ -82,7 +82,7 @@ def test_a_ceiling_1_gib_under_the_peak_is_held_within_15_percent(
     p = frontier[mode]
     assert _ratio(frontier, mode) <= 1.15
     assert p.activation_peak <= frontier["none"].activation_peak - GiB
-    assert p.plan.goal == "device_limit"
+    assert p.plan.mode.value == "device_limit"
     # the plan's own prediction of its peak is the model's, within 2%
     assert p.plan.peak == pytest.approx(p.allocated_before + p.activation_peak, rel=0.02)
 

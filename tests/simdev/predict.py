@@ -132,31 +132,34 @@ def as_measured() -> Iterator[None]:
     and prefetch waiting for the compute stream. (The calibration compares the model
     with those measurements: it must run what they ran.)"""
     from leakfree.offload.hooks import OffloadActivations as Offload
+    from leakfree.offload.transfers import Transfers
 
-    side, exit_, copy_in = Offload._side, Offload.__exit__, Offload._copy_in
+    side, exit_, copy_in = Transfers.side, Offload.__exit__, Transfers.copy_in
 
     def one_side(self: Any, device: torch.device, back: bool) -> Any:
         return side(self, device, False)
 
     def waiting_exit(self: Any, *exc: object) -> None:
-        if self._depth == 1 and self._device_module is not None:
-            for (device, _), stream in list(self._side_streams.items()):
-                self._device_module.current_stream(device).wait_stream(stream)
+        transfers = self._transfers
+        if self._depth == 1 and transfers.module is not None:
+            for (device, _), stream in list(transfers.side_streams.items()):
+                transfers.module.current_stream(device).wait_stream(stream)
         exit_(self, *exc)
 
     def waiting_copy_in(self: Any, group: Any, *, prefetch: bool = False) -> Any:
         if prefetch and self.use_streams:
-            stream = self._side(group.device, True)
-            stream.wait_stream(self._device_module.current_stream(group.device))
+            stream = self.side(group.device, True)
+            stream.wait_stream(self.module.current_stream(group.device))
         return copy_in(self, group, prefetch=prefetch)
 
-    Offload._side = one_side  # type: ignore[method-assign]
+    Transfers.side = one_side  # type: ignore[method-assign]
     Offload.__exit__ = waiting_exit  # type: ignore[method-assign]
-    Offload._copy_in = waiting_copy_in  # type: ignore[method-assign]
+    Transfers.copy_in = waiting_copy_in  # type: ignore[method-assign]
     try:
         yield
     finally:
-        Offload._side, Offload.__exit__, Offload._copy_in = side, exit_, copy_in  # type: ignore[method-assign]
+        Transfers.side, Transfers.copy_in = side, copy_in  # type: ignore[method-assign]
+        Offload.__exit__ = exit_  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
