@@ -1298,3 +1298,88 @@ def test_an_option_a_budget_or_a_goal_decides_for_itself_is_refused_with_it(
     if name == "keep_small":
         with pytest.raises(ValueError, match="keep_small = .*automatic budget only"):
             ctx.keep_small = option[name]
+
+
+# --- the mode, decided once ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "mode"),
+    [
+        ({}, "auto"),
+        ({"device_budget": "auto", "keep_small": False}, "auto"),
+        ({"device_budget": 0}, "device_budget"),
+        ({"max_overhead": 0.05}, "max_overhead"),
+        ({"device_limit": 1 << 30}, "device_limit"),
+        ({"device_limit": 1 << 30, "max_overhead": 0.05}, "device_limit"),
+    ],
+)
+def test_the_mode_is_decided_once_and_the_plan_reports_it(options: dict[str, Any], mode: str) -> None:
+    from leakfree.offload.options import Mode
+
+    ctx = offload(**options)
+    assert ctx.mode is Mode(mode)
+    model, x = make()
+    for _ in range(2):
+        with ctx:
+            loss = model(x).square().mean()
+        loss.backward()
+    assert ctx.plan is not None and ctx.plan.mode is Mode(mode)
+    assert str(ctx.plan).startswith(
+        {"auto": "automatic device budget", "device_budget": "device budget"}.get(mode, mode)
+    )
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        ({"device_budget": 1 << 20}, ("max_overhead", 0.05)),
+        ({"max_overhead": 0.05}, ("device_budget", 1 << 20)),
+        ({"device_limit": 1 << 30}, ("keep_small", True)),
+        ({"keep_small": True}, ("max_overhead", 0.05)),
+        ({"max_fwd_stash_size": 2}, ("device_budget", 0)),
+    ],
+)
+def test_which_options_combine_is_one_rule_with_one_message(
+    first: dict[str, Any], then: tuple[str, Any]
+) -> None:
+    """The constructor and the setter refuse the same pair with the same words (after
+    naming the call each way), and a refused setter changes nothing."""
+    name, value = then
+    with pytest.raises(ValueError) as built:
+        offload(**first, **{name: value})
+    ctx = offload(**first)
+    before = (ctx.mode, ctx.plan, getattr(ctx, name))
+    with pytest.raises(ValueError) as set_later:
+        setattr(ctx, name, value)
+    assert (ctx.mode, ctx.plan, getattr(ctx, name)) == before
+    (other,) = first
+    assert str(built.value).startswith("OffloadActivations(")
+    assert str(set_later.value).startswith(f"OffloadActivations.{name} = {value!r} (with {other}=")
+    assert str(built.value).partition("): ")[2] == str(set_later.value).partition("): ")[2]
+
+
+def test_a_goal_set_later_after_its_auto_only_options_are_unset() -> None:
+    ctx = offload(keep_small=True, max_fwd_stash_size=3)
+    ctx.keep_small = None
+    ctx.max_fwd_stash_size = None
+    ctx.max_overhead = 0.05
+    assert ctx.mode.value == "max_overhead" and ctx.max_fwd_stash_size == 5
+    assert not ctx._transfers.window  # a goal lets moved tensors go at once
+
+
+def test_a_forward_that_keeps_everything_in_one_long_with_keeps_a_bounded_record() -> None:
+    """A plan that moves nothing keeps its saved tensors as they are, recorded like copies:
+    inside one ``with`` around many forwards whose graphs are dropped without backward,
+    the record still ends once most of what it kept has died (without the records, the
+    storage map grows by every forward's storages)."""
+    model, x = make()
+    ctx = offload(device_budget=1 << 30)  # everything fits: the plan moves nothing
+    with ctx:
+        loss = model(x).square().mean()
+    loss.backward()
+    assert ctx.plan is not None and ctx.plan.moved == 0
+    with ctx:
+        for _ in range(300):
+            model(x).square().mean()  # dropped at once, without backward
+            assert len(ctx._forward.kept) <= 2 * 20 + 64
