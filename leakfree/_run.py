@@ -53,7 +53,7 @@ EXIT_NOT_JUDGED = 78
 _ENV = "LEAKFREE_RUN"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _CHILD_DIR = os.path.join(_HERE, "_child")
-_OPTIONS_WITH_VALUE = {"--json", "--warmup", "--window", "--every", "--floor", "--device"}
+_OPTIONS_WITH_VALUE = {"--json", "--warmup", "--window", "--sample-every", "--floor", "--device"}
 
 
 def parser(prog: str) -> argparse.ArgumentParser:
@@ -85,7 +85,7 @@ def parser(prog: str) -> argparse.ArgumentParser:
         help=f"the recent steps judged ({Rule.default('window', 'watching')})",
     )
     p.add_argument(
-        "--every",
+        "--sample-every",
         type=int,
         default=8,
         metavar="K",
@@ -128,7 +128,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "warmup": args.warmup,
         "window": args.window,
-        "every": args.every,
+        "sample_every": args.sample_every,
         "floor": args.floor,
         "device": args.device,
     }
@@ -156,8 +156,9 @@ def main(argv: Sequence[str], prog: str) -> int:
 
     try:
         watch = Watch(on_finding=_printer(""), owner="leakfree run", **options(args))
-    except (TypeError, ValueError) as e:  # "watch(every=0): ..." as "--every 0: ..."
-        p.error(re.sub(r"^watch\((\w+)=(.*?)\)", r"--\1 \2", str(e)))
+    except (TypeError, ValueError) as e:  # "watch(sample_every=0): ..." as "--sample-every 0"
+        flag = lambda m: f"--{m[1].replace('_', '-')} {m[2]}"  # noqa: E731
+        p.error(re.sub(r"^watch\((\w+)=(.*?)\)", flag, str(e)))
     run_dir = tempfile.mkdtemp(prefix="leakfree-run-")
     os.environ[_ENV] = json.dumps({"options": options(args), "dir": run_dir})
     path = os.environ.get("PYTHONPATH")
@@ -295,7 +296,8 @@ def _exit_status(code: Any) -> int:
 def _banner(target: str, watch: Any) -> None:
     tracked = (
         "the heap's count read at every step, tensor storages followed on 1 step in "
-        f"{watch.every} and on every step while growth is confirmed (--every 1: every step)"
+        f"{watch.sample_every} and on every step while growth is confirmed (--sample-every 1: "
+        "every step)"
         if watch.device.type == "cpu"
         else "the allocator read at every step (free)"
     )

@@ -90,8 +90,8 @@ def assert_no_leak(
         rule=rule,
         roots=named,
         warn=False,
+        owner="assert_no_leak",
     )
-    tracker.detector.owner = "assert_no_leak"
     with tracker:
         for _ in range(warmup + steps):
             step_fn()

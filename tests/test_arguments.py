@@ -97,7 +97,7 @@ ROWS: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], str]] = [
         for name, bad in [
             ("warmup", -1),
             ("window", 2),
-            ("every", 0),
+            ("sample_every", 0),
             ("floor", float("nan")),
             ("tolerance", "x"),
             ("device", "nope"),

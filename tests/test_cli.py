@@ -206,7 +206,7 @@ def _cli(*args: str, argv0: str = "/usr/local/bin/leakfree") -> tuple[str, str]:
         ([], 2),
         (["run", "--help"], 0),
         (["run"], 2),
-        (["run", "--every", "x", "train.py"], 2),
+        (["run", "--sample-every", "x", "train.py"], 2),
     ],
 )
 def test_help_version_and_usage_errors_do_not_import_torch(args: list[str], code: int) -> None:
@@ -226,7 +226,7 @@ def test_version_and_usage_name_the_command() -> None:
 def test_run_usage_names_its_options_and_exit_codes() -> None:
     out, _ = _cli("run", "--help")
     assert out.startswith("usage: leakfree run [options] (SCRIPT | -m MODULE) [ARGS...]")
-    assert "--fail" in out and "79" in out and "--every K" in out
+    assert "--fail" in out and "79" in out and "--sample-every K" in out
     assert "78 if none was but the run ended before it could be judged" in " ".join(out.split())
     _, err = _cli("run", "-m")
     assert "leakfree run: error: argument -m: expected one argument" in err

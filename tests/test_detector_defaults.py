@@ -164,21 +164,23 @@ def test_a_leak_is_searched_a_few_times_per_run_not_every_step(
     """Outputs kept per microbatch and never let go grow across steps: one finding, and
     the holder searches (each walks every graph kept so far) back off instead of running
     after every backward of every step; so does the cost."""
-    from leakfree.diagnostics.detector import Detector
+    from leakfree.diagnostics.findings import Reporter
 
     searches = []
-    search = Detector._search
+    search = Reporter.search
+    watching: list[Any] = []
 
-    def counted(self: Detector, *args: object, **kwargs: object) -> object:
-        searches.append(self.steps)
+    def counted(self: Reporter, *args: object, **kwargs: object) -> object:
+        searches.append(watching[0].steps)  # the step the search runs in
         return search(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Detector, "_search", counted)
+    monkeypatch.setattr(Reporter, "search", counted)
     torch.manual_seed(0)
     model = LM()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     kept: list[torch.Tensor] = []
     w = leakfree.watch()
+    watching.append(w)
     try:
         for _ in range(48):
             for _ in range(MICRO):

@@ -262,7 +262,9 @@ def test_groups_hold_at_most_an_eighth_of_what_a_forward_moves() -> None:
         with ctx:
             loss = model(x).square().mean()
         copies, groups = ctx.stats.to_host - before.to_host, ctx.stats.groups - before.groups
-        sizes = [c.group.used for c in (r() for r in ctx._backward.copies.refs.values()) if c and c.group]
+        sizes = [
+            c.group.used for c in (r() for r in ctx._backward.copies.refs.values()) if c and c.group
+        ]
         if step == 0:
             assert capacity == 0 and groups == copies
         else:
@@ -1314,7 +1316,9 @@ def test_an_option_a_budget_or_a_goal_decides_for_itself_is_refused_with_it(
         ({"device_limit": 1 << 30, "max_overhead": 0.05}, "device_limit"),
     ],
 )
-def test_the_mode_is_decided_once_and_the_plan_reports_it(options: dict[str, Any], mode: str) -> None:
+def test_the_mode_is_decided_once_and_the_plan_reports_it(
+    options: dict[str, Any], mode: str
+) -> None:
     from leakfree.offload.options import Mode
 
     ctx = offload(**options)

@@ -895,7 +895,9 @@ def test_a_budget_set_later_lets_moved_tensors_go_at_once(sim: Any) -> None:
             window = len(ctx._transfers.in_flight)
         moved = ctx.stats.to_host - before
         loss.backward()
-        out = {side.stream_id for (_, back), side in ctx._transfers.side_streams.items() if not back}
+        out = {
+            side.stream_id for (_, back), side in ctx._transfers.side_streams.items() if not back
+        }
         recorded = [e for e in sim.log if e[0] == "record_stream" and e[2] in out]
         if budget is None:
             assert window > 0 and not recorded

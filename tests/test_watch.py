@@ -16,7 +16,7 @@ from tests.test_finders import model_and_opt, verl_update
 
 def test_steps_are_optimizer_steps_and_microbatches_backward_passes() -> None:
     model, opt = model_and_opt()
-    with leakfree.watch(every=1, on_finding=lambda f: None) as w:
+    with leakfree.watch(sample_every=1, on_finding=lambda f: None) as w:
         for _ in range(5):
             verl_update(model, opt, micro=4, detach=False)
     assert (w.steps, w.backwards, w.optimizer_steps) == (5, 20, 5)
@@ -32,7 +32,7 @@ def test_steps_are_optimizer_steps_and_microbatches_backward_passes() -> None:
 def test_two_optimizers_stepped_together_are_one_step_and_late_ones_are_seen() -> None:
     torch.manual_seed(0)
     body, head = nn.Linear(8, 8), nn.Linear(8, 1)
-    w = Watch(every=1, on_finding=lambda f: None).start()
+    w = Watch(sample_every=1, on_finding=lambda f: None).start()
     try:
         opt_body = torch.optim.SGD(body.parameters(), lr=0.01)  # created after the start
         for _ in range(3):
@@ -49,7 +49,7 @@ def test_a_loop_without_an_optimizer_falls_back_to_backward_passes_and_says_so()
     torch.manual_seed(0)
     model = nn.Linear(16, 16)
     kept: list[torch.Tensor] = []
-    with Watch(every=1, fallback=4, on_finding=lambda f: None) as w:
+    with Watch(sample_every=1, fallback=4, on_finding=lambda f: None) as w:
         for _ in range(20):
             loss = model(torch.randn(4, 16)).square().mean()
             loss.backward()
@@ -65,7 +65,7 @@ def test_a_loop_without_an_optimizer_falls_back_to_backward_passes_and_says_so()
 
 def test_a_finding_warns_by_default_and_stop_is_idempotent() -> None:
     model, opt = model_and_opt()
-    w = leakfree.watch(every=1)
+    w = leakfree.watch(sample_every=1)
     with pytest.warns(leakfree.MemoryGrowthWarning, match="kept per backward pass"):
         for _ in range(2):
             verl_update(model, opt, micro=3, detach=False)
@@ -77,7 +77,7 @@ def test_a_finding_warns_by_default_and_stop_is_idempotent() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"every": 0}, r"watch\(every=0\): expected an int >= 1"),
+        ({"sample_every": 0}, r"watch\(sample_every=0\): expected an int >= 1"),
         ({"window": 3}, r"watch\(window=3\): expected an int >= 4"),
         ({"fallback": True}, r"watch\(fallback=True\)"),
         ({"device": "nonsense"}, r"watch\(device='nonsense'\): not a device"),

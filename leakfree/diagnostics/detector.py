@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -76,16 +75,9 @@ import torch
 
 from leakfree._text import format_bytes
 from leakfree.diagnostics.cycles import find_cycles
-from leakfree.diagnostics.findings import (
-    Finding,
-    Tracked,
-    _by_holder,
-)
+from leakfree.diagnostics.findings import Finding, Reporter, Tracked, _by_holder
 from leakfree.diagnostics.growth import Growth, fit_growth
-from leakfree.diagnostics.microbatch import (
-    HEAP_SLACK,
-    _PerMicrobatch,
-)
+from leakfree.diagnostics.microbatch import HEAP_SLACK, PerMicrobatch
 from leakfree.diagnostics.retention import (
     Retained,
     RetentionReport,
@@ -101,42 +93,41 @@ __all__ = ["CONTEXTS", "DEFAULT_FLOOR", "Detector", "Finding", "Rule", "whole"]
 CONFIRM = 4
 
 
-@dataclass
-class Detector(_PerMicrobatch):
+class Detector:
     """Judges one tracker's samples by a :class:`Rule`; see the module doc.
 
     ``roots`` (``{name: object}``, or a callable returning one, called only when
     searching) are searched before module globals and stack frames; ``on_finding`` is
-    called with each new :class:`Finding` (a watcher warns or raises there).
+    called with each new :class:`Finding` (a watcher warns or raises there); ``owner``
+    names the watcher in messages, ``unit`` what a step is ("optimizer steps").
+
+    The detector judges across steps itself and holds two parts: what builds up within a
+    step (:class:`~leakfree.diagnostics.microbatch.PerMicrobatch`) and the reporter that
+    searches for holders and makes findings
+    (:class:`~leakfree.diagnostics.findings.Reporter`).
     """
 
-    tracker: Tracked
-    owner: str = "MemoryTracker"
-    rule: Rule = field(default_factory=Rule)
-    roots: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
-    on_finding: Callable[[Finding], None] | None = None
-    findings: list[Finding] = field(default_factory=list)
-    unit: str = "steps"  #: what a step is, in messages ("optimizer steps")
-
-    def __post_init__(self) -> None:
-        self.rule.check(self.owner)
+    def __init__(
+        self,
+        tracker: Tracked,
+        *,
+        owner: str = "MemoryTracker",
+        rule: Rule | None = None,
+        roots: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
+        on_finding: Callable[[Finding], None] | None = None,
+        unit: str = "steps",
+    ) -> None:
+        self.rule = Rule() if rule is None else rule
+        self.rule.check(owner)
+        self.tracker = tracker
+        self.unit = unit
+        self.reporter = Reporter(tracker, owner=owner, roots=roots, on_finding=on_finding)
+        self._micro = PerMicrobatch(self.reporter, self.rule)
         self.steps = 0  #: step boundaries seen
         self.judged_steps = 0  #: steps after the warm-up with a measure (the verdict's basis)
         self.growth: Growth | None = None  #: the last across-step verdict's growth
-        self._micro: list[int] = []  #: live bytes after each backward of this step
-        self._made: list[int | None] = []  #: bytes allocated so far, at each backward
-        self._made_per = 0.0  #: bytes a microbatch allocates, as last measured
-        self._slack = 0.0  #: growth between backward passes within the measure's noise
-        self._passes = 1  #: backward passes in the last step
         self._heap_floor = float(HEAP_SLACK)  #: heap growth per step not suspected
         self._explained = 0.0  #: exact growth per step already reported
-        self._micro_searches = 0  #: searches in this step
-        self._micro_missed = 0  #: searches in this step that found nothing to compare
-        self._micro_base: RetentionReport | None = None  #: this step's first search
-        self._micro_base_at = 0  #: the backward pass it was made after
-        self._micro_suspect = True  #: search after the next step's first backward
-        #: holders that gained a tensor per microbatch, a finding if they fall back
-        self._pending: tuple[list[Retained], RetentionReport | None, float, int, int] | None = None
         self._signal: list[int] = []  #: the cheap measure per step, the last window
         self._values: list[int] = []  #: exact live bytes per tracked step, the last window
         self._at: list[int] = []  #: the step of each value
@@ -147,13 +138,31 @@ class Detector(_PerMicrobatch):
         self._heap_growth: Growth | None = None  #: the heap's growth that was suspected
         self._next_search = 0  #: the step from which growth may be suspected again
         self._backoff = 1
-        self._next_micro = 1  #: the step from which a microbatch search may run
-        self._micro_backoff = 1
-        self._reported: set[tuple[str, str]] = set()
-        #: (finding kind, holder kind, creation site) -> the paths reported with it
-        self._reported_sites: dict[tuple[str, str, str], list[str]] = {}
         self._probed = False
-        self._broken = False  #: a search failed once (said once)
+
+    @property
+    def owner(self) -> str:
+        return self.reporter.owner
+
+    @property
+    def findings(self) -> list[Finding]:
+        """The leaks found so far."""
+        return self.reporter.findings
+
+    def guard(self, call: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """``call(*args, **kwargs)``, never raising an error of leakfree's own into the
+        training step (:meth:`Reporter.guard`)."""
+        self.reporter.guard(call, *args, **kwargs)
+
+    def backward(
+        self, live: int, frame: FrameType | None, *, made: int | None = None, noisy: bool = False
+    ) -> None:
+        """A backward pass ended with ``live`` bytes alive (called by the tracker; see
+        :meth:`PerMicrobatch.backward`)."""
+        explained = self._heap_floor if noisy else 2 * self._explained
+        self._micro.backward(
+            live, frame, steps=self.steps, explained=explained, made=made, noisy=noisy
+        )
 
     # -- the verdict -----------------------------------------------------------------
 
@@ -199,15 +208,8 @@ class Detector(_PerMicrobatch):
     def step(self, live: int | None, frame: FrameType | None, signal: int | None = None) -> None:
         """A step ended with ``live`` exact (or allocator) bytes alive (None: not sampled)
         and ``signal`` bytes by a cheap measure read at every step (the C heap), if any."""
-        self._fell_back(frame, last=False)
+        self._micro.step_ended(frame, self.steps)
         self.steps += 1
-        micro = self._micro
-        self._passes = max(len(micro), 1)
-        grew = len(micro) > 1 and micro[-1] - micro[0] > self._slack * (len(micro) - 1)
-        if grew and self._micro_searches and not self.findings:
-            self._micro_suspect = True
-        self._micro, self._made, self._micro_searches, self._micro_missed = [], [], 0, 0
-        self._micro_base = None
         if self.steps <= self.rule.warmup:
             return
         if not self._probed and gc.isenabled():  # at the first step after the warm-up,
@@ -265,7 +267,7 @@ class Detector(_PerMicrobatch):
         self._judged_before = self.judged_steps - 1  # the suspicious one is not
         self._suspected_at = self.steps
         self._confirm = []
-        self._base = self._search(frame, everything=True)
+        self._base = self.reporter.search(frame, everything=True)
 
     def _conclude(self, frame: FrameType | None) -> None:
         """The confirmation's steps are in: a finding if they grew, then back off either
@@ -295,15 +297,15 @@ class Detector(_PerMicrobatch):
         self._next_search = self.steps + self._backoff
         self._backoff *= 2
 
-    def _chained(self, heap: Growth, frame: FrameType | None, base: RetentionReport | None) -> bool:
+    def _chained(self, heap: Growth, frame: FrameType | None, base: RetentionReport | None) -> None:
         """The heap grew and no tensor storage did: is it autograd nodes, a graph chained
         to the next step's (``total_loss += loss`` after ``loss.backward()``)? Then its
         holder, whose graph gained nodes on every step since the suspicion, is a finding."""
         if base is None:
-            return False
+            return
         steps = max(self.steps - self._suspected_at, 1)
         before = _by_holder(base.items)
-        report = self._search(frame, everything=True)
+        report = self.reporter.search(frame, everything=True)
         gained: dict[tuple[str, str], float] = {}  #: autograd nodes per step, by holder
         chains = []
         for held in group([i for i in report.items if i.kind == "graph"]):
@@ -312,8 +314,8 @@ class Detector(_PerMicrobatch):
                 chains.append(held)
                 gained[holder_key(held)] = (held.nodes - was.nodes) / steps
         if not chains:
-            return False
-        return self._found(
+            return
+        self.reporter.found(
             "growth",
             chains,
             heap.bytes_per_step,
@@ -322,7 +324,8 @@ class Detector(_PerMicrobatch):
             "storage does: autograd graphs grow step after step, each chained to the last "
             "(a running total of losses with their graphs, ``total += loss``): keep "
             "``loss.detach()`` or ``loss.item()`` instead. Held by:",
-            heap,
+            step=self.steps,
+            growth=heap,
             note=lambda h: f", +{gained[holder_key(h)]:.0f} autograd nodes per step",
         )
 
@@ -331,7 +334,7 @@ class Detector(_PerMicrobatch):
         growth being confirmed is judged over the exact values there are (two since the
         suspicion, or four in the window), else the verdict rests on the steps judged
         before it."""
-        self._fell_back(frame, last=True)
+        self._micro.finish(frame, self.steps)
         if self._confirm is None:
             return
         if len(self._confirm) >= 2 or len(self._values) >= 4:
@@ -343,10 +346,11 @@ class Detector(_PerMicrobatch):
 
     def _across(
         self, growth: Growth, frame: FrameType | None, base: RetentionReport | None
-    ) -> bool:
+    ) -> None:
         # One search: what a report lists by default (graphs in growable containers or
         # kept by retain_graph=True, ctx state), and what a clean loop holds too.
-        full = self._search(frame, since=base, everything=True)
+        found = self.reporter.found
+        full = self.reporter.search(frame, since=base, everything=True)
         # Only what grew since the suspicion is named: a constant retained graph elsewhere
         # (last step's loss kept with retain_graph=True) is not the holder of this growth.
         before = base.items if base is not None else None
@@ -376,29 +380,33 @@ class Detector(_PerMicrobatch):
             f"{self.unit} {first}-{self.steps} ({span} steps after a {self.rule.warmup}-step "
             f"warm-up{sampled}; {format_bytes(growth.first)} -> {format_bytes(growth.last)})"
         )
+        per, step = growth.bytes_per_step, self.steps
         if items:
-            return self._found("growth", items, growth.bytes_per_step, f"{lead}, held by:", growth)
-        under = growth.bytes_per_step <= max(self.rule.floor, self.rule.tolerance)
+            found("growth", items, per, f"{lead}, held by:", step=step, growth=growth)
+            return
+        under = per <= max(self.rule.floor, self.rule.tolerance)
         # The probe is a full collection: with gc on, cycles are freed late, not kept, and
         # growth under the floor is not worth one.
         if not (under and gc.isenabled()) and self._cycles(growth):
-            return True
+            return
         if under:
-            return False  # a few detached scalars per step: a metric history, not a leak
+            return  # a few detached scalars per step: a metric history, not a leak
         seen = detached
         if not seen:  # what a clean loop holds too: graphs before backward, detached tensors
             every = [i for i in full.items if i.kind == "graph"] + full.all_detached
             before = (base.items + base.all_detached) if base is not None else None
             seen = _grew(every, before)
         if seen:
-            return self._found(
+            found(
                 "growth",
                 seen,
-                growth.bytes_per_step,
+                per,
                 f"{lead}; no backpropagated graph holds it. What holds tensors (graphs not "
                 "backpropagated, tensors without a graph):",
-                growth,
+                step=step,
+                growth=growth,
             )
+            return
         made = ""
         storages = self.tracker.storage_tracker
         if storages is not None:  # no holder: at least the lines that made what grew
@@ -407,18 +415,21 @@ class Detector(_PerMicrobatch):
                 f"\n  created at {site}: {count} storage(s), {format_bytes(nbytes)}"
                 for site, count, nbytes in grown[:5]
             )
-        return self._found(
+        found(
             "growth",
             [],
-            growth.bytes_per_step,
+            per,
             f"{lead}; no holder found among the module globals, the stack and the roots "
             "given: it is held where a walk cannot see (C++: hooks on graph nodes, an "
             "extension's objects) or by an object you can pass as roots=...; what grew "
             f"after the warm-up, by the line that made it:{made or ' unknown'}",
-            growth,
+            step=step,
+            growth=growth,
         )
 
     def _cycles(self, growth: Growth | None = None) -> bool:
+        """Tensors held only by reference cycles, made while watching: reported once (or
+        already); whether there are any."""
         storages = self.tracker.storage_tracker
         try:
             if storages is not None:  # only tensors made while watching are charged to it
@@ -427,15 +438,13 @@ class Detector(_PerMicrobatch):
                 judged = torch.device(self.tracker.judged)
                 cycles = find_cycles(mine=lambda t: t.device == judged)
         except Exception as e:  # never break a training step on a bug of ours
-            self._failed(e)
+            self.reporter.failed(e)
             return False
         if cycles is None:
             return False
         kind = "late cycles" if cycles.gc_enabled else "cycles"
-        key = (kind, "")
-        if key in self._reported:
+        if not self.reporter.once((kind, "")):
             return True
-        self._reported.add(key)
         finding = Finding(
             kind,
             f"{self.owner}: {cycles} (step {self.steps}). Break the cycle (a weak "
@@ -446,7 +455,7 @@ class Detector(_PerMicrobatch):
             cycles=cycles,
             growth=growth,
         )
-        self._emit(finding)
+        self.reporter.emit(finding)
         return True
 
 

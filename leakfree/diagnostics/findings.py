@@ -1,9 +1,8 @@
-"""Findings: what a leak found is (:class:`Finding`), and how a detector makes one from
-the holders a search returns: named once per holder and creation site, handed to the
-watcher's ``on_finding``, and a search that fails said once, never raised into the run.
-
-:class:`_Findings` is that part of :class:`~leakfree.diagnostics.detector.Detector`, over
-the state :class:`DetectorState` declares.
+"""Findings: what a leak found is (:class:`Finding`), and the part of a
+:class:`~leakfree.diagnostics.detector.Detector` that makes them (:class:`Reporter`, "the
+reporter"): it searches for holders, names each once per holder and creation site, hands
+each finding to the watcher's ``on_finding``, and says once that a search failed, never
+raising into the run.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from leakfree.diagnostics.retention import (
     holder_key,
 )
 from leakfree.diagnostics.roots import frame_roots, module_roots
-from leakfree.diagnostics.rule import Rule
 
 
 class Tracked(Protocol):
@@ -59,65 +57,45 @@ class Finding:
         return self.message
 
 
-class DetectorState:
-    """What a :class:`~leakfree.diagnostics.detector.Detector` holds, declared once for the
-    parts that read it (its fields, then what ``__post_init__`` sets)."""
+class Reporter:
+    """Makes findings from the holders a search returns (see the module doc).
 
-    tracker: Tracked
-    owner: str
-    rule: Rule
-    roots: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
-    on_finding: Callable[[Finding], None] | None
-    findings: list[Finding]
-    unit: str  #: what a step is, in messages ("optimizer steps")
-    steps: int  #: step boundaries seen
-    judged_steps: int  #: steps after the warm-up with a measure (the verdict's basis)
-    growth: Growth | None  #: the last across-step verdict's growth
-    _micro: list[int]  #: live bytes after each backward of this step
-    _made: list[int | None]  #: bytes allocated so far, at each backward
-    _made_per: float  #: bytes a microbatch allocates, as last measured
-    _slack: float  #: growth between backward passes within the measure's noise
-    _passes: int  #: backward passes in the last step
-    _heap_floor: float  #: heap growth per step not suspected
-    _explained: float  #: exact growth per step already reported
-    _micro_searches: int  #: searches in this step
-    _micro_missed: int  #: searches in this step that found nothing to compare
-    _micro_base: RetentionReport | None  #: this step's first search
-    _micro_base_at: int  #: the backward pass it was made after
-    _micro_suspect: bool  #: search after the next step's first backward
-    #: holders that gained a tensor per microbatch, a finding if they fall back
-    _pending: tuple[list[Retained], RetentionReport | None, float, int, int] | None
-    _signal: list[int]  #: the cheap measure per step, the last window
-    _values: list[int]  #: exact live bytes per tracked step, the last window
-    _at: list[int]  #: the step of each value
-    _confirm: list[int] | None  #: exact values since a suspicion, if one
-    _base: RetentionReport | None  #: the holders when growth was suspected
-    _suspected_at: int
-    _judged_before: int  #: steps judged before the suspicion in progress
-    _heap_growth: Growth | None  #: the heap's growth that was suspected
-    _next_search: int  #: the step from which growth may be suspected again
-    _backoff: int
-    _next_micro: int  #: the step from which a microbatch search may run
-    _micro_backoff: int
-    _reported: set[tuple[str, str]]
-    #: (finding kind, holder kind, creation site) -> the paths reported with it
-    _reported_sites: dict[tuple[str, str, str], list[str]]
-    _probed: bool
-    _broken: bool  #: a search failed once (said once)
+    Kept, until the detector is dropped: the findings (names and byte counts, no
+    tensors), what was reported (paths, kinds, creation sites) and whether a search
+    failed. ``roots`` are walked only when a search runs."""
 
+    def __init__(
+        self,
+        tracker: Tracked,
+        *,
+        owner: str,
+        roots: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None,
+        on_finding: Callable[[Finding], None] | None,
+    ) -> None:
+        self.tracker = tracker
+        self.owner = owner  #: the name findings start with
+        self.roots = roots
+        self.on_finding = on_finding
+        self.findings: list[Finding] = []
+        self._reported: set[tuple[str, str]] = set()
+        #: (finding kind, holder kind, creation site) -> the paths reported with it
+        self._reported_sites: dict[tuple[str, str, str], list[str]] = {}
+        self._broken = False  #: a search failed once (said once)
 
-class _Findings(DetectorState):
-    """Making findings from holders (see the module doc)."""
-
-    def _found(
+    def found(
         self,
         kind: str,
         holders: list[Retained],
         per: float,
         lead: str,
+        *,
+        step: int,
         growth: Growth | None = None,
         note: Callable[[Retained], str] | None = None,
-    ) -> bool:
+    ) -> None:
+        """A finding of ``kind`` in ``step``, of the ``holders`` not reported yet (or of no
+        holder, once per kind), ``per`` bytes per step or backward, its message ``lead``
+        followed by one line per holder (and ``note`` of it)."""
         grouped = group(holders)
         # Once per run: the same path, or the same holder reached from another root (from
         # the stack once, ``kept[*]``, and from a module's globals later, ``__main__.kept[*]``)
@@ -131,23 +109,27 @@ class _Findings(DetectorState):
                 for where in self._reported_sites.get((kind, h.kind, h.site), ())
             )
         ]
-        if (holders and not fresh) or (not holders and (kind, "") in self._reported):
-            return True  # reported already: once per run
+        if (holders and not fresh) or (not holders and not self.once((kind, ""))):
+            return  # reported already: once per run
         self._reported.update((kind, holder_key(h)[1]) for h in fresh)
         for h in fresh:
             if h.site:
                 self._reported_sites.setdefault((kind, h.kind, h.site), []).append(holder_key(h)[1])
-        if not holders:
-            self._reported.add((kind, ""))
         lines = "".join(f"\n  {_line(h)}{note(h) if note else ''}" for h in fresh[:8])
         more = f"\n  ... {len(fresh) - 8} more" if len(fresh) > 8 else ""
-        finding = Finding(
-            kind, lead + lines + more, per, max(self.steps, 1), tuple(fresh), growth=growth
+        self.emit(
+            Finding(kind, lead + lines + more, per, max(step, 1), tuple(fresh), growth=growth)
         )
-        self._emit(finding)
+
+    def once(self, key: tuple[str, str]) -> bool:
+        """Whether ``key`` (a finding's kind, and its holder's path or ``""``) is reported
+        for the first time now."""
+        if key in self._reported:
+            return False
+        self._reported.add(key)
         return True
 
-    def _emit(self, finding: Finding) -> None:
+    def emit(self, finding: Finding) -> None:
         self.findings.append(finding)
         if self.on_finding is not None:
             try:
@@ -164,9 +146,9 @@ class _Findings(DetectorState):
         except Exception as e:
             if getattr(e, "_leakfree_verdict", False):
                 raise
-            self._failed(e)
+            self.failed(e)
 
-    def _failed(self, error: Exception) -> None:
+    def failed(self, error: Exception) -> None:
         """A search or probe failed: say so once; the run goes on, never broken by it."""
         if not self._broken:
             self._broken = True
@@ -177,17 +159,19 @@ class _Findings(DetectorState):
                 stacklevel=4,
             )
 
-    def _search(
+    def search(
         self,
         frame: FrameType | None,
         *,
         since: RetentionReport | None = None,
         everything: bool = False,
     ) -> RetentionReport:
+        """The holders reachable from the roots given, the stack at ``frame`` and the
+        user's module globals (an empty report if the walk failed: said once)."""
         try:
             return self._walk(frame, since, everything)
         except Exception as e:  # never break a training step on a bug of ours
-            self._failed(e)
+            self.failed(e)
             return RetentionReport()
 
     def _walk(

@@ -291,6 +291,9 @@ class MemoryTracker:
         sites: record where each tracked storage was created (default True).
         warn: warn :class:`~leakfree.MemoryGrowthWarning` for each finding as it is made
             (default True; findings are in :attr:`findings` either way).
+        on_finding: also called with each finding as it is made (a watcher's handler).
+        owner: the name findings start with (default ``"MemoryTracker"``).
+        unit: what a step is called in messages (default ``"steps"``).
 
     ``series[device]`` holds the values, ``steps[device]`` the step index of each (0 is
     the step that ends at the first ``step()``); ``findings`` the leaks found so far. A
@@ -314,6 +317,9 @@ class MemoryTracker:
     microbatches: bool = True
     sites: bool = True
     warn: bool = True
+    on_finding: Callable[[Finding], None] | None = None
+    owner: str = "MemoryTracker"
+    unit: str = "steps"
     _storages: StorageTracker | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -322,6 +328,9 @@ class MemoryTracker:
         _args.count(call, "seed", self.seed)
         for name in ("use_allocator", "microbatches", "sites", "warn"):
             _args.flag(call, name, getattr(self, name))
+        _args.function(call, "on_finding", self.on_finding, none=True)
+        _args.text(call, "owner", self.owner)
+        _args.text(call, "unit", self.unit)
         rule = Rule() if self.rule is None else self.rule
         if not isinstance(rule, Rule):
             raise _args.refuse(call, "rule", rule, "a leakfree.diagnostics.Rule")
@@ -356,10 +365,11 @@ class MemoryTracker:
         # alive after the tracker, until a gc.collect() that gc.disable() may never run.
         self.detector = Detector(
             weakref.proxy(self),
-            owner="MemoryTracker",
+            owner=self.owner,
             rule=rule,
             roots=self.roots,
             on_finding=weak_method(self._finding),
+            unit=self.unit,
         )
 
     @property
@@ -373,6 +383,8 @@ class MemoryTracker:
         return self._key(None)
 
     def _finding(self, finding: Finding) -> None:
+        if self.on_finding is not None:
+            self.on_finding(finding)
         if self.warn:
             warnings.warn(finding.message, MemoryGrowthWarning, stacklevel=4)
 

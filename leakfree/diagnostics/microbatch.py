@@ -3,8 +3,9 @@
 After every backward the bytes alive are compared with those after the one before; a
 holder that gained a graph, or a tensor, on every pass is searched for, and a finding is
 made at once for graphs kept from several microbatches, or when the step ends for what
-then falls back. :class:`_PerMicrobatch` is that part of
-:class:`~leakfree.diagnostics.detector.Detector`.
+then falls back. :class:`PerMicrobatch` ("within a step") is that part of
+:class:`~leakfree.diagnostics.detector.Detector`; it reports through the detector's
+:class:`~leakfree.diagnostics.findings.Reporter`.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from __future__ import annotations
 from types import FrameType
 
 from leakfree._text import format_bytes
-from leakfree.diagnostics.findings import _by_holder, _Findings, _tensors
+from leakfree.diagnostics.findings import Reporter, _by_holder, _tensors
 from leakfree.diagnostics.retention import (
     Retained,
     RetentionReport,
     group,
     holder_key,
 )
+from leakfree.diagnostics.rule import Rule
 
 #: bytes per step the C heap may drift in a clean loop (Python objects, caches): a heap
 #: signal below it is not suspected (a leak's tensors and graph nodes are far above it)
@@ -30,57 +32,84 @@ MICRO_FRACTION = 1 / 1024
 HEAP_FRACTION = 1 / 128
 
 
-class _PerMicrobatch(_Findings):
-    """Judging each backward pass (see the module doc)."""
+class PerMicrobatch:
+    """Judging each backward pass (see the module doc).
+
+    Kept, until the detector is dropped: the live bytes after each backward of the
+    current step, its first search's report (paths and byte counts) and the holders
+    pending until the step ends; the search schedule."""
+
+    def __init__(self, reporter: Reporter, rule: Rule) -> None:
+        self._reporter = reporter
+        self._rule = rule
+        self._micro: list[int] = []  #: live bytes after each backward of this step
+        self._made: list[int | None] = []  #: bytes allocated so far, at each backward
+        self._made_per = 0.0  #: bytes a microbatch allocates, as last measured
+        self._slack = 0.0  #: growth between backward passes within the measure's noise
+        self.passes = 1  #: backward passes in the last step
+        self._searches = 0  #: searches in this step
+        self._missed = 0  #: searches in this step that found nothing to compare
+        self._base: RetentionReport | None = None  #: this step's first search
+        self._base_at = 0  #: the backward pass it was made after
+        self._suspect = True  #: search after the next step's first backward
+        #: holders that gained a tensor per microbatch, a finding if they fall back
+        self._pending: tuple[list[Retained], RetentionReport | None, float, int, int] | None = None
+        self._next = 1  #: the step from which a search may run
+        self._backoff = 1
 
     def backward(
         self,
         live: int,
         frame: FrameType | None,
         *,
+        steps: int,
+        explained: float,
         made: int | None = None,
         noisy: bool = False,
     ) -> None:
-        """A backward pass ended with ``live`` bytes alive (called by the tracker).
+        """A backward pass ended with ``live`` bytes alive, ``steps`` steps after the start
+        (called by the tracker, through the detector).
 
-        ``made``: bytes allocated so far (a running total), where the tracker can tell, so
-        a retention is weighed against what a microbatch allocates; ``noisy``: ``live`` is
-        the heap's count, which moves by kilobytes between backward passes of a clean loop
-        (the engine's and Python's own allocations): only growth above a share of what a
-        microbatch allocates starts a search.
+        ``explained``: growth per step already accounted for (a leak reported, or the
+        heap's drift); ``made``: bytes allocated so far (a running total), where the
+        tracker can tell, so a retention is weighed against what a microbatch allocates;
+        ``noisy``: ``live`` is the heap's count, which moves by kilobytes between backward
+        passes of a clean loop (the engine's and Python's own allocations): only growth
+        above a share of what a microbatch allocates starts a search.
         """
         micro = self._micro
         if len(micro) == 0:
             # Growth per backward that a leak already reported (or the heap's drift)
             # explains starts no search: each one walks every graph the leak keeps.
-            per_step = self._heap_floor if noisy else 2 * self._explained
-            self._slack = per_step / self._passes if self.findings or noisy else 0.0
+            found = bool(self._reporter.findings)
+            self._slack = explained / self.passes if found or noisy else 0.0
         micro.append(live)
         self._made.append(made)
         if made is not None and len(self._made) > 1 and self._made[-2] is not None:
             self._made_per = float(made - self._made[-2])  # what this microbatch allocated
         if noisy:
             self._slack = max(self._slack, HEAP_SLACK, self._made_per * HEAP_FRACTION)
-        step = self.steps + 1
+        step = steps + 1
         if len(micro) == 1 and self._pending is not None:
-            self._fell_back(frame, last=True)
-        if step < self._next_micro or self._micro_searches >= 3:
+            self._fell_back(frame, steps, last=True)
+        if step < self._next or self._searches >= 3:
             return
+        search = self._reporter.search
         if len(micro) == 1:
             # The baseline a later backward of this step is compared with: in the first
             # step, and after a step whose memory built up with nothing found.
-            if self._micro_suspect:
-                self._micro_suspect = False
-                self._micro_searches += 1
-                self._micro_base, self._micro_base_at = self._search(frame, everything=True), 1
+            if self._suspect:
+                self._suspect = False
+                self._searches += 1
+                self._base, self._base_at = search(frame, everything=True), 1
             return
         if micro[-1] - micro[-2] <= self._slack:
             return
-        self._micro_searches += 1
-        report = self._search(frame, everything=True)
-        base, at = self._micro_base, self._micro_base_at
+        self._searches += 1
+        report = search(frame, everything=True)
+        base, at = self._base, self._base_at
         if base is None:
-            self._micro_base, self._micro_base_at = report, len(micro)
+            self._base, self._base_at = report, len(micro)
         graphs, candidates = self._per_microbatch(report, base, len(micro) - at)
         per = (micro[-1] - micro[0]) / (len(micro) - 1)
         if graphs:
@@ -89,27 +118,45 @@ class _PerMicrobatch(_Findings):
         if candidates:  # a finding once they fall back: a cache that fills stays
             self._pending = (candidates, base, per, len(micro), step)
         elif not graphs:
-            self._micro_missed += 1
-            if self._micro_missed >= 2:  # nothing twice this step: search less often
-                self._next_micro = step + self._micro_backoff
-                self._micro_backoff *= 2
-                self._micro_suspect = True
+            self._missed += 1
+            if self._missed >= 2:  # nothing twice this step: search less often
+                self._next = step + self._backoff
+                self._backoff *= 2
+                self._suspect = True
+
+    def step_ended(self, frame: FrameType | None, steps: int) -> None:
+        """Step ``steps + 1`` ended: what its microbatches kept and let go is judged, and
+        the next step starts over (searched from its first backward if this one built up
+        with nothing found)."""
+        self._fell_back(frame, steps, last=False)
+        micro = self._micro
+        self.passes = max(len(micro), 1)
+        grew = len(micro) > 1 and micro[-1] - micro[0] > self._slack * (len(micro) - 1)
+        if grew and self._searches and not self._reporter.findings:
+            self._suspect = True
+        self._micro, self._made, self._searches, self._missed = [], [], 0, 0
+        self._base = None
+
+    def finish(self, frame: FrameType | None, steps: int) -> None:
+        """The run ended: holders pending since the last step are looked at once more."""
+        self._fell_back(frame, steps, last=True)
 
     def _micro_found(self, holders: list[Retained], per: float, passes: int, step: int) -> None:
         hints = [hint for part, hint in _MICRO_HINTS if any(part in h.where for h in holders)]
-        self._found(
+        self._reporter.found(
             "microbatch",
             holders,
             per,
-            f"{self.owner}: +{format_bytes(per)} kept per backward pass over the "
+            f"{self._reporter.owner}: +{format_bytes(per)} kept per backward pass over the "
             f"{passes} backward passes of step {step}: memory builds up within the step "
             "(tensors kept for every microbatch until the step ends), so a step with more "
             "microbatches runs out of memory although nothing grows from step to step. "
             + "".join(f"{hint} " for hint in hints)
             + "Held by:",
+            step=step,
         )
 
-    def _fell_back(self, frame: FrameType | None, last: bool) -> None:
+    def _fell_back(self, frame: FrameType | None, steps: int, last: bool) -> None:
         """Are the pending holders of a step's microbatches let go now that it ended? Those
         that are were kept per microbatch: a finding. Looked at when the step ends and, for
         a holder emptied by a step-end callback that runs after ours, at the next step's
@@ -118,7 +165,7 @@ class _PerMicrobatch(_Findings):
         if pending is None:
             return
         candidates, base, per, passes, step = pending
-        report = self._search(frame, everything=True)
+        report = self._reporter.search(frame, everything=True)
         now = _by_holder(report.items + report.all_detached)
         before = _by_holder(base.items + base.all_detached) if base is not None else {}
         fallen, waiting = [], []
@@ -132,8 +179,8 @@ class _PerMicrobatch(_Findings):
                 waiting.append(held)
         self._pending = (waiting, base, per, passes, step) if waiting and not last else None
         if waiting and last:  # kept past the step: growth, judged across steps; search less
-            self._next_micro = self.steps + 1 + self._micro_backoff
-            self._micro_backoff *= 2
+            self._next = steps + 1 + self._backoff
+            self._backoff *= 2
         if fallen:
             self._micro_found(fallen, per, passes, step)
 
@@ -154,7 +201,7 @@ class _PerMicrobatch(_Findings):
         """
         floor = self._micro_floor()
         graphs = group([i for i in report.items if i.kind == "graph"])
-        graph_floor = self.rule.graph_floor
+        graph_floor = self._rule.graph_floor
         out = [g for g in graphs if g.count > 1 and g.through_graph / g.count > graph_floor]
         if base is None or passes < 1:
             return out, []
@@ -174,7 +221,7 @@ class _PerMicrobatch(_Findings):
     def _micro_floor(self) -> float:
         """Bytes per kept tensor below which a microbatch's retention is a metric: the
         rule's ``graph_floor``, or a fraction of what one microbatch allocates, the larger."""
-        return max(float(self.rule.graph_floor), self._made_per * MICRO_FRACTION)
+        return max(float(self._rule.graph_floor), self._made_per * MICRO_FRACTION)
 
 
 #: what to do about a holder that a library keeps per microbatch by design, by a part of

@@ -49,8 +49,8 @@ class Watch:
         warmup: steps not judged across steps (retention per microbatch is judged from
             the first step).
         window: the most recent steps judged at every step (at least 4).
-        every: on a device counted by the storage tracker (the CPU), track storages during
-            about one step in this many (the first always; 1: every step, exact).
+        sample_every: on a device counted by the storage tracker (the CPU), track storages
+            during about one step in this many (the first always; 1: every step, exact).
         floor: bytes per step of growth accepted when no autograd graph holds it.
         tolerance: bytes per step accepted beyond the noise bound.
         device: the device judged (default: the accelerator if any, read from its
@@ -68,7 +68,7 @@ class Watch:
         *,
         warmup: int | None = None,
         window: int | None = None,
-        every: int = 8,
+        sample_every: int = 8,
         floor: float | None = None,
         tolerance: float | None = None,
         device: str | torch.device | None = None,
@@ -80,13 +80,13 @@ class Watch:
         rule = Rule.of(
             "watch", "watching", warmup=warmup, window=window, tolerance=tolerance, floor=floor
         )
-        whole("watch", "every", every, 1)
+        whole("watch", "sample_every", sample_every, 1)
         whole("watch", "fallback", fallback, 1)
         judged = judged_device("watch", device)
         named = named_roots("watch", roots)
         _args.function("watch", "on_finding", on_finding, none=True)
         _args.text("watch", "owner", owner)
-        self.rule, self.every, self.fallback = rule, every, fallback
+        self.rule, self.sample_every, self.fallback = rule, sample_every, fallback
         self.device = judged
         self.roots = named
         self.on_finding = on_finding
@@ -117,13 +117,13 @@ class Watch:
             return self
         tracker = MemoryTracker(
             devices=[self.device],
-            sample_every=self.every,
+            sample_every=self.sample_every,
             rule=self.rule,
             roots=self.roots,
             warn=False,
+            on_finding=weak_method(self._found),  # weakly: no cycle through the watch
+            owner=self.owner,
         )
-        tracker.detector.owner = self.owner
-        tracker.detector.on_finding = weak_method(self._found)
         self._thread = threading.get_ident()
         tracker.__enter__()
         self._tracker = tracker

@@ -128,10 +128,10 @@ class GrowthWatch:
             rule=self.rule,
             roots=weak_method(self._roots),  # weakly: no cycle through the watch
             warn=False,
+            on_finding=weak_method(self._finding),
+            owner=self.owner,
+            unit="optimizer steps",
         )
-        tracker.detector.owner = self.owner
-        tracker.detector.unit = "optimizer steps"
-        tracker.detector.on_finding = weak_method(self._finding)
         tracker.__enter__()
         self._tracker = tracker
 

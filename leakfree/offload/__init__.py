@@ -43,11 +43,11 @@ A front that holds its parts, each owning its state and called under the front's
 ``hooks`` (the context managers: the hooks, the settings, a forward's bounds) holds
 ``transfers`` (the copies, their streams and the in-flight window), ``keeping`` (what
 stays on the device), ``plan`` (the planner, over ``options``: the options and the mode
-they make), ``measure`` (a goal's measured and checked steps) and ``backward`` (the
-passes: restore, prefetch, the order learned). ``handles`` is what the graph owns
-(handles, host copies, their groups, a forward's record), ``pool`` the host blocks and
-their budget, ``streams`` the order's bookkeeping, ``stats`` what was moved, ``models``
-``offload_model`` and head discovery.
+they make), ``measurer`` (a goal's measured and checked steps, each measured by
+``measure``) and ``backward`` (the passes: restore, prefetch, the order learned).
+``handles`` is what the graph owns (handles, host copies, their groups, a forward's
+record), ``pool`` the host blocks and their budget, ``streams`` the order's bookkeeping,
+``stats`` what was moved, ``models`` ``offload_model`` and head discovery.
 """
 
 from leakfree.offload.hooks import NoOffload, OffloadActivations

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from leakfree.offload.handles import _Group, _HostCopy, _Offloaded
-from leakfree.offload.measure import Measurer
+from leakfree.offload.measurer import Measurer
 from leakfree.offload.plan import Planner
 from leakfree.offload.streams import Order, _Copies, _follow, _Pass, _to_prefetch
 from leakfree.offload.transfers import Transfers

@@ -28,7 +28,7 @@ from leakfree._device import accelerator, device_module
 from leakfree.offload.backward import Backward, graph_task
 from leakfree.offload.handles import _Forward, _HostCopy, _Kept, _Offloaded, _span
 from leakfree.offload.keeping import Keeper
-from leakfree.offload.measure import Measurer
+from leakfree.offload.measurer import Measurer
 from leakfree.offload.options import AUTO, Mode, Options
 from leakfree.offload.plan import OffloadPlan, Planner
 from leakfree.offload.pool import HostBlockPool

@@ -6,27 +6,20 @@ unpacks; at the end it gives a :class:`~leakfree.offload.plan.Measurement`. :cla
 notes points of the work issued to the device (timing events on an accelerator's current
 stream; the host's clock on the CPU) and reads the seconds between them once the last has
 completed: one host wait, when the step is over. :func:`bandwidth` times one copy each way
-between the device and pinned host memory. :class:`Measurer` ("the measurer") is the part
-of :class:`~leakfree.offload.OffloadActivations` that runs them for a goal: it measures the
-first step of each shape and checks the step after a limit's new plan. Nothing here holds a
-tensor past its call.
+between the device and pinned host memory. Nothing here holds a tensor past its call.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 
-from leakfree.offload.plan import Measurement, Planner
-from leakfree.offload.stats import OffloadStats
+from leakfree.offload.plan import Measurement
 
-if TYPE_CHECKING:
-    from leakfree.offload.transfers import Transfers
-
-__all__ = ["Marks", "Measurer", "StepMeasure", "bandwidth"]
+__all__ = ["Marks", "StepMeasure", "bandwidth"]
 
 
 class Marks:
@@ -231,65 +224,3 @@ def _rises(samples: list[tuple[int, int]]) -> tuple[int, ...]:
         rises[i] = max(0, ahead - allocated)
         ahead = max(ahead, allocated, peak)
     return tuple(rises)
-
-
-class Measurer:
-    """A goal's measured and checked steps (see the module doc): the step being measured
-    (:attr:`measuring`: until its backward ends) and, under a limit, what the device held
-    as the step checked against it began. Events and numbers only. Called under the
-    manager's lock."""
-
-    def __init__(self, planner: Planner, transfers: Transfers, stats: OffloadStats) -> None:
-        self._planner = planner
-        self._transfers = transfers
-        self._stats = stats
-        self.measuring: StepMeasure | None = None
-        self._checking: int | None = None
-
-    def reset(self) -> None:
-        """The options changed: nothing measured or checked so far counts."""
-        self.measuring = None
-        self._checking = None
-
-    def begin_forward(self) -> None:
-        """A forward begins: measured, if a goal has no plan; checked, if a limit's new
-        plan awaits its check (where the device reports its peak)."""
-        planner = self._planner
-        transfers = self._transfers
-        if planner.mode.goal and planner.split is None:
-            device = cast(torch.device, transfers.device)
-            self.measuring = StepMeasure(device, transfers.module, self._stats.to_host_bytes)
-        elif planner.check is not None and transfers.module is not None:
-            module = transfers.module
-            module.reset_peak_memory_stats(transfers.device)
-            self._checking = int(module.memory_allocated(transfers.device))
-
-    def forward_ended(self, sizes: tuple[int, ...]) -> None:
-        """A forward of other shapes than the plan's ended (``sizes``: its copies'): the
-        measured step's forward is done; any other makes the next step a measured one."""
-        measuring = self.measuring
-        if measuring is not None and measuring.sizes is None:
-            measuring.forward_done(sizes)
-        else:
-            self._planner.forget()
-            self.measuring = None
-
-    def pass_ended(self) -> None:
-        """A backward pass is over: the measured step's makes the plan for its shapes (one
-        host wait, for its last mark, and the bandwidth probe once); the checked step's
-        peak is weighed by the planner."""
-        measuring = self.measuring
-        if measuring is not None and measuring.backward is not None:
-            self.measuring = None
-            measured = measuring.finish(self._stats.to_host_bytes, self._transfers.bandwidth)
-            if measured is None:  # saves the plan did not see: the next step is measured
-                return
-            measurement, rises = measured
-            planner = self._planner
-            planner.adopt(measurement, measuring.allocated, checkable=measuring.module is not None)
-            planner.rises = rises
-            planner.replans += 1
-        elif self._checking is not None:
-            self._checking = None
-            module = self._transfers.module
-            self._planner.checked(int(module.max_memory_allocated(self._transfers.device)))

@@ -1,5 +1,5 @@
 """``python -m leakfree run --fail --json FILE script.py`` at its DEFAULT options (no
-``--every``, no ``--warmup``) on scripts written as a user writes them.
+``--sample-every``, no ``--warmup``) on scripts written as a user writes them.
 
 A leak is found in a run of 16 or 40 optimizer steps at the defaults, with its holder and
 the line that made what it keeps; a clean run of 40 steps reports nothing and says it was

@@ -331,14 +331,14 @@ def scripts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 #: every run the tests read, by name: (arguments to ``leakfree run``)
 RUNS: dict[str, tuple[str, ...]] = {
-    **{f"shape {name}": ("--fail", "--every", "1", f"{name}.py") for name in SHAPES},
+    **{f"shape {name}": ("--fail", "--sample-every", "1", f"{name}.py") for name in SHAPES},
     # as python -m runs a module: the same shape, found the same way
-    "shape global_loss": ("--fail", "--every", "1", "-m", "global_loss"),
+    "shape global_loss": ("--fail", "--sample-every", "1", "-m", "global_loss"),
     "clean": ("--fail", "clean.py"),
-    "dist leak": ("--fail", "--every", "1", "dist.py", "leak"),
+    "dist leak": ("--fail", "--sample-every", "1", "dist.py", "leak"),
     "torchrun": (
         "--fail",
-        "--every",
+        "--sample-every",
         "1",
         "-m",
         "torch.distributed.run",
@@ -468,8 +468,8 @@ def test_a_module_runs_as_python_m_does(runs: dict[str, Run]) -> None:
 def test_usage_errors_exit_2_with_a_clear_message(scripts: Path) -> None:
     missing = leakfree_run(scripts, "missing.py", json_out=False)
     assert missing.status == 2 and "can't open file" in missing.stderr
-    bad = leakfree_run(scripts, "--every", "0", "clean.py", json_out=False)
-    assert bad.status == 2 and "--every 0: expected an int >= 1" in bad.stderr
+    bad = leakfree_run(scripts, "--sample-every", "0", "clean.py", json_out=False)
+    assert bad.status == 2 and "--sample-every 0: expected an int >= 1" in bad.stderr
     none = leakfree_run(scripts, json_out=False)
     assert none.status == 2 and "give a SCRIPT or -m MODULE" in none.stderr
 

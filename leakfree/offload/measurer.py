@@ -1,0 +1,80 @@
+"""A goal's measured and checked steps: :class:`Measurer` ("the measurer") is the part of
+:class:`~leakfree.offload.OffloadActivations` that measures the first step of each shape
+for a goal's plan (:class:`~leakfree.offload.measure.StepMeasure`) and, under a limit,
+checks the step after a new plan against it. The front calls it with its lock held.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+
+from leakfree.offload.measure import StepMeasure
+from leakfree.offload.plan import Planner
+from leakfree.offload.stats import OffloadStats
+from leakfree.offload.transfers import Transfers
+
+__all__ = ["Measurer"]
+
+
+class Measurer:
+    """A goal's measured and checked steps (see the module doc): the step being measured
+    (:attr:`measuring`: until its backward ends) and, under a limit, what the device held
+    as the step checked against it began. Events and numbers only. Called under the
+    manager's lock."""
+
+    def __init__(self, planner: Planner, transfers: Transfers, stats: OffloadStats) -> None:
+        self._planner = planner
+        self._transfers = transfers
+        self._stats = stats
+        self.measuring: StepMeasure | None = None
+        self._checking: int | None = None
+
+    def reset(self) -> None:
+        """The options changed: nothing measured or checked so far counts."""
+        self.measuring = None
+        self._checking = None
+
+    def begin_forward(self) -> None:
+        """A forward begins: measured, if a goal has no plan; checked, if a limit's new
+        plan awaits its check (where the device reports its peak)."""
+        planner = self._planner
+        transfers = self._transfers
+        if planner.mode.goal and planner.split is None:
+            device = cast(torch.device, transfers.device)
+            self.measuring = StepMeasure(device, transfers.module, self._stats.to_host_bytes)
+        elif planner.check is not None and transfers.module is not None:
+            module = transfers.module
+            module.reset_peak_memory_stats(transfers.device)
+            self._checking = int(module.memory_allocated(transfers.device))
+
+    def forward_ended(self, sizes: tuple[int, ...]) -> None:
+        """A forward of other shapes than the plan's ended (``sizes``: its copies'): the
+        measured step's forward is done; any other makes the next step a measured one."""
+        measuring = self.measuring
+        if measuring is not None and measuring.sizes is None:
+            measuring.forward_done(sizes)
+        else:
+            self._planner.forget()
+            self.measuring = None
+
+    def pass_ended(self) -> None:
+        """A backward pass is over: the measured step's makes the plan for its shapes (one
+        host wait, for its last mark, and the bandwidth probe once); the checked step's
+        peak is weighed by the planner."""
+        measuring = self.measuring
+        if measuring is not None and measuring.backward is not None:
+            self.measuring = None
+            measured = measuring.finish(self._stats.to_host_bytes, self._transfers.bandwidth)
+            if measured is None:  # saves the plan did not see: the next step is measured
+                return
+            measurement, rises = measured
+            planner = self._planner
+            planner.adopt(measurement, measuring.allocated, checkable=measuring.module is not None)
+            planner.rises = rises
+            planner.replans += 1
+        elif self._checking is not None:
+            self._checking = None
+            module = self._transfers.module
+            self._planner.checked(int(module.max_memory_allocated(self._transfers.device)))
