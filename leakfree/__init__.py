@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-#: public name -> the module that defines it
+#: every name reachable here -> the module that defines it (``__all__`` lists the ones a
+#: user needs; the ``TYPE_CHECKING`` block below imports every one, for type checkers:
+#: tests/test_api.py holds the three together)
 _EXPORTS = {
     "Function": "leakfree.function",
     "ReferenceCycleError": "leakfree.function",
@@ -31,11 +33,11 @@ _EXPORTS = {
     "patch_functions": "leakfree.patches",
     "patch_report": "leakfree.patches",
     "unpatch_all": "leakfree.patches",
-    "LeakfreeWarning": "leakfree._warnings",
-    "PatchWarning": "leakfree._warnings",
-    "PatchError": "leakfree._warnings",
-    "MemoryGrowthWarning": "leakfree._warnings",
-    "NotJudgedWarning": "leakfree._warnings",
+    "LeakfreeWarning": "leakfree.errors",
+    "PatchWarning": "leakfree.errors",
+    "PatchError": "leakfree.errors",
+    "MemoryGrowthWarning": "leakfree.errors",
+    "NotJudgedWarning": "leakfree.errors",
     "watch": "leakfree.diagnostics.watch",
 }
 _SUBMODULES = ("pipeline",)
@@ -89,16 +91,19 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from leakfree import pipeline
-    from leakfree._warnings import (
+    from leakfree.detach import detach_tree
+    from leakfree.diagnostics.watch import watch
+    from leakfree.errors import (
         LeakfreeWarning,
         MemoryGrowthWarning,
         NotJudgedWarning,
     )
-    from leakfree._warnings import (
+    from leakfree.errors import (
+        PatchError as PatchError,
+    )
+    from leakfree.errors import (
         PatchWarning as PatchWarning,
     )
-    from leakfree.detach import detach_tree
-    from leakfree.diagnostics.watch import watch
     from leakfree.function import (
         Function,
         ReferenceCycleError,

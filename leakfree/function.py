@@ -58,7 +58,7 @@ from leakfree._walk import (
     is_scalar,
     search,
 )
-from leakfree._warnings import LeakfreeWarning
+from leakfree.errors import LeakfreeWarning
 
 __all__ = [
     "Function",
@@ -655,11 +655,11 @@ class Function(torch.autograd.Function):
     * **Released after the last backward**: every attribute set on ``ctx`` (by forward,
       setup_context, jvp or backward) that can hold memory, right after the node's backward
       returns in a pass that does not keep the graph. ``backward(retain_graph=True)`` and
-      ``create_graph=True`` keep it for the next pass. Reading a released attribute raises
-      ``AttributeError``; another backward through the node raises a ``RuntimeError`` that
-      says what happened. Node post-hooks run after the release. Backward calls that run
-      through one node concurrently (threads) all see the whole state; the last one out
-      releases it.
+      ``create_graph=True`` keep it for the next pass. A released attribute is set to
+      ``None`` (reading it gives ``None``); another backward through the node raises a
+      ``RuntimeError`` that says what happened. Node post-hooks run after the release.
+      Backward calls that run through one node concurrently (threads) all see the whole
+      state; the last one out releases it.
     * **Kept**: autograd-managed state (``saved_tensors``, ``needs_input_grad``, ...);
       attributes listed in the class attribute ``keep`` (``keep = ("cache",)``), which then
       live as long as the node, as in plain PyTorch; metadata that holds no memory

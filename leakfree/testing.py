@@ -23,17 +23,9 @@ from leakfree.diagnostics.growth import Growth
 from leakfree.diagnostics.memory import MemoryTracker, default_devices
 from leakfree.diagnostics.retention import RetentionReport
 from leakfree.diagnostics.roots import code_roots, judged_device
+from leakfree.errors import LeakError
 
 __all__ = ["LeakError", "assert_no_leak"]
-
-
-class LeakError(AssertionError):
-    """Live bytes grew per step; carries the growth and the retention report."""
-
-    def __init__(self, message: str, growth: Growth, retained: Any) -> None:
-        super().__init__(message)
-        self.growth = growth
-        self.retained = retained
 
 
 def assert_no_leak(

@@ -69,3 +69,25 @@ def test_every_exported_name_resolves(module: str) -> None:
 )
 def test_internals_stay_importable_from_their_modules(module: str, name: str) -> None:
     assert hasattr(importlib.import_module(module), name)
+
+
+def test_the_top_level_export_lists_agree() -> None:
+    """``_EXPORTS`` (what is reachable), ``__all__`` (what is listed) and the names the
+    ``TYPE_CHECKING`` block imports (what a type checker sees) describe one surface."""
+    import ast
+    from pathlib import Path
+
+    import leakfree
+
+    source = Path(leakfree.__file__).read_text()
+    typed: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            for stmt in node.body:
+                if isinstance(stmt, ast.ImportFrom):
+                    typed.update(alias.asname or alias.name for alias in stmt.names)
+    exports = set(leakfree._EXPORTS)
+    assert typed == exports | set(leakfree._SUBMODULES)
+    assert set(leakfree.__all__) <= exports | set(leakfree._SUBMODULES)
+    for name, module in leakfree._EXPORTS.items():
+        assert getattr(importlib.import_module(module), name) is getattr(leakfree, name)

@@ -751,7 +751,7 @@ def test_prefetch_follows_the_learned_order_within_the_byte_window() -> None:
     copies = [h.copy.group for h in hs]  # 64 bytes each
     order = [copies[i] for i in (5, 3, 4, 1, 2, 0)]  # not pack order: what backward did
     state = _pass_over(order, ctx)
-    assert [r() for r in state.plan] == order
+    assert [r() for r in state.following] == order
     assert _to_prefetch(state, copies[5], window=128) == [copies[3], copies[4]]
     assert state.outstanding == 128
     assert _to_prefetch(state, copies[3], window=128) == []  # the window is full
@@ -779,16 +779,16 @@ def test_a_learned_order_is_followed_only_where_the_copies_match_it() -> None:
     _, more = _handles(1)  # another manager's copy: not in ctx's registry
     shifted = _Pass()
     _follow(order, copies[2], ctx._backward.copies, shifted)  # would start before the first copy
-    assert shifted.plan == []
+    assert shifted.following == []
     again = _Pass()
     _follow(order, copies[3], ctx._backward.copies, again)
-    assert [r() for r in again.plan] == list(reversed(copies))
+    assert [r() for r in again.following] == list(reversed(copies))
     del hs[1], copies[1]  # a recorded copy died: the shape no longer matches
     gone = _Pass()
-    _follow(order, again.plan[0](), ctx._backward.copies, gone)
-    assert gone.plan == []
+    _follow(order, again.following[0](), ctx._backward.copies, gone)
+    assert gone.following == []
     _follow(((0, 32),), more[0].copy.group, ctx._backward.copies, gone)  # another size
-    assert gone.plan == []
+    assert gone.following == []
 
 
 def test_copies_registry_keeps_about_twice_the_live_copies() -> None:

@@ -23,7 +23,7 @@ import pytest
 
 from leakfree.diagnostics.snapshot import (
     NO_FRAMES,
-    Site,
+    SiteTotal,
     StreamUsage,
     bytes_per_stream,
     dead_streams,
@@ -249,9 +249,9 @@ def test_dead_streams_with_alive() -> None:
 def test_top_allocation_sites_skips_torch_frames() -> None:
     sites = top_allocation_sites(make_snapshot())
     assert sites == [
-        Site("train.py:42:step", 8 * MiB + 512 * KiB, 2),
-        Site("model.py:10:forward", 4 * MiB, 1),  # pending free is still active
-        Site(NO_FRAMES, 1 * MiB, 1),
+        SiteTotal("train.py:42:step", 8 * MiB + 512 * KiB, 2),
+        SiteTotal("model.py:10:forward", 4 * MiB, 1),  # pending free is still active
+        SiteTotal(NO_FRAMES, 1 * MiB, 1),
     ]
     assert top_allocation_sites(make_snapshot(), 1) == sites[:1]
     assert top_allocation_sites(make_snapshot(), 0) == []

@@ -14,7 +14,6 @@ from types import FrameType
 from typing import Any, Protocol
 
 from leakfree._text import format_bytes
-from leakfree._warnings import LeakfreeWarning
 from leakfree.diagnostics.cycles import Cycles
 from leakfree.diagnostics.growth import Growth
 from leakfree.diagnostics.retention import (
@@ -25,6 +24,7 @@ from leakfree.diagnostics.retention import (
     holder_key,
 )
 from leakfree.diagnostics.roots import frame_roots, module_roots
+from leakfree.errors import LeakfreeWarning
 
 
 class Tracked(Protocol):

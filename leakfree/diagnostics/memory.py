@@ -49,12 +49,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 import leakfree._args as _args
 from leakfree._device import accelerator, device_index, device_module
 from leakfree._text import format_bytes, format_table
-from leakfree._warnings import MemoryGrowthWarning
 from leakfree.diagnostics.boundaries import on_backward
 from leakfree.diagnostics.detector import Detector, Finding, Rule, whole
 from leakfree.diagnostics.growth import Growth, fit_growth
 from leakfree.diagnostics.heap import heap_counter
 from leakfree.diagnostics.sites import WATCHING, Raw, Site, active_site, capture, site_of
+from leakfree.errors import MemoryGrowthWarning
 
 __all__ = ["MemoryTracker", "StorageTracker", "active_site", "weak_method"]
 

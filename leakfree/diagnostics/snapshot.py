@@ -47,8 +47,8 @@ __all__ = [
     "DEFAULT_SKIP",
     "NO_FRAMES",
     "NewBlock",
-    "Site",
     "SiteDelta",
+    "SiteTotal",
     "SnapshotDiff",
     "StreamDelta",
     "StreamUsage",
@@ -329,8 +329,9 @@ def dead_streams(snap: Snapshot, alive: Iterable[int] | None = None) -> list[Str
 
 
 @dataclass
-class Site:
-    """Active bytes (block sizes) and block count allocated from one source location."""
+class SiteTotal:
+    """Active bytes (block sizes) and block count allocated from one source location, in
+    a snapshot. (A live tensor's creation site is :class:`leakfree.diagnostics.sites.Site`.)"""
 
     site: str
     bytes: int
@@ -349,7 +350,7 @@ def _site_totals(snap: Snapshot, skip: tuple[str, ...]) -> dict[str, list[int]]:
 
 def top_allocation_sites(
     snap: Snapshot, n: int = 10, *, skip: tuple[str, ...] = DEFAULT_SKIP
-) -> list[Site]:
+) -> list[SiteTotal]:
     """The ``n`` source locations holding the most active bytes.
 
     Each active block is attributed to the innermost frame of its allocation stack whose
@@ -357,7 +358,7 @@ def top_allocation_sites(
     innermost frame when every frame matches ``skip``); blocks recorded without frames
     are grouped as :data:`NO_FRAMES`. Sorted by bytes (descending), then site.
     """
-    sites = [Site(s, r[0], r[1]) for s, r in _site_totals(snap, skip).items()]
+    sites = [SiteTotal(s, r[0], r[1]) for s, r in _site_totals(snap, skip).items()]
     sites.sort(key=lambda s: (-s.bytes, s.site))
     return sites[: max(n, 0)]
 

@@ -33,11 +33,11 @@ import torch
 
 import leakfree._args as _args
 from leakfree._text import format_bytes
-from leakfree._warnings import MemoryGrowthWarning
 from leakfree.diagnostics.boundaries import on_backward
 from leakfree.diagnostics.detector import Finding, Rule, whole
 from leakfree.diagnostics.memory import MemoryTracker, weak_method
 from leakfree.diagnostics.roots import judged_device, named_roots
+from leakfree.errors import MemoryGrowthWarning
 
 __all__ = ["Watch", "watch"]
 

@@ -17,7 +17,7 @@ submodule of the framework you use. Guide: docs/integrations.md.
 from __future__ import annotations
 
 # The warnings are leakfree's (exported there); here they are only at hand.
-from leakfree._warnings import MemoryGrowthWarning as MemoryGrowthWarning
-from leakfree._warnings import NotJudgedWarning as NotJudgedWarning
+from leakfree.errors import MemoryGrowthWarning as MemoryGrowthWarning
+from leakfree.errors import NotJudgedWarning as NotJudgedWarning
 
 __all__: list[str] = []

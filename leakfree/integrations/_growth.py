@@ -23,12 +23,11 @@ from typing import Any
 
 import torch
 
-from leakfree._warnings import MemoryGrowthWarning, NotJudgedWarning
 from leakfree.diagnostics import Growth, MemoryTracker, RetentionReport, fit_growth
 from leakfree.diagnostics.detector import Finding, Rule, whole
 from leakfree.diagnostics.memory import weak_method
 from leakfree.diagnostics.roots import judged_device, named_roots
-from leakfree.testing import LeakError
+from leakfree.errors import LeakError, MemoryGrowthWarning, NotJudgedWarning
 
 #: the metric names both callbacks log (bytes; the growth is per optimizer step)
 METRIC_LIVE = "leakfree/live_bytes"

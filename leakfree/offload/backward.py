@@ -138,7 +138,7 @@ class Backward:
         measuring = self._measurer.measuring
         if measuring is not None:
             measuring.sample(group.used, moved=True)
-        if not (state.plan and self._transfers.use_streams):
+        if not (state.following and self._transfers.use_streams):
             return
         if self._planner.early:
             self._prefetch_early(state, group)
@@ -161,7 +161,7 @@ class Backward:
         grow; they do not count against the prefetch window."""
         if state.early is None:  # the pass begins: its queue, once
             state.early = set()
-            sent = [r() for r in state.plan]
+            sent = [r() for r in state.following]
             chosen = [g for g in sent if isinstance(g, _Group) and g is not first and g.block]
             budget = self._planner.early
             for candidate in sorted(chosen, key=lambda g: g.sent):
@@ -206,7 +206,7 @@ class Backward:
             measuring = self._measurer.measuring
             if measuring is not None:
                 measuring.sample(copy.nbytes, moved=False)
-            if state.plan and self._planner.early and self._transfers.use_streams:
+            if state.following and self._planner.early and self._transfers.use_streams:
                 self._prefetch_early(state, copy)
 
     def _pass(self, task: int, first: _Group | _HostCopy) -> _Pass:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from leakfree._warnings import LeakfreeWarning
+from leakfree.errors import LeakfreeWarning
 
 __all__ = [
     "PROCESS_BUDGET",

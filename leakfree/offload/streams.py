@@ -82,11 +82,11 @@ class _Pass:
     __slots__ = (
         "early",
         "early_queue",
+        "following",
         "held",
         "next",
         "order",
         "outstanding",
-        "plan",
         "position",
         "prefetched",
         "window",
@@ -97,7 +97,7 @@ class _Pass:
         self.held: list[weakref.ref[_Group]] = []  # groups given a `keep` in this pass
         self.prefetched: list[weakref.ref[_Group]] = []
         self.outstanding = 0  # bytes prefetched and not consumed yet
-        self.plan: list[weakref.ref[Unit]] = []  # the learned order
+        self.following: list[weakref.ref[Unit]] = []  # the learned order, this pass's units
         self.position: dict[int, int] = {}  # seq -> index in plan
         self.next = 0  # the first plan index not yet considered for prefetch
         #: the default prefetch window: twice the plan's largest copy (so about two copies
@@ -136,7 +136,7 @@ def _follow(order: Order, first: Unit, copies: _Copies, state: _Pass) -> None:
         plan.append(weakref.ref(unit))
         if isinstance(unit, _Group):  # held copies are never brought back: not theirs
             largest = max(largest, unit.largest)
-    state.plan = plan
+    state.following = plan
     state.position = {base + rel: i for i, (rel, _) in enumerate(order)}
     state.window = 2 * largest
 
@@ -151,7 +151,7 @@ def _to_prefetch(state: _Pass, current: _Group, window: int) -> list[_Group]:
         return []
     out: list[_Group] = []
     j = max(i + 1, state.next)
-    plan = state.plan
+    plan = state.following
     while j < len(plan):
         group = plan[j]()
         if (

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import leakfree._args as _args
-from leakfree._warnings import PatchError, PatchWarning
+from leakfree.errors import PatchError, PatchWarning
 from leakfree.patches import pipelining as _pipelining
 from leakfree.patches import torchtune as _torchtune
 from leakfree.patches import transformer_engine as _te

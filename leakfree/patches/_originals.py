@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from leakfree._warnings import PatchWarning
+from leakfree.errors import PatchWarning
 
 if TYPE_CHECKING:
     from leakfree.function import ReleaseHandle

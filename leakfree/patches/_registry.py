@@ -32,7 +32,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from leakfree._text import format_table
-from leakfree._warnings import PatchError, PatchWarning
+from leakfree.errors import PatchError, PatchWarning
 from leakfree.patches._originals import Changes, Originals, _check_owner
 
 if TYPE_CHECKING:

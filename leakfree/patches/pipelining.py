@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from leakfree._warnings import PatchWarning
+from leakfree.errors import PatchWarning
 from leakfree.patches._code import code_facts
 from leakfree.patches._originals import Changes
 from leakfree.patches._registry import REGISTRY, Patch, Reason, Skip

@@ -51,7 +51,6 @@ headers, :class:`PendingSends`, aborts and timeouts), ``losses``
 """
 
 from leakfree.pipeline.buffers import RecvBufferPool
-from leakfree.pipeline.losses import PipelineLosses
 from leakfree.pipeline.p2p import (
     PipelineAborted,
     PipelineTimeout,
@@ -62,6 +61,7 @@ from leakfree.pipeline.p2p import (
     send_forward,
 )
 from leakfree.pipeline.release import PipelineWarning, backward_from, release_output
+from leakfree.pipeline.schedule_losses import PipelineLosses
 from leakfree.pipeline.slots import GradSlot, as_nonleaf
 
 __all__ = [

@@ -16,7 +16,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 import leakfree._args as _args
-from leakfree._warnings import LeakfreeWarning
+from leakfree.errors import LeakfreeWarning
 
 __all__ = ["PipelineWarning", "ReleasedOutput", "backward_from", "release_output"]
 

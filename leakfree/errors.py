@@ -1,6 +1,14 @@
-"""The warning categories leakfree issues (filter them with ``warnings.filterwarnings``)."""
+"""What leakfree raises and warns: the warning categories (filter them with
+``warnings.filterwarnings``), :class:`PatchError` and :class:`LeakError`. Imports no torch:
+the finders, the integrations and the patches all import it.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from leakfree.diagnostics.growth import Growth
 
 
 class LeakfreeWarning(UserWarning):
@@ -39,3 +47,14 @@ class NotJudgedWarning(LeakfreeWarning):
     """A watched training ended before the detector could judge it: fewer steps after the
     warm-up than a verdict needs (or growth suspected and not yet confirmed). No leak was
     found in them, and none is ruled out: it is not a clean run."""
+
+
+class LeakError(AssertionError):
+    """A leak was found where failing was asked for (``assert_no_leak``, a callback's
+    ``fail=True``): the message names the holders; ``growth`` is the growth per step,
+    ``retained`` the retention report of the holders."""
+
+    def __init__(self, message: str, growth: Growth, retained: Any) -> None:
+        super().__init__(message)
+        self.growth = growth
+        self.retained = retained
