@@ -97,7 +97,7 @@ def _python_child(argv: Sequence[str], cwd: str, env: dict[str, str], out: str) 
             runpy.run_path(argv[0], run_name="__main__")
         status = 0
     except SystemExit as e:
-        from leakfree._run import _exit_status  # what python makes of sys.exit(code)
+        from leakfree.cli.run import _exit_status  # what python makes of sys.exit(code)
 
         status = _exit_status(e.code)
     except BaseException:

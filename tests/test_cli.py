@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from leakfree import _demo
-from leakfree.__main__ import main
+from leakfree.cli import demo as _demo
+from leakfree.cli import main
 from leakfree.diagnostics import fit_growth
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,7 +177,7 @@ def test_snapshot_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
 _AS_SCRIPT = """
 import sys
 sys.argv[0] = {argv0!r}
-from leakfree.__main__ import main
+from leakfree.cli import main
 try:
     code = main({args!r})
 except SystemExit as e:
@@ -239,7 +239,7 @@ def test_snapshot_with_three_files_prints_snapshots_usage() -> None:
 
 
 def test_doctor_points_to_docs_that_exist(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    from leakfree import _doctor
+    from leakfree.cli import doctor as _doctor
 
     assert main(["doctor"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("known leaks"))

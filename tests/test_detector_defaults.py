@@ -339,7 +339,7 @@ def test_on_an_accelerator_every_step_is_judged_from_its_allocator(
 def test_every_entry_point_takes_its_defaults_from_the_one_rule() -> None:
     """The settings and their defaults are the rule's; a context with other defaults names
     them in one table (they were declared again in five places, warm-ups of 2 and 3)."""
-    from leakfree._run import parser
+    from leakfree.cli.run import parser
     from leakfree.diagnostics.rule import CONTEXTS, Rule
     from leakfree.integrations._growth import GrowthWatch
 

@@ -273,7 +273,7 @@ def test_leakfree_scans_clean_but_for_its_deliberate_leaks() -> None:
     # carry suppression comments, which this also proves work on real code.
     root = Path(__file__).resolve().parents[1] / "leakfree"
     assert scan([str(root)], jobs=1).findings == []
-    texts = [(root / "_demo.py").read_text(), (root / "_shapes.py").read_text()]
+    texts = [(root / "cli" / "demo.py").read_text(), (root / "_shapes.py").read_text()]
     assert "# leakfree: ignore[LF004]" in texts[0] and "# leakfree: ignore[LF001]" in texts[1]
 
 

@@ -235,7 +235,7 @@ def test_the_json_carries_the_verdict(name: str, verdict: str, runs: dict[str, R
 
 
 def test_a_run_too_short_to_judge_says_so_and_has_its_own_status(runs: dict[str, Run]) -> None:
-    from leakfree._run import EXIT_NOT_JUDGED
+    from leakfree.cli.run import EXIT_NOT_JUDGED
 
     run = runs["short"]
     assert EXIT_NOT_JUDGED not in (0, EXIT_LEAK)
@@ -256,7 +256,7 @@ def test_a_run_too_short_to_judge_says_so_and_has_its_own_status(runs: dict[str,
 
 
 def test_the_not_judged_status_is_documented() -> None:
-    from leakfree._run import EXIT_NOT_JUDGED
+    from leakfree.cli.run import EXIT_NOT_JUDGED
 
     docs = (ROOT / "docs" / "diagnostics.md").read_text()
     paragraphs = [p for p in re.split(r"\n\s*\n", docs) if "not judged" in p]

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from leakfree import _demo
+from leakfree.cli import demo as _demo
 from tests._fresh import run_python
 
 ROOT = Path(__file__).resolve().parents[2]

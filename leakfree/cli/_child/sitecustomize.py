@@ -2,7 +2,7 @@
 
 ``leakfree run`` puts this folder first on its children's ``PYTHONPATH``; Python imports
 ``sitecustomize`` at startup. Here, once the child imports torch (a child that never does
-pays nothing), a watch starts in it (``leakfree._run.child_start``). Then the
+pays nothing), a watch starts in it (``leakfree.cli.run.child_start``). Then the
 ``sitecustomize`` this one shadows, if any, runs as it would have.
 """
 
@@ -33,7 +33,7 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
         def exec_then_watch(module):  # type: ignore[no-untyped-def]
             exec_module(module)
             try:
-                from leakfree._run import child_start
+                from leakfree.cli.run import child_start
 
                 child_start()
             except Exception as e:  # a watcher never breaks the child
@@ -45,7 +45,7 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
 
 if os.environ.get("LEAKFREE_RUN"):
     if "torch" in sys.modules:
-        from leakfree._run import child_start
+        from leakfree.cli.run import child_start
 
         child_start()
     else:
