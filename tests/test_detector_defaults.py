@@ -303,16 +303,30 @@ def test_a_detached_scalar_history_is_judged_once_not_every_few_steps(
 
 
 def test_on_an_accelerator_every_step_is_judged_from_its_allocator(
-    accelerator: torch.device, quiet_warnings: None
+    accelerator: torch.device, quiet_warnings: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same promises where the allocator is read (the simulated device without a GPU):
     a leak found within the warm-up and 12 steps, and what a step keeps per microbatch,
-    with or without a graph, in its first step."""
+    with or without a graph, in its first step. Once what the microbatches keep is
+    reported, the same pace starts no search again (each walks every graph kept: three
+    walks a step for the rest of the run, before)."""
+    from leakfree.diagnostics.findings import Reporter
+
+    searches: list[int] = []
+    search = Reporter.search
+    watching: list[Any] = []
+
+    def counted(self: Reporter, *args: object, **kwargs: object) -> object:
+        searches.append(watching[0].steps)
+        return search(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Reporter, "search", counted)
     torch.manual_seed(0)
     model = nn.Linear(64, 64).to(accelerator)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     kept: list[torch.Tensor] = []
     w = leakfree.watch()
+    watching.append(w)
     try:
         assert w.device.type == accelerator.type
         for _ in range(15):  # the warm-up (3) and 12 steps
@@ -331,6 +345,7 @@ def test_on_an_accelerator_every_step_is_judged_from_its_allocator(
     assert set(kinds) == {"microbatch", "growth"}, w.report()
     assert kinds["microbatch"].step == 1 and "outputs" in kinds["microbatch"].message
     assert kinds["growth"].bytes_per == 1024 and kinds["growth"].holders[0].where == "kept"
+    assert len([s for s in searches if s >= 2]) <= 8, searches  # the growth's, a few
 
 
 # --- each setting declared once, and two floors with two names ----------------------------------

@@ -56,6 +56,9 @@ class PerMicrobatch:
         self._pending: tuple[list[Retained], RetentionReport | None, float, int, int] | None = None
         self._next = 1  #: the step from which a search may run
         self._backoff = 1
+        #: the most kept per backward by what was found kept per microbatch: growth at that
+        #: pace starts no search again (each walks every graph kept); a faster one does
+        self._reported_per = 0.0
 
     def backward(
         self,
@@ -83,6 +86,7 @@ class PerMicrobatch:
             # explains starts no search: each one walks every graph the leak keeps.
             found = bool(self._reporter.findings)
             self._slack = explained / self.passes if found or noisy else 0.0
+            self._slack = max(self._slack, 2 * self._reported_per)
         micro.append(live)
         self._made.append(made)
         if made is not None and len(self._made) > 1 and self._made[-2] is not None:
@@ -142,6 +146,7 @@ class PerMicrobatch:
         self._fell_back(frame, steps, last=True)
 
     def _micro_found(self, holders: list[Retained], per: float, passes: int, step: int) -> None:
+        self._reported_per = max(self._reported_per, per)
         hints = [hint for part, hint in _MICRO_HINTS if any(part in h.where for h in holders)]
         self._reporter.found(
             "microbatch",
