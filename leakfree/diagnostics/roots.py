@@ -76,12 +76,7 @@ def judged_device(owner: str, device: Any) -> Any:
 def module_roots() -> dict[str, Any]:
     """The globals of the user's imported modules, ``{"module.name": value}``."""
     out: dict[str, Any] = {}
-    for name, module in list(sys.modules.items()):
-        filename = getattr(module, "__file__", None)
-        if not isinstance(module, types.ModuleType) or not isinstance(filename, str):
-            continue
-        if kind_of(filename) != USER:
-            continue
+    for name, module in _user_modules():
         try:
             values = list(vars(module).items())
         except TypeError:
@@ -96,6 +91,26 @@ def module_roots() -> dict[str, Any]:
                 continue  # imported from elsewhere: searched there, if it is the user's
             out[f"{name}.{var}"] = value
     return out
+
+
+#: the user's modules among ``sys.modules``, as of its size then: a search picks them out
+#: of every loaded module (thousands with transformers) only when one was loaded or dropped
+_USER_MODULES: list[Any] = [-1, ()]
+
+
+def _user_modules() -> tuple[tuple[str, types.ModuleType], ...]:
+    """``(name, module)`` of every loaded module of the user's own code."""
+    loaded = len(sys.modules)
+    if _USER_MODULES[0] != loaded:
+        found = []
+        for name, module in list(sys.modules.items()):
+            filename = getattr(module, "__file__", None)
+            if not isinstance(module, types.ModuleType) or not isinstance(filename, str):
+                continue
+            if kind_of(filename) == USER:
+                found.append((name, module))
+        _USER_MODULES[:] = [loaded, tuple(found)]
+    return _USER_MODULES[1]  # type: ignore[no-any-return]
 
 
 def frame_roots(frame: types.FrameType | None) -> dict[str, Any]:
