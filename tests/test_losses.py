@@ -915,3 +915,84 @@ def test_a_complex_scalar_is_refused_by_a_log_that_holds_a_tensor_and_it_keeps_r
         log["lm"].append(torch.tensor(1 + 1j))
     assert len(log["lm"]) == 1
     assert log.reduce() == {"lm": 2.0}
+
+
+# --- the all-reduce is waited for, within the timeout: a second rank simulated in-process ------
+
+
+class _PeerWork(torch.distributed._Work):  # type: ignore[name-defined, misc]
+    """The other rank's side of one all-reduce, applied when (and only when) this rank
+    waits for it, as a real collective's result is only there after ``wait()``."""
+
+    def __init__(self, tensor: torch.Tensor, op: Any, peer: Any) -> None:
+        super().__init__()
+        self.tensor, self.op, self.peer = tensor, op, peer
+
+    def wait(self, timeout: Any = None) -> bool:
+        ops = torch.distributed.ReduceOp
+        name = "sum" if self.op == ops.SUM else "min" if self.op == ops.MIN else "max"
+        theirs = self.peer(name, timeout)
+        if name == "sum":
+            self.tensor.add_(theirs)
+        elif name == "min":
+            torch.minimum(self.tensor, theirs, out=self.tensor)
+        else:
+            torch.maximum(self.tensor, theirs, out=self.tensor)
+        return True
+
+
+class _PeerGroup(torch.distributed.ProcessGroup):  # type: ignore[misc]
+    """A process group of two ranks in one process: rank 1 is simulated by ``peer``,
+    which returns its contribution to a collective (or raises, as a rank that never
+    joins makes the wait time out)."""
+
+    peer: Any = None
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: Any) -> None:
+        super().__init__(rank, size)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        return _PeerWork(tensors[0], opts.reduceOp, _PeerGroup.peer)
+
+    def getBackendName(self) -> str:
+        return "leakfree-peer"
+
+
+@pytest.fixture
+def peer_rank() -> Any:
+    dist = torch.distributed
+    if "leakfree-peer" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("leakfree-peer", _PeerGroup, devices=["cpu"])
+    dist.init_process_group("leakfree-peer", store=dist.HashStore(), rank=0, world_size=2)
+    try:
+        yield _PeerGroup
+    finally:
+        _PeerGroup.peer = None
+        dist.destroy_process_group()
+
+
+def test_reduce_waits_for_the_other_ranks_contribution(peer_rank: Any) -> None:
+    """The results are read after the collective completes: without the wait they would
+    be this rank's alone."""
+    mine = leakfree.LossLog({"lm": "mean", "low": "min", "high": "max"})
+    theirs = leakfree.LossLog({"lm": "mean", "low": "min", "high": "max"})
+    for log, values in ((mine, (1.0, 3.0)), (theirs, (5.0, 7.0, 9.0))):
+        for v in values:
+            for key in log:
+                log[key].append(torch.tensor(v))
+    packs = theirs._local_packs(list(theirs))  # what rank 1 all-reduces, by op
+    peer_rank.peer = lambda op, timeout: packs[op]
+    assert mine.reduce() == {"lm": 5.0, "low": 1.0, "high": 9.0}  # over both ranks' 5 values
+
+
+def test_reduce_names_the_group_a_rank_never_joined_within_its_timeout(peer_rank: Any) -> None:
+    def never(op: Any, timeout: Any) -> torch.Tensor:
+        assert timeout.total_seconds() == 0.5  # the bounded wait, not the group's 30 minutes
+        raise RuntimeError("Wait timeout: the peer never joined")
+
+    peer_rank.peer = never
+    log = leakfree.LossLog(["lm"])
+    log["lm"].append(torch.tensor(1.0))
+    with pytest.raises(TimeoutError, match=r"default process group \(2 ranks\).*0\.5 s"):
+        log.reduce(timeout=0.5)
+    assert len(log["lm"]) == 1  # not cleared after an error
