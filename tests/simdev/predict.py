@@ -63,7 +63,10 @@ class Prediction:
     mode: str
     step: float  #: seconds
     activation_peak: int  #: bytes the step allocates beyond what was allocated before it
-    held_peak: int  #: the same, counting freed blocks until their other streams' work ends
+    #: bytes the device holds at the step's peak beyond what was allocated before it (the
+    #: caching allocator's reserved count, the cache emptied before the step: blocks
+    #: freed while other streams' copies still read them, per-stream pools, rounding)
+    held_peak: int
     allocated_before: int  #: bytes allocated on the device when the step began
     to_host: int  #: bytes copied to the host
     to_device: int  #: bytes copied back
@@ -190,6 +193,8 @@ def predict(
     ctx = context()
     stats = getattr(ctx, "stats", None)
     before = (stats.to_host_bytes, stats.to_device_bytes) if stats is not None else (0, 0)
+    # what the step itself makes the device hold, not what earlier steps left cached
+    sim.module.empty_cache()
     allocated_before = sim.allocated()
     with timing.attach(rates) as t:
         _step(sim, model, ids, lambda: ctx)
@@ -203,8 +208,8 @@ def predict(
     prediction = Prediction(
         mode=name,
         step=t.end,
-        activation_peak=t.peak,
-        held_peak=t.held_peak,
+        activation_peak=t.peak - allocated_before,
+        held_peak=t.held_peak - allocated_before,
         allocated_before=allocated_before,
         to_host=to_host,
         to_device=to_device,

@@ -31,7 +31,6 @@ and stream events (``with attach(H100) as timeline:``), FLOPs counted by
 
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,17 +102,16 @@ class Timeline:
     _waits: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     _engine_free: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ENGINES, 0.0))
     _events: dict[int, float] = field(default_factory=dict)
-    #: device memory as the caching allocator counts it, in host order: ``allocated``
-    #: (``memory_allocated``: a block counts until the host frees it) and its ``peak``;
-    #: ``held`` also counts a freed block recorded on other streams until their work
-    #: issued before the free has completed (it cannot be handed out again before: a
-    #: lower bound of what the allocator must reserve), and its ``held_peak``
+    #: device memory as the simulated device's caching allocator counts it
+    #: (``allocator.py``), in host order: ``allocated`` (``memory_allocated``) and
+    #: ``reserved`` (``memory_reserved``) now, and their peaks since the timeline began,
+    #: ``peak`` and ``held_peak`` (whatever the program does with
+    #: ``reset_peak_memory_stats``). A block freed while copies on other streams still
+    #: read it (``record_stream``) is held until the timeline says they have ended.
     allocated: int = 0
+    reserved: int = 0
     peak: int = 0
-    held: int = 0
     held_peak: int = 0
-    _blocks: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
-    _deferred: list[tuple[float, int]] = field(default_factory=list)  # (free at, bytes)
 
     # -- the device's work ----------------------------------------------------------------
 
@@ -177,40 +175,23 @@ class Timeline:
         """``stream.query()``: whether everything issued to it has completed by now."""
         return max(self._stream_end[stream], self._waits[stream]) <= self.host
 
+    def mark(self, stream: int) -> float:
+        """When the work issued to ``stream`` so far will have ended (an event recorded
+        now, unnamed: the caching allocator's)."""
+        return max(self._stream_end[stream], self._waits[stream], self.host)
+
     # -- memory ---------------------------------------------------------------------------
 
-    def allocate(self, ptr: int, nbytes: int) -> None:
-        """The host allocates ``nbytes`` at ``ptr`` (blocks freed on other streams whose
-        work has completed by now are returned first, as the caching allocator does)."""
-        deferred = self._deferred
-        while deferred and deferred[0][0] <= self.host:
-            self.held -= heapq.heappop(deferred)[1]
-        self._blocks[ptr] = (nbytes, set())
-        self.allocated += nbytes
-        self.held += nbytes
-        self.peak = max(self.peak, self.allocated)
-        self.held_peak = max(self.held_peak, self.held)
+    def memory(self, allocated: int, reserved: int) -> None:
+        """The allocator's counts after a change: now, and the peaks."""
+        self.allocated, self.reserved = allocated, reserved
+        self.peak = max(self.peak, allocated)
+        self.held_peak = max(self.held_peak, reserved)
 
-    def record_stream(self, ptr: int, stream: int) -> None:
-        """``tensor.record_stream(stream)``: its block is not reused before the work issued
-        to ``stream`` by the time it is freed has completed."""
-        block = self._blocks.get(ptr)
-        if block is not None:
-            block[1].add(stream)
-
-    def free(self, ptr: int) -> None:
-        """The host frees the block at ``ptr``: at once, or (recorded on other streams)
-        once their work issued so far has completed."""
-        block = self._blocks.pop(ptr, None)
-        if block is None:
-            return
-        nbytes, streams = block
-        self.allocated -= nbytes
-        until = max((self._stream_end[s] for s in streams), default=0.0)
-        if until <= self.host:
-            self.held -= nbytes
-        else:
-            heapq.heappush(self._deferred, (until, nbytes))
+    @property
+    def held(self) -> int:
+        """What the device holds now: ``reserved``."""
+        return self.reserved
 
     # -- reading it -----------------------------------------------------------------------
 
@@ -318,8 +299,6 @@ class Timer:
             t.sync_event(args[0])
         elif handler == "_handle_device_synchronization":
             t.sync_device()
-        elif handler == "record_stream":
-            t.record_stream(args[0], args[1])
 
 
 class attach:
@@ -333,6 +312,7 @@ class attach:
         if _device._STATE.timer is not None:
             raise RuntimeError("a timer is already attached")
         _device._STATE.timer = self.timer
+        _device._STATE.observe(_device._STATE.device)  # the counts it starts from
         return self.timer.timeline
 
     def __exit__(self, *exc: object) -> None:
