@@ -112,12 +112,15 @@ class Timeline:
     reserved: int = 0
     peak: int = 0
     held_peak: int = 0
+    #: every call that moved the clocks, in order (what :meth:`replay` re-issues)
+    calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
 
     # -- the device's work ----------------------------------------------------------------
 
     def kernel(self, stream: int, flops: float, nbytes: int, name: str = "kernel") -> Op:
         """A kernel on ``stream``: ``flops`` at the compute rate or ``nbytes`` at the
         memory rate, whichever is longer."""
+        self.calls.append(("kernel", (stream, flops, nbytes, name)))
         r = self.rates
         seconds = max(flops / r.flops, nbytes / r.memory, r.kernel_min)
         return self._run(name, COMPUTE, stream, seconds, flops=flops, nbytes=nbytes)
@@ -127,6 +130,7 @@ class Timeline:
         engine of its direction (:data:`TO_HOST` or :data:`TO_DEVICE`)."""
         if engine not in (TO_HOST, TO_DEVICE):
             raise ValueError(f"copy(engine={engine!r}): expected {TO_HOST!r} or {TO_DEVICE!r}")
+        self.calls.append(("copy", (stream, nbytes, engine, name)))
         bandwidth = self.rates.to_host if engine == TO_HOST else self.rates.to_device
         return self._run(name, engine, stream, nbytes / bandwidth, nbytes=nbytes)
 
@@ -144,22 +148,27 @@ class Timeline:
 
     def record(self, event: int, stream: int) -> None:
         """``event.record(stream)``: it completes when the stream's work so far has ended."""
+        self.calls.append(("record", (event, stream)))
         self._events[event] = max(self._stream_end[stream], self._waits[stream], self.host)
 
     def wait(self, stream: int, event: int) -> None:
         """``stream.wait_event(event)``: later work on ``stream`` starts after it."""
+        self.calls.append(("wait", (stream, event)))
         self._waits[stream] = max(self._waits[stream], self._events.get(event, 0.0))
 
     def sync_stream(self, stream: int) -> None:
         """The host waits for everything issued to ``stream``."""
+        self.calls.append(("sync_stream", (stream,)))
         self.host = max(self.host, self._stream_end[stream], self._waits[stream])
 
     def sync_event(self, event: int) -> None:
         """The host waits for ``event``."""
+        self.calls.append(("sync_event", (event,)))
         self.host = max(self.host, self._events.get(event, 0.0))
 
     def sync_device(self) -> None:
         """The host waits for everything issued."""
+        self.calls.append(("sync_device", ()))
         self.host = max(self.host, *self._stream_end.values(), 0.0)
 
     def event_time(self, event: int) -> float:
@@ -179,6 +188,14 @@ class Timeline:
         """When the work issued to ``stream`` so far will have ended (an event recorded
         now, unnamed: the caching allocator's)."""
         return max(self._stream_end[stream], self._waits[stream], self.host)
+
+    def replay(self, rates: Rates) -> Timeline:
+        """The same work, issued in the same order, on a device of ``rates`` (memory is
+        not replayed; a host wait the caching allocator made is left out)."""
+        timeline = Timeline(rates)
+        for name, args in self.calls:
+            getattr(timeline, name)(*args)
+        return timeline
 
     # -- memory ---------------------------------------------------------------------------
 
