@@ -80,7 +80,7 @@ def _calibration_table(
     )
     summary = fit.summary(found)
     for what, error in summary.items():
-        print(f"  worst {what}: {error:.1%}")
+        print(f"  {what}: {error:.1%}")
     return {
         "rows": [
             {
@@ -101,7 +101,7 @@ def _calibration_table(
             }
             for e in found
         ],
-        "worst": {k: round(v, 3) for k, v in summary.items()},
+        "errors": {k: round(v, 3) for k, v in summary.items()},
     }
 
 

@@ -29,6 +29,7 @@ import pytest
 
 from tests.simdev import calibration as fit
 from tests.simdev import predict as h100
+from tests.simdev import timing
 
 pytest.importorskip("transformers")
 
@@ -55,6 +56,7 @@ def test_the_flop_rate_is_fitted_on_the_fitted_rows(
     calibrated: dict[tuple[str, str], h100.Prediction],
 ) -> None:
     found = fit.errors(calibrated)
+    assert fit.fit_flops(calibrated) == pytest.approx(timing.H100.flops, rel=0.01)
     for e in found:
         if e.fitted:
             assert e.step_error is not None and abs(e.step_error) <= FITTED_STEP, fit.report(found)

@@ -15,6 +15,23 @@ fitted, the FLOP rate, on two rows: the step without offloading of the first tab
 (intermediate 5632) and of the second (5440). Every other row is held out: each
 offloading row of both tables and of the GPU suite's batch-1 run, judged on its ratio to
 its table's step without offloading, its activation peak and its bytes to the host.
+The fit gives 5.93e14 FLOP/s; its errors (``calibration.report`` prints them per row):
+
+=====================================  ========================  ======================
+                                       before (5.72e14, fitted   after (5.93e14, fitted
+                                       on second/none alone)     on both none rows)
+=====================================  ========================  ======================
+fitted rows, step time, worst          4.5%                      2.2%
+held-out ratios (15 rows), worst       12.1% (first save_on_cpu) 10.9% (suite trl class)
+held-out ratios, mean of abs           5.2%                      5.3%
+held-out activation peaks (11), worst  11.5% (suite budget)      11.5%, others <= 6.9%
+held-out bytes to host (9), worst      1.8%                      1.8%
+=====================================  ========================  ======================
+
+The refit moves the ratio error between tables rather than shrinking it: the first table's
+rows are predicted low (-2% to -11%) and the suite's high (+2% to +11%): one FLOP rate
+makes the batch-1 step without offloading too fast (smaller kernels reach less of the
+peak), so every batch-1 ratio comes out high.
 """
 
 from __future__ import annotations
@@ -53,6 +70,7 @@ class Prediction:
     compute: float  #: seconds the compute engine is busy
     plan: Any = None  #: leakfree's ``ctx.plan`` after the step, where leakfree runs
     timeline: Any = None  #: the step's :class:`timing.Timeline`
+    first_to_host: int = 0  #: bytes copied to the host in the first step (warm-up or not)
 
 
 def llama(device: torch.device, layers: int = 8, intermediate: int = 5440) -> torch.nn.Module:
@@ -169,9 +187,11 @@ def predict(
     ids = torch.zeros(batch, 4096, dtype=torch.long, device=sim.device)
     context = mode(model) if callable(mode) else _context(mode, model, moved)
     name = mode if isinstance(mode, str) else getattr(mode, "__name__", "custom")
+    firsts = []
     for _ in range(warmup):  # timed too: a plan is made from a measured step
-        with timing.attach(rates):
+        with timing.attach(rates) as t:
             _step(sim, model, ids, context)
+        firsts.append(_sent(t))
     ctx = context()
     stats = getattr(ctx, "stats", None)
     before = (stats.to_host_bytes, stats.to_device_bytes) if stats is not None else (0, 0)
@@ -188,7 +208,7 @@ def predict(
     finally:
         if collecting:
             gc.enable()
-    to_host = sum(op.nbytes for op in t.ops if op.engine == timing.TO_HOST)
+    to_host = _sent(t)
     to_device = sum(op.nbytes for op in t.ops if op.engine == timing.TO_DEVICE)
     if stats is not None:  # what leakfree says it moved is what the model saw move
         assert (stats.to_host_bytes - before[0], stats.to_device_bytes - before[1]) == (
@@ -207,8 +227,13 @@ def predict(
         compute=t.busy(timing.COMPUTE),
         plan=getattr(ctx, "plan", None),
         timeline=t,
+        first_to_host=firsts[0] if firsts else to_host,
     )
     return prediction
+
+
+def _sent(t: timing.Timeline) -> int:
+    return sum(op.nbytes for op in t.ops if op.engine == timing.TO_HOST)
 
 
 def _step(

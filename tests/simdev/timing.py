@@ -59,13 +59,14 @@ class Rates:
 
 #: one H100 80GB (SXM), torch 2.11, bf16. Measured in the H100 run: the copy
 #: bandwidths (pinned, non-blocking, 1 GiB). Assumed: memory-bound kernels at 2.8 TB/s
-#: (84% of HBM3's 3.35). Fitted: the FLOP rate, so that the step of the H100 run's
-#: Llama without offloading is the measured 78.7 ms (``tests/simdev/predict.py``); 572
-#: TFLOP/s is 58% of the bf16 dense peak, what eager matmuls and flash attention reach.
-#: Only the offloading rows of that table were left to check the model against.
+#: (84% of HBM3's 3.35), the launch and shortest-kernel times. Fitted: the FLOP rate, on
+#: the steps without offloading of both H100 tables, each at its own size (76.2 ms at
+#: intermediate 5632, 78.7 ms at 5440; ``calibration.fit_flops``, ``calibration.FITTED``);
+#: 593 TFLOP/s is 60% of the bf16 dense peak, what eager matmuls and flash attention
+#: reach. Every offloading row is held out (``calibration.py`` reports the errors).
 H100 = Rates(
     name="H100",
-    flops=5.72e14,
+    flops=5.93e14,
     memory=2.8e12,
     to_host=55.0e9,
     to_device=54.3e9,
