@@ -182,7 +182,11 @@ def predict(
 ) -> Prediction:
     """Mode ``mode`` (a name :func:`_context` knows, or a function of the model giving
     the context of one step) on a fresh model: ``warmup`` steps, then one predicted.
-    ``moved``: the bytes the default moves (for the ``budget`` modes)."""
+    ``moved``: the bytes the default moves (for the ``budget`` modes). The device's
+    memory is returned when it ends (the model's parameters dropped, the cache emptied),
+    so that no prediction depends on the ones before it: the caching allocator's counts
+    do (a cached block handed out whole counts its slack)."""
+    sim.module.empty_cache()
     model = llama(sim.device, layers, intermediate)
     ids = torch.zeros(batch, 4096, dtype=torch.long, device=sim.device)
     context = mode(model) if callable(mode) else _context(mode, model, moved)
@@ -229,6 +233,8 @@ def predict(
         timeline=t,
         first_to_host=firsts[0] if firsts else to_host,
     )
+    # the parameters go now, whatever cycles the contexts' hooks make with the model
+    model.to_empty(device="meta")
     return prediction
 
 
