@@ -4,8 +4,10 @@
 2 x 4096) dry on the simulated device, timed by ``tests/simdev/timing.py``'s H100 model.
 Two tables:
 
-* the model against the measurement: the schedule that was measured (e7732f1), its
-  predicted ratios to no offloading and activation peaks beside the measured ones;
+* the model against the measurement: every row of the H100 run's tables, each with its
+  own model config, run with the schedule that was measured (e7732f1), predicted beside
+  measured, the rows the model was fitted on apart from those held out
+  (``tests/simdev/calibration.py``);
 * today's code on the same model: the default, the goals (``max_overhead``,
   ``device_limit``), the budgets, ``save_on_cpu`` and TRL's manager, with the bytes each
   way and the time both copy engines were busy at once.
@@ -24,6 +26,7 @@ from _common import print_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.simdev import calibration as fit
 from tests.simdev import predict as h100
 
 GiB = 1 << 30
@@ -47,7 +50,7 @@ def section() -> dict[str, Any] | str:
         return "not run: transformers is not installed"
     with h100.dry_device() as sim, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calibration = h100.calibration(sim)
+        calibration = fit.calibration(sim, trl=_has_trl())
         frontier = h100.frontier(sim, trl=_has_trl())
     return {
         "device": "H100 model (tests/simdev/timing.py), predicted",
@@ -65,52 +68,45 @@ def _has_trl() -> bool:
     return True
 
 
-def _calibration_table(predicted: dict[str, h100.Prediction]) -> list[dict[str, Any]]:
-    none = predicted["none"]
-    rows = []
-    for mode, p in predicted.items():
-        m = h100.MEASURED[mode]
-        ratio = p.step / none.step
-        rows.append(
-            {
-                "mode": mode,
-                "measured_ratio": m.ratio,
-                "predicted_ratio": round(ratio, 3),
-                "error": round(ratio / m.ratio - 1, 3),
-                "measured_activation_gib": m.activation_gib,
-                "predicted_activation_gib": round(p.activation_peak / GiB, 2),
-                "measured_to_host_gib": m.to_host_gib,
-                "predicted_to_host_gib": round(p.to_host / GiB, 2),
-            }
-        )
+def _calibration_table(
+    predicted: dict[tuple[str, str], h100.Prediction],
+) -> dict[str, Any]:
+    found = fit.errors(predicted)
     print_table(
         "H100 model against the H100 run (H100 measured; the schedule measured then, "
-        "e7732f1), the H100 run's Llama, batch 2 x 4096",
-        [
-            "mode",
-            "measured",
-            "predicted",
-            "error",
-            "act. peak GiB (meas.)",
-            "predicted",
-            "GiB out (meas.)",
-            "predicted",
-        ],
-        [
-            (
-                r["mode"],
-                f"{r['measured_ratio']:.2f}x",
-                f"{r['predicted_ratio']:.2f}x",
-                f"{r['error']:+.0%}",
-                r["measured_activation_gib"],
-                r["predicted_activation_gib"],
-                r["measured_to_host_gib"] or "-",
-                r["predicted_to_host_gib"],
-            )
-            for r in rows
-        ],
+        "e7732f1): the FLOP rate fitted on the 'fitted' rows, the others held out",
+        list(fit.HEADERS),
+        fit.rows(found),
     )
-    return rows
+    summary = fit.summary(found)
+    for what, error in summary.items():
+        print(f"  {what}: {error:.1%}")
+    return {
+        "rows": [
+            {
+                "table": e.table,
+                "mode": e.mode,
+                "fitted": e.fitted,
+                "measured_ratio": e.measured.ratio,
+                "predicted_ratio": round(e.ratio, 3),
+                "ratio_error": _round(e.ratio_error),
+                "measured_step_ms": e.measured.step_ms,
+                "predicted_step_ms": round(e.step_ms, 1),
+                "measured_activation_gib": e.measured.activation_gib,
+                "predicted_activation_gib": round(e.activation_gib, 2),
+                "activation_error": _round(e.activation_error),
+                "measured_to_host_gib": e.measured.to_host_gib,
+                "predicted_to_host_gib": round(e.to_host_gib, 2),
+                "to_host_error": _round(e.to_host_error),
+            }
+            for e in found
+        ],
+        "errors": {k: round(v, 3) for k, v in summary.items()},
+    }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
 
 
 def _frontier_table(predicted: dict[str, h100.Prediction]) -> list[dict[str, Any]]:

@@ -1,10 +1,23 @@
 """The H100 timing model against the H100 run, and the offload targets it predicts.
 
-the H100 run's Llama (542M parameters, bf16, batch 2 x 4096) runs dry on the
-simulated device (``tests/simdev/predict.py``): shapes only, every kernel and copy timed
-by ``tests/simdev/timing.py``'s H100 model, whose one fitted rate is the FLOP rate of the
-step without offloading. Everything else here is a prediction checked against a
-measurement, or a target of the plan checked against the model.
+the H100 run's Llama (bf16, hidden 2048, 8 layers; each table with its own intermediate
+size and batch) runs dry on the simulated device (``tests/simdev/predict.py``): shapes
+only, every kernel and copy timed by ``tests/simdev/timing.py``'s H100 model. One rate
+is fitted, the FLOP rate, on the steps without offloading of the first two tables
+(``tests/simdev/calibration.py``: ``FITTED``); every other row is held out.
+
+Tolerances, stated before the fit (from the errors of the model as it stood):
+
+* fitted rows: the step time within 5% (the two rows disagree by 6% between themselves:
+  the first table's larger model was measured faster, so no one rate fits both better
+  than about 3% each);
+* held-out rows: the ratio to the table's step without offloading within 15%; the
+  activation peak within 7%, except the GPU suite's ``device_budget`` row, within 12%
+  (its budget was half of what a fresh model's first step moved, and today's offloader's
+  first step measures and moves everything, which e7732f1's did not: what that step
+  moved on the GPU was not recorded); the bytes sent to the host within 3%.
+
+The rest checks targets of the plan against the model.
 """
 
 from __future__ import annotations
@@ -14,11 +27,16 @@ from typing import Any
 
 import pytest
 
+from tests.simdev import calibration as fit
 from tests.simdev import predict as h100
+from tests.simdev import timing
 
 pytest.importorskip("transformers")
 
 GiB = 1 << 30
+FITTED_STEP, RATIO, ACTIVATION, TO_HOST = 0.05, 0.15, 0.07, 0.03
+#: the one held-out row with a wider activation tolerance, and why (module docstring)
+UNCERTAIN = {("suite", "offload_model budget 0.50"): 0.12}
 
 
 @pytest.fixture(scope="module")
@@ -29,18 +47,36 @@ def dry() -> Iterator[Any]:
         yield sim
 
 
-def test_the_model_reproduces_the_measured_h100_table_within_15_percent(dry: Any) -> None:
-    predicted = h100.calibration(dry)
-    none = predicted["none"]
-    for mode, p in predicted.items():
-        measured = h100.MEASURED[mode]
-        ratio = p.step / none.step
-        assert ratio == pytest.approx(measured.ratio, rel=0.15), (mode, ratio, measured)
-        # what each mode keeps on the device, and moves, as the H100 did
-        peak = p.activation_peak / GiB
-        assert peak == pytest.approx(measured.activation_gib, rel=0.05), (mode, peak)
-        if measured.to_host_gib is not None and mode != "use_streams=False":
-            assert p.to_host / GiB == pytest.approx(measured.to_host_gib, rel=0.05), mode
+@pytest.fixture(scope="module")
+def calibrated(dry: Any) -> dict[tuple[str, str], h100.Prediction]:
+    return fit.calibration(dry, trl=_has_trl())
+
+
+def test_the_flop_rate_is_fitted_on_the_fitted_rows(
+    calibrated: dict[tuple[str, str], h100.Prediction],
+) -> None:
+    found = fit.errors(calibrated)
+    assert fit.fit_flops(calibrated) == pytest.approx(timing.H100.flops, rel=0.01)
+    for e in found:
+        if e.fitted:
+            assert e.step_error is not None and abs(e.step_error) <= FITTED_STEP, fit.report(found)
+
+
+def test_the_held_out_rows_are_within_the_stated_tolerances(
+    calibrated: dict[tuple[str, str], h100.Prediction],
+) -> None:
+    found = fit.errors(calibrated)
+    report = fit.report(found)
+    held = [e for e in found if not e.fitted]
+    assert len(held) == len(calibrated) - len(fit.FITTED)
+    for e in held:
+        key = (e.table, e.mode)
+        if e.ratio_error is not None:
+            assert abs(e.ratio_error) <= RATIO, (key, report)
+        if e.activation_error is not None:
+            assert abs(e.activation_error) <= UNCERTAIN.get(key, ACTIVATION), (key, report)
+        if e.to_host_error is not None:
+            assert abs(e.to_host_error) <= TO_HOST, (key, report)
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +124,12 @@ def test_a_ceiling_1_gib_under_the_peak_is_held_within_15_percent(
 
 
 def test_the_default_moves_what_it_did_faster_than_measured(
-    dry: Any, frontier: dict[str, h100.Prediction]
+    calibrated: dict[tuple[str, str], h100.Prediction], frontier: dict[str, h100.Prediction]
 ) -> None:
     # the copies back no longer queue behind the copies out, and the compute stream no
     # longer waits for the copies out at the end of the forward
     assert _lower(frontier, "default") >= 0.52
-    with h100.as_measured():
-        before = h100.predict(dry, "default")
+    before = calibrated["second", "default"]  # the same model, with the schedule measured
     assert frontier["default"].to_host == before.to_host
     assert frontier["default"].step < 0.95 * before.step
 

@@ -26,9 +26,17 @@ What the device does with each operation:
   copies into pageable memory or with ``non_blocking=False``, host-to-device copies from
   pageable memory or with ``non_blocking=False``, ``_local_scalar_dense`` (``.item()``),
   operations whose output shape depends on the data, and explicit ``synchronize``.
-* **Allocation**: every device storage is an allocation on the current stream; freeing one
-  while another stream may still use it (no ``record_stream`` for that stream, no event
-  ordering its last access before the allocation stream) is reported, as is any race.
+* **Allocation**: every device storage is an allocation on the current stream, served by
+  a model of CUDA's caching allocator (``allocator.py``: rounding, per-stream pools,
+  splitting, ``record_stream`` deferring a block's reuse until the recorded streams have
+  passed the point of the free, reserved memory, a capacity and a per-process cap that
+  raise ``torch.OutOfMemoryError``); the module reports its statistics as ``torch.cuda``
+  does. A block freed after ``record_stream`` returns to its pool once those streams'
+  work has completed: at once, or (``SimDevice.lazy``) once the host waited for them, or
+  (with the timing model attached) when the timeline says so by the host's clock.
+  Freeing a storage while another stream may still use it (no ``record_stream`` for that
+  stream, no event ordering its last access before the allocation stream) is reported, as
+  is any race.
 
 The current stream is process-wide rather than per thread: backward runs on the device's
 autograd thread, and where CUDA would give each node the stream of its forward, the
@@ -60,6 +68,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from leakfree.diagnostics.syncs import DATA_DEPENDENT_OPS
+
+from . import allocator as _allocator
 
 aten = torch.ops.aten
 NAME = "sim"
@@ -334,17 +344,102 @@ class _Module:
             _STATE.synced(stream_id)
         _STATE.trace("_handle_device_synchronization")
 
+    # The caching allocator's statistics, as torch.cuda reports them (allocator.py).
     def memory_allocated(self, device: Any = None) -> int:
-        return _STATE.allocated
+        return _allocator_of(device).allocated
 
     def max_memory_allocated(self, device: Any = None) -> int:
-        return _STATE.peak
+        return _allocator_of(device).max_allocated
+
+    def memory_reserved(self, device: Any = None) -> int:
+        return _allocator_of(device).reserved
+
+    def max_memory_reserved(self, device: Any = None) -> int:
+        return _allocator_of(device).max_reserved
+
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        return _allocator_of(device).memory_stats()
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
-        _STATE.peak = _STATE.allocated
+        with _STATE.lock:
+            _allocator_of(device).reset_peaks()
+
+    def reset_accumulated_memory_stats(self, device: Any = None) -> None:
+        with _STATE.lock:
+            _allocator_of(device).reset_accumulated()
+
+    def reset_max_memory_allocated(self, device: Any = None) -> None:
+        self.reset_peak_memory_stats(device)
 
     def empty_cache(self) -> None:
-        pass
+        with _STATE.lock:
+            for index in range(DEVICES):
+                _allocator_of(index).empty_cache()
+                _STATE.observe(index)
+
+    def set_per_process_memory_fraction(self, fraction: float, device: Any = None) -> None:
+        with _STATE.lock:
+            _allocator_of(device).set_memory_fraction(fraction)
+
+    def get_per_process_memory_fraction(self, device: Any = None) -> float:
+        allocator = _allocator_of(device)
+        limit = allocator.capacity if allocator.limit is None else allocator.limit
+        return limit / allocator.capacity
+
+    def mem_get_info(self, device: Any = None) -> tuple[int, int]:
+        """(free, total) bytes of the device: its capacity less what is reserved (the
+        simulated process is the device's only user)."""
+        allocator = _allocator_of(device)
+        return allocator.capacity - allocator.reserved, allocator.capacity
+
+    def get_device_properties(self, device: Any = None) -> DeviceProperties:
+        index = _device_index(device)
+        return DeviceProperties(f"{NAME}:{index}", _allocator_of(index).capacity)
+
+    def get_device_name(self, device: Any = None) -> str:
+        return self.get_device_properties(device).name
+
+
+class DeviceProperties:
+    """What ``get_device_properties`` answers: a name and ``total_memory``."""
+
+    def __init__(self, name: str, total_memory: int) -> None:
+        self.name = name
+        self.total_memory = total_memory
+
+    def __repr__(self) -> str:
+        return f"DeviceProperties(name={self.name!r}, total_memory={self.total_memory})"
+
+
+class _AllocatorEvents:
+    """The caching allocator's own events (invisible to the program and the sanitizer,
+    as the CUDA allocator's are): complete when the stream's work issued before them has
+    ended, by the timing model's clock where one is attached, else as the device's
+    events complete (at once; with ``lazy``, once the host waited for the stream)."""
+
+    def record(self, stream: int) -> tuple[int, int, Any, float | None]:
+        timer = _STATE.timer
+        at = timer.timeline.mark(stream) if timer is not None else None
+        return stream, _STATE.generation(stream), timer, at
+
+    def query(self, event: tuple[int, int, Any, float | None]) -> bool:
+        stream, generation, timer, at = event
+        if timer is not None and timer is _STATE.timer:
+            return bool(at <= timer.timeline.host)
+        return not (_STATE.lazy and _STATE.generation(stream) <= generation)
+
+    def synchronize(self, event: tuple[int, int, Any, float | None]) -> None:
+        if self.query(event):
+            return
+        stream, _, timer, at = event
+        _STATE.count_sync("allocator")  # cudaEventSynchronize: the host waits
+        _STATE.synced(stream)
+        if timer is not None and timer is _STATE.timer:
+            timer.timeline.host = max(timer.timeline.host, at)
+
+
+def _allocator_of(device: Any = None) -> _allocator.CachingAllocator:
+    return _STATE.allocators[_device_index(device)]
 
 
 # --- state, the sync auditor and the sanitizer's feed -------------------------------------
@@ -354,7 +449,7 @@ class _State:
     def __init__(self) -> None:
         self.registered = False
         self.on = False
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.streams: dict[int, Stream] = {}
         self.log: list[tuple[Any, ...]] = []
         self.syncs: Counter[str] = Counter()
@@ -363,8 +458,10 @@ class _State:
         self.copies: Counter[str] = Counter()
         self.sanitizer: Any = None  # a Sanitizer while one is attached
         self.timer: Any = None  # a timing.Timer while one is attached
-        self.allocated = 0
-        self.peak = 0
+        #: one caching allocator per device (new each time the device is switched on)
+        self.allocators = self.new_allocators()
+        #: device storage pointer -> its allocator block (for ``record_stream``)
+        self.blocks: dict[int, _allocator.Block] = {}
         self.pinned: weakref.WeakValueDictionary[int, torch.UntypedStorage] = (
             weakref.WeakValueDictionary()
         )
@@ -378,6 +475,19 @@ class _State:
         #: timing model; values are garbage, ``.item()`` answers 0
         self.dry = False
         self._generations: Counter[int] = Counter()  # stream -> host waits for it
+
+    @staticmethod
+    def new_allocators() -> list[_allocator.CachingAllocator]:
+        return [
+            _allocator.CachingAllocator(_AllocatorEvents(), name=f"{NAME}:{i}")
+            for i in range(DEVICES)
+        ]
+
+    def observe(self, index: int) -> None:
+        """The timing model, if attached, sees the allocator's counts after a change."""
+        if self.timer is not None:
+            allocator = self.allocators[index]
+            self.timer.timeline.memory(allocator.allocated, allocator.reserved)
 
     def reset_streams(self) -> None:
         self.current = {i: self.streams[_default_id(i)] for i in range(DEVICES)}
@@ -405,27 +515,38 @@ _STATE = _State()
 
 def _allocate(host: torch.Tensor, index: int | None) -> torch.Tensor:
     """A device tensor on ``sim:index`` (default: the current device) over ``host``'s
-    (fresh) memory, allocated on the current stream."""
+    (fresh) memory, allocated on the current stream (``torch.OutOfMemoryError`` where the
+    caching allocator cannot serve it)."""
     nbytes = host.untyped_storage().nbytes()
-    out = _retag(host, _DL_EXT, _STATE.device if index is None else index)
+    index = _STATE.device if index is None else index
+    stream = _STATE.current[index].stream_id
+    allocator = _STATE.allocators[index]
+    block = None
+    if nbytes:  # as CUDA: an empty storage takes no block
+        with _STATE.lock:
+            block = allocator.malloc(nbytes, stream)
+            _STATE.observe(index)
+    out = _retag(host, _DL_EXT, index)
     storage = out.untyped_storage()
     ptr = storage.data_ptr()
-    with _STATE.lock:
-        _STATE.allocated += nbytes
-        _STATE.peak = max(_STATE.peak, _STATE.allocated)
-    _STATE.trace("allocate", ptr, _STATE.current[out.device.index].stream_id)
-    if _STATE.timer is not None:
-        _STATE.timer.timeline.allocate(ptr, nbytes)
-    weakref.finalize(storage, _free, ptr, nbytes)
+    if block is not None:
+        _STATE.blocks[ptr] = block
+    _STATE.trace("allocate", ptr, stream)
+    weakref.finalize(storage, _free, ptr, index, allocator, block)
     return out
 
 
-def _free(ptr: int, nbytes: int) -> None:
-    with _STATE.lock:
-        _STATE.allocated -= nbytes
+def _free(
+    ptr: int, index: int, allocator: _allocator.CachingAllocator, block: _allocator.Block | None
+) -> None:
+    if block is not None:
+        with _STATE.lock:
+            if _STATE.blocks.get(ptr) is block:
+                del _STATE.blocks[ptr]
+            allocator.free(block)
+            if allocator is _STATE.allocators[index]:
+                _STATE.observe(index)
     _STATE.trace("free", ptr)
-    if _STATE.timer is not None:
-        _STATE.timer.timeline.free(ptr)
 
 
 def _launch(
@@ -517,8 +638,13 @@ def _resize_(self: torch.Tensor, size: Any, memory_format: Any = None) -> torch.
 
 
 def _record_stream(self: torch.Tensor, s: torch.Stream) -> None:
-    _STATE.log.append(("record_stream", self.untyped_storage().data_ptr(), s.stream_id))
-    _STATE.trace("record_stream", self.untyped_storage().data_ptr(), s.stream_id)
+    ptr = self.untyped_storage().data_ptr()
+    _STATE.log.append(("record_stream", ptr, s.stream_id))
+    _STATE.trace("record_stream", ptr, s.stream_id)
+    block = _STATE.blocks.get(ptr)
+    if block is not None:
+        with _STATE.lock:
+            _STATE.allocators[self.device.index].record_stream(block, s.stream_id)
 
 
 def _local_scalar_dense(self: torch.Tensor) -> Any:
@@ -817,6 +943,7 @@ class _Switch:
             # the class's function: a counter wrapping module.synchronize must not see it
             (torch.accelerator, "synchronize", lambda device=None: _Module.synchronize(module)),
             (torch.UntypedStorage, "clone", _storage_clone),
+            *_accelerator_memory(module),
         ):
             self.saved.append((owner, attr, owner.__dict__.get(attr, _ABSENT)))
             setattr(owner, attr, value)
@@ -831,6 +958,20 @@ class _Switch:
         if self.lib is not None:
             self.lib._destroy()
             self.lib = None
+
+
+def _accelerator_memory(module: _Module) -> list[tuple[Any, str, Any]]:
+    """``torch.accelerator``'s memory functions ask the backend's C++ allocator, which a
+    Python backend has none of (they would answer 0): answer from the simulated one."""
+    c = torch._C
+    return [
+        (c, "_accelerator_isAllocatorInitialized", lambda: True),
+        (c, "_accelerator_getDeviceStats", module.memory_stats),
+        (c, "_accelerator_getMemoryInfo", module.mem_get_info),
+        (c, "_accelerator_emptyCache", module.empty_cache),
+        (c, "_accelerator_resetPeakStats", module.reset_peak_memory_stats),
+        (c, "_accelerator_resetAccumulatedStats", module.reset_accumulated_memory_stats),
+    ]
 
 
 _SWITCH = _Switch()
@@ -869,11 +1010,20 @@ class SimDevice:
         _STATE.copies.clear()
 
     def peak(self) -> int:
-        """The most device bytes allocated at once since :meth:`reset_peak`."""
-        return _STATE.peak
+        """The most device bytes allocated at once since :meth:`reset_peak`
+        (``max_memory_allocated``)."""
+        return _STATE.allocators[0].max_allocated
+
+    def held_peak(self) -> int:
+        """The most device bytes reserved at once since :meth:`reset_peak`
+        (``max_memory_reserved``: what the device held, cached blocks and blocks waiting
+        for other streams included)."""
+        return _STATE.allocators[0].max_reserved
 
     def reset_peak(self) -> None:
-        _STATE.peak = _STATE.allocated
+        """``reset_peak_memory_stats``: both peaks start again from now."""
+        with _STATE.lock:
+            _STATE.allocators[0].reset_peaks()
 
     @property
     def log(self) -> list[tuple[Any, ...]]:
@@ -901,7 +1051,45 @@ class SimDevice:
         _STATE.dry = value
 
     def allocated(self) -> int:
-        return _STATE.allocated
+        """Bytes allocated now (``memory_allocated``: rounded block sizes)."""
+        return _STATE.allocators[0].allocated
+
+    def reserved(self) -> int:
+        """Bytes the device holds now (``memory_reserved``)."""
+        return _STATE.allocators[0].reserved
+
+    @property
+    def allocator(self) -> _allocator.CachingAllocator:
+        """The device's caching allocator (``allocator.py``)."""
+        return _STATE.allocators[0]
+
+    @property
+    def capacity(self) -> int:
+        """The device's memory in bytes (default 80 GiB): ``get_device_properties``'s
+        ``total_memory``; an allocation that would reserve more raises
+        ``torch.OutOfMemoryError``."""
+        return _STATE.allocators[0].capacity
+
+    @capacity.setter
+    def capacity(self, nbytes: int) -> None:
+        if nbytes < self.reserved():
+            raise ValueError(
+                f"SimDevice.capacity = {nbytes}: {self.reserved()} bytes are reserved "
+                "already; call empty_cache() first or give at least that much"
+            )
+        _STATE.allocators[0].capacity = nbytes
+
+    @property
+    def limit(self) -> int | None:
+        """The per-process cap on reserved bytes (``set_per_process_memory_fraction``
+        sets it as a fraction of :attr:`capacity`); None: the capacity."""
+        return _STATE.allocators[0].limit
+
+    @limit.setter
+    def limit(self, nbytes: int | None) -> None:
+        if nbytes is not None and nbytes < 0:
+            raise ValueError(f"SimDevice.limit = {nbytes}: expected bytes >= 0, or None")
+        _STATE.allocators[0].limit = nbytes
 
 
 @contextlib.contextmanager
@@ -921,6 +1109,8 @@ def enabled() -> Iterator[SimDevice]:
     _STATE.log.clear()
     _STATE.reset_streams()
     _STATE.device = 0
+    _STATE.allocators = _STATE.new_allocators()  # storages still alive free into the old
+    _STATE.blocks.clear()
     try:
         yield SimDevice()
     finally:

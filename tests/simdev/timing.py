@@ -31,7 +31,6 @@ and stream events (``with attach(H100) as timeline:``), FLOPs counted by
 
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,13 +59,14 @@ class Rates:
 
 #: one H100 80GB (SXM), torch 2.11, bf16. Measured in the H100 run: the copy
 #: bandwidths (pinned, non-blocking, 1 GiB). Assumed: memory-bound kernels at 2.8 TB/s
-#: (84% of HBM3's 3.35). Fitted: the FLOP rate, so that the step of the H100 run's
-#: Llama without offloading is the measured 78.7 ms (``tests/simdev/predict.py``); 572
-#: TFLOP/s is 58% of the bf16 dense peak, what eager matmuls and flash attention reach.
-#: Only the offloading rows of that table were left to check the model against.
+#: (84% of HBM3's 3.35), the launch and shortest-kernel times. Fitted: the FLOP rate, on
+#: the steps without offloading of both H100 tables, each at its own size (76.2 ms at
+#: intermediate 5632, 78.7 ms at 5440; ``calibration.fit_flops``, ``calibration.FITTED``);
+#: 593 TFLOP/s is 60% of the bf16 dense peak, what eager matmuls and flash attention
+#: reach. Every offloading row is held out (``calibration.py`` reports the errors).
 H100 = Rates(
     name="H100",
-    flops=5.72e14,
+    flops=5.93e14,
     memory=2.8e12,
     to_host=55.0e9,
     to_device=54.3e9,
@@ -103,23 +103,25 @@ class Timeline:
     _waits: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     _engine_free: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ENGINES, 0.0))
     _events: dict[int, float] = field(default_factory=dict)
-    #: device memory as the caching allocator counts it, in host order: ``allocated``
-    #: (``memory_allocated``: a block counts until the host frees it) and its ``peak``;
-    #: ``held`` also counts a freed block recorded on other streams until their work
-    #: issued before the free has completed (it cannot be handed out again before: a
-    #: lower bound of what the allocator must reserve), and its ``held_peak``
+    #: device memory as the simulated device's caching allocator counts it
+    #: (``allocator.py``), in host order: ``allocated`` (``memory_allocated``) and
+    #: ``reserved`` (``memory_reserved``) now, and their peaks since the timeline began,
+    #: ``peak`` and ``held_peak`` (whatever the program does with
+    #: ``reset_peak_memory_stats``). A block freed while copies on other streams still
+    #: read it (``record_stream``) is held until the timeline says they have ended.
     allocated: int = 0
+    reserved: int = 0
     peak: int = 0
-    held: int = 0
     held_peak: int = 0
-    _blocks: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
-    _deferred: list[tuple[float, int]] = field(default_factory=list)  # (free at, bytes)
+    #: every call that moved the clocks, in order (what :meth:`replay` re-issues)
+    calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
 
     # -- the device's work ----------------------------------------------------------------
 
     def kernel(self, stream: int, flops: float, nbytes: int, name: str = "kernel") -> Op:
         """A kernel on ``stream``: ``flops`` at the compute rate or ``nbytes`` at the
         memory rate, whichever is longer."""
+        self.calls.append(("kernel", (stream, flops, nbytes, name)))
         r = self.rates
         seconds = max(flops / r.flops, nbytes / r.memory, r.kernel_min)
         return self._run(name, COMPUTE, stream, seconds, flops=flops, nbytes=nbytes)
@@ -129,6 +131,7 @@ class Timeline:
         engine of its direction (:data:`TO_HOST` or :data:`TO_DEVICE`)."""
         if engine not in (TO_HOST, TO_DEVICE):
             raise ValueError(f"copy(engine={engine!r}): expected {TO_HOST!r} or {TO_DEVICE!r}")
+        self.calls.append(("copy", (stream, nbytes, engine, name)))
         bandwidth = self.rates.to_host if engine == TO_HOST else self.rates.to_device
         return self._run(name, engine, stream, nbytes / bandwidth, nbytes=nbytes)
 
@@ -146,22 +149,27 @@ class Timeline:
 
     def record(self, event: int, stream: int) -> None:
         """``event.record(stream)``: it completes when the stream's work so far has ended."""
+        self.calls.append(("record", (event, stream)))
         self._events[event] = max(self._stream_end[stream], self._waits[stream], self.host)
 
     def wait(self, stream: int, event: int) -> None:
         """``stream.wait_event(event)``: later work on ``stream`` starts after it."""
+        self.calls.append(("wait", (stream, event)))
         self._waits[stream] = max(self._waits[stream], self._events.get(event, 0.0))
 
     def sync_stream(self, stream: int) -> None:
         """The host waits for everything issued to ``stream``."""
+        self.calls.append(("sync_stream", (stream,)))
         self.host = max(self.host, self._stream_end[stream], self._waits[stream])
 
     def sync_event(self, event: int) -> None:
         """The host waits for ``event``."""
+        self.calls.append(("sync_event", (event,)))
         self.host = max(self.host, self._events.get(event, 0.0))
 
     def sync_device(self) -> None:
         """The host waits for everything issued."""
+        self.calls.append(("sync_device", ()))
         self.host = max(self.host, *self._stream_end.values(), 0.0)
 
     def event_time(self, event: int) -> float:
@@ -177,40 +185,31 @@ class Timeline:
         """``stream.query()``: whether everything issued to it has completed by now."""
         return max(self._stream_end[stream], self._waits[stream]) <= self.host
 
+    def mark(self, stream: int) -> float:
+        """When the work issued to ``stream`` so far will have ended (an event recorded
+        now, unnamed: the caching allocator's)."""
+        return max(self._stream_end[stream], self._waits[stream], self.host)
+
+    def replay(self, rates: Rates) -> Timeline:
+        """The same work, issued in the same order, on a device of ``rates`` (memory is
+        not replayed; a host wait the caching allocator made is left out)."""
+        timeline = Timeline(rates)
+        for name, args in self.calls:
+            getattr(timeline, name)(*args)
+        return timeline
+
     # -- memory ---------------------------------------------------------------------------
 
-    def allocate(self, ptr: int, nbytes: int) -> None:
-        """The host allocates ``nbytes`` at ``ptr`` (blocks freed on other streams whose
-        work has completed by now are returned first, as the caching allocator does)."""
-        deferred = self._deferred
-        while deferred and deferred[0][0] <= self.host:
-            self.held -= heapq.heappop(deferred)[1]
-        self._blocks[ptr] = (nbytes, set())
-        self.allocated += nbytes
-        self.held += nbytes
-        self.peak = max(self.peak, self.allocated)
-        self.held_peak = max(self.held_peak, self.held)
+    def memory(self, allocated: int, reserved: int) -> None:
+        """The allocator's counts after a change: now, and the peaks."""
+        self.allocated, self.reserved = allocated, reserved
+        self.peak = max(self.peak, allocated)
+        self.held_peak = max(self.held_peak, reserved)
 
-    def record_stream(self, ptr: int, stream: int) -> None:
-        """``tensor.record_stream(stream)``: its block is not reused before the work issued
-        to ``stream`` by the time it is freed has completed."""
-        block = self._blocks.get(ptr)
-        if block is not None:
-            block[1].add(stream)
-
-    def free(self, ptr: int) -> None:
-        """The host frees the block at ``ptr``: at once, or (recorded on other streams)
-        once their work issued so far has completed."""
-        block = self._blocks.pop(ptr, None)
-        if block is None:
-            return
-        nbytes, streams = block
-        self.allocated -= nbytes
-        until = max((self._stream_end[s] for s in streams), default=0.0)
-        if until <= self.host:
-            self.held -= nbytes
-        else:
-            heapq.heappush(self._deferred, (until, nbytes))
+    @property
+    def held(self) -> int:
+        """What the device holds now: ``reserved``."""
+        return self.reserved
 
     # -- reading it -----------------------------------------------------------------------
 
@@ -318,8 +317,6 @@ class Timer:
             t.sync_event(args[0])
         elif handler == "_handle_device_synchronization":
             t.sync_device()
-        elif handler == "record_stream":
-            t.record_stream(args[0], args[1])
 
 
 class attach:
@@ -333,6 +330,7 @@ class attach:
         if _device._STATE.timer is not None:
             raise RuntimeError("a timer is already attached")
         _device._STATE.timer = self.timer
+        _device._STATE.observe(_device._STATE.device)  # the counts it starts from
         return self.timer.timeline
 
     def __exit__(self, *exc: object) -> None:
