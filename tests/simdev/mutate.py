@@ -2,9 +2,9 @@
 
     python -m tests.simdev.mutate [--json out.json] [--tests tests/test_streams.py]
 
-A mutant removes one statement that orders or protects device work: a call of
-``wait_stream``, ``wait_event``, ``record_stream``, ``synchronize``, ``query`` or
-``_use_here`` (offload's wait-and-record helper), or an
+A mutant removes one statement that orders or protects device work, or waits for it: a
+call of ``wait_stream``, ``wait_event``, ``record_stream``, ``synchronize``, ``query``,
+``wait`` (an event's, a collective's) or ``use_here`` (offload's wait-and-record helper), or an
 event record (``event = ....record_event()`` becomes ``event = None``; ``x.event = e``
 is dropped). For each, the stream tests run against the mutated source (in a copy of the
 package, so the working tree is never touched) and the first failing test is reported.
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: every module of the package: a synchronisation statement anywhere in it is a target
 TARGETS = tuple(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "leakfree").rglob("*.py")))
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
-_CALLS = {"wait_stream", "wait_event", "record_stream", "synchronize", "query", "_use_here"}
+_CALLS = {"wait_stream", "wait_event", "record_stream", "synchronize", "query", "wait", "use_here"}
 
 
 @dataclass
