@@ -14,14 +14,39 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from leakfree.offload.handles import _Group, _HostCopy, _Offloaded
-from leakfree.offload.measurer import Measurer
+from leakfree.offload.measure import StepMeasure
 from leakfree.offload.plan import Planner
 from leakfree.offload.streams import Order, _Copies, _follow, _Pass, _to_prefetch
-from leakfree.offload.transfers import Transfers
+
+
+class Copier(Protocol):
+    """What the passes ask of the copies (:class:`~leakfree.offload.transfers.Transfers`,
+    handed in by the front)."""
+
+    use_streams: bool
+
+    def send(self, group: _Group) -> None: ...
+
+    def copy_in(self, group: _Group, *, prefetch: bool = False) -> tuple[torch.Tensor, Any]: ...
+
+    def use_here(self, dev: torch.Tensor, event: Any) -> None: ...
+
+    def allocated(self) -> int: ...
+
+
+class Sampler(Protocol):
+    """What the passes tell the measurer (:class:`~leakfree.offload.measurer.Measurer`):
+    the step it measures, if any, samples backward; a pass that ends ends its step."""
+
+    measuring: StepMeasure | None
+
+    def pass_ended(self) -> None: ...
+
 
 #: the backward pass running on this thread (-1 outside one), and the engine's "run this
 #: when the pass is over"
@@ -39,9 +64,9 @@ class Backward:
 
     def __init__(
         self,
-        transfers: Transfers,
+        transfers: Copier,
         planner: Planner,
-        measurer: Measurer,
+        measurer: Sampler,
         lock: threading.RLock,
         prefetch_bytes: int | None,
     ) -> None:

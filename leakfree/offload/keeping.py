@@ -12,15 +12,27 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from leakfree.offload.handles import _Forward, _HostCopy, _Kept
+from leakfree.offload.handles import _Forward, _Group, _HostCopy, _Kept
 from leakfree.offload.options import Mode
 from leakfree.offload.plan import Planner
 from leakfree.offload.stats import OffloadStats
-from leakfree.offload.transfers import Transfers
+
+
+class Mover(Protocol):
+    """What the keeper asks of the copies (:class:`~leakfree.offload.transfers.Transfers`,
+    handed in by the front)."""
+
+    def copy_out(
+        self, t: torch.Tensor, copy: _HostCopy, ref: weakref.ref[_HostCopy], capacity: int
+    ) -> None: ...
+
+    def send(self, group: _Group) -> None: ...
+
+    def open_groups(self) -> list[_Group]: ...
 
 
 class Keeper:
@@ -30,7 +42,7 @@ class Keeper:
     device tensors are held by the copies, which the graph owns), the handles of a
     forward whose plan moves nothing, and their bytes. Nothing outlives the graphs."""
 
-    def __init__(self, planner: Planner, transfers: Transfers, stats: OffloadStats) -> None:
+    def __init__(self, planner: Planner, transfers: Mover, stats: OffloadStats) -> None:
         self._planner = planner
         self._transfers = transfers
         self._stats = stats

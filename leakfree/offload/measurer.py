@@ -6,14 +6,24 @@ checks the step after a new plan against it. The front calls it with its lock he
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, Protocol, cast
 
 import torch
 
 from leakfree.offload.measure import StepMeasure
 from leakfree.offload.plan import Planner
 from leakfree.offload.stats import OffloadStats
-from leakfree.offload.transfers import Transfers
+
+
+class Link(Protocol):
+    """What the measurer asks of the copies (:class:`~leakfree.offload.transfers.Transfers`,
+    handed in by the front): the device and its module, and the copy bandwidths."""
+
+    device: torch.device | None
+    module: Any
+
+    def bandwidth(self, nbytes: int) -> tuple[float, float]: ...
+
 
 __all__ = ["Measurer"]
 
@@ -24,7 +34,7 @@ class Measurer:
     as the step checked against it began. Events and numbers only. Called under the
     manager's lock."""
 
-    def __init__(self, planner: Planner, transfers: Transfers, stats: OffloadStats) -> None:
+    def __init__(self, planner: Planner, transfers: Link, stats: OffloadStats) -> None:
         self._planner = planner
         self._transfers = transfers
         self._stats = stats

@@ -77,9 +77,10 @@ def run(mutant: Mutant, tests: list[str]) -> str | None:
     with tempfile.TemporaryDirectory() as tmp:
         # A whole copy: pytest puts the rootdir first on sys.path, so the package under
         # test must be the mutated one in that rootdir.
-        for name in ("leakfree", "tests"):
+        # (the docs, examples and benchmarks too: the docs tests run their code blocks)
+        for name in ("leakfree", "tests", "docs", "examples", "benchmarks"):
             shutil.copytree(ROOT / name, Path(tmp) / name, ignore=_IGNORE)
-        for name in ("pyproject.toml", "leakfree_pytest_plugin.py"):
+        for name in ("pyproject.toml", "leakfree_pytest_plugin.py", "README.md"):
             shutil.copy(ROOT / name, Path(tmp) / name)
         target = Path(tmp) / mutant.path
         lines = target.read_text().splitlines(keepends=True)
