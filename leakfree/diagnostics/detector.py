@@ -75,12 +75,13 @@ import torch
 
 from leakfree._text import format_bytes
 from leakfree.diagnostics.cycles import find_cycles
-from leakfree.diagnostics.findings import Finding, Reporter, Tracked, _by_holder
+from leakfree.diagnostics.findings import Finding, Reporter, Tracked
 from leakfree.diagnostics.growth import Growth, fit_growth
 from leakfree.diagnostics.microbatch import HEAP_SLACK, PerMicrobatch
 from leakfree.diagnostics.retention import (
     Retained,
     RetentionReport,
+    by_holder,
     group,
     holder_key,
 )
@@ -304,7 +305,7 @@ class Detector:
         if base is None:
             return
         steps = max(self.steps - self._suspected_at, 1)
-        before = _by_holder(base.items)
+        before = by_holder(base.items)
         report = self.reporter.search(frame, everything=True)
         gained: dict[tuple[str, str], float] = {}  #: autograd nodes per step, by holder
         chains = []
@@ -365,7 +366,7 @@ class Detector:
             # no_grad), not a local rebound to a bigger output every step.
             steps = max(self.steps - self._suspected_at, 1)
             at_least = 0.5 * growth.bytes_per_step * steps
-            old = _by_holder(base.items)
+            old = by_holder(base.items)
             graphs = [
                 i
                 for i in _grew(full.items, before, at_least)
@@ -471,7 +472,7 @@ def _grew(
     All of ``now`` without a ``before``."""
     if before is None:
         return now
-    old = _by_holder(before)
+    old = by_holder(before)
     out = []
     for h in group(now):
         was = old.get(holder_key(h))

@@ -193,21 +193,10 @@ class Reporter:
         )
 
 
-def _by_holder(items: list[Retained]) -> dict[tuple[str, str], Retained]:
-    return {holder_key(h): h for h in group(items)}
-
-
 def _same_holder(a: str, b: str) -> bool:
     """Two paths to one holder from different roots: equal, or one is the other's tail
     after a dot (``kept[*]``, ``__main__.kept[*]``)."""
     return a == b or a.endswith("." + b) or b.endswith("." + a)
-
-
-def _tensors(item: Retained) -> int:
-    """How many tensors a (grouped) entry holds that a forward computed: floating-point
-    values of more than one element, with a graph or without (not a scalar loss, not
-    integer ids or masks)."""
-    return item.floating
 
 
 def _line(item: Retained) -> str:

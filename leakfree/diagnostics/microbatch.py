@@ -11,16 +11,35 @@ then falls back. :class:`PerMicrobatch` ("within a step") is that part of
 from __future__ import annotations
 
 from types import FrameType
+from typing import Any, Protocol
 
 from leakfree._text import format_bytes
-from leakfree.diagnostics.findings import Reporter, _by_holder, _tensors
 from leakfree.diagnostics.retention import (
     Retained,
     RetentionReport,
+    by_holder,
     group,
     holder_key,
 )
 from leakfree.diagnostics.rule import Rule
+
+
+class Reporting(Protocol):
+    """What the microbatch judge asks of the detector's reporter
+    (:class:`~leakfree.diagnostics.findings.Reporter`): a search for holders, and a
+    finding made of some; the findings so far and the watcher's name."""
+
+    owner: str
+
+    @property
+    def findings(self) -> list[Any]: ...
+
+    def search(self, frame: FrameType | None, *, everything: bool = False) -> RetentionReport: ...
+
+    def found(
+        self, kind: str, holders: list[Retained], per: float, lead: str, *, step: int
+    ) -> None: ...
+
 
 #: bytes per step the C heap may drift in a clean loop (Python objects, caches): a heap
 #: signal below it is not suspected (a leak's tensors and graph nodes are far above it)
@@ -39,7 +58,7 @@ class PerMicrobatch:
     current step, its first search's report (paths and byte counts) and the holders
     pending until the step ends; the search schedule."""
 
-    def __init__(self, reporter: Reporter, rule: Rule) -> None:
+    def __init__(self, reporter: Reporting, rule: Rule) -> None:
         self._reporter = reporter
         self._rule = rule
         self._micro: list[int] = []  #: live bytes after each backward of this step
@@ -171,8 +190,8 @@ class PerMicrobatch:
             return
         candidates, base, per, passes, step = pending
         report = self._reporter.search(frame, everything=True)
-        now = _by_holder(report.items + report.all_detached)
-        before = _by_holder(base.items + base.all_detached) if base is not None else {}
+        now = by_holder(report.items + report.all_detached)
+        before = by_holder(base.items + base.all_detached) if base is not None else {}
         fallen, waiting = [], []
         for held in candidates:
             key = holder_key(held)
@@ -212,12 +231,14 @@ class PerMicrobatch:
             return out, []
         named = {h.where for h in out}
         candidates = []
-        before = _by_holder(base.items + base.all_detached)
+        before = by_holder(base.items + base.all_detached)
         for now in graphs + group(report.all_detached):
             if now.where in named:
                 continue
             old = before.get(holder_key(now))
-            gained = _tensors(now) - (_tensors(old) if old is not None else 0)
+            # floating-point values of more than one element, with a graph or without
+            # (not a scalar loss, not integer ids or masks): what a forward computed
+            gained = now.floating - (old.floating if old is not None else 0)
             more = now.nbytes - (old.nbytes if old is not None else 0)
             if gained >= passes and more / gained > floor:
                 candidates.append(now)

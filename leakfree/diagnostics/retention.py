@@ -64,6 +64,7 @@ from leakfree.diagnostics.sites import active_site
 __all__ = [
     "Retained",
     "RetentionReport",
+    "by_holder",
     "find_retained",
     "graph_bytes",
     "holder_key",
@@ -198,6 +199,12 @@ def group(items: list[Retained]) -> list[Retained]:
             Retained(kind, where, nbytes, detail, count, site, through, floating, nodes, listed)
         )
     return sorted(out, key=lambda i: -i.nbytes)
+
+
+def by_holder(items: list[Retained]) -> dict[tuple[str, str], Retained]:
+    """``items`` grouped (:func:`group`), by holder (:func:`holder_key`): what a search
+    found, to compare with another search's."""
+    return {holder_key(h): h for h in group(items)}
 
 
 def _table(items: list[Retained]) -> str:
