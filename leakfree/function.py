@@ -144,6 +144,13 @@ def release(ctx: BackwardCFunction, names: frozenset[str] | None, keep: frozense
     """
     state = ctx.__dict__
     if names is None:
+        for v in state.values():  # the common case first: metadata only, nothing to do
+            if type(v) not in METADATA_TYPES:
+                break
+        else:
+            if _due:  # a due entry must not outlive the node: a later one may reuse its id
+                _due.discard(id(ctx))
+            return
         gone = [
             n
             for n, v in state.items()
@@ -219,7 +226,8 @@ def is_last_backward(ctx: BackwardCFunction, method: str, wrapper: Callable[...,
         and not _keep_graph()
         and not _grad_enabled()
         and (_current_node is None or _current_node() is ctx)
-        and _dispatched(ctx, method, wrapper)
+        # _dispatched, without its call: this runs once per node per backward
+        and (_dispatch_cache.get(type(ctx)) or _dispatch_target(ctx, method)) is wrapper
     )
 
 
