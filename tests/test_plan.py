@@ -19,7 +19,14 @@ from torch import nn
 
 import leakfree
 from leakfree.offload.options import Mode
-from leakfree.offload.plan import Measurement, OffloadPlan, choose, head_start, predict
+from leakfree.offload.plan import (
+    Measurement,
+    OffloadPlan,
+    choose,
+    head_start,
+    in_flight,
+    predict,
+)
 from tests.simdev.timing import COMPUTE, TO_DEVICE, TO_HOST, Rates, Timeline, attach
 from tests.test_streams import deep
 
@@ -45,18 +52,20 @@ def test_copies_that_hide_behind_compute_cost_nothing_and_late_ones_stall() -> N
     m = _m()
     # the first storage: out over [0, 1], back over [4, 5]; needed after 8 * (4 - 0) / 4
     # = 8 s of backward: at 12 s
-    assert predict(m, 1) == (0.0, 900)
+    assert predict(m, 1) == (0.0, 900, 900)
     # all four: out over [0, 4]; back, latest first, from 4 s: the last one saved (made at
-    # 3 s, needed at 4 + 2 = 6 s) comes back over [4, 5]: no stall
-    assert predict(m, 4, early=0) == (0.0, 600)
+    # 3 s, needed at 4 + 2 = 6 s) comes back over [4, 5]: no stall. Its copy out still
+    # runs at the forward's last save (it ends at 4 s): the window holds it at the peak
+    assert predict(m, 4, early=0) == (0.0, 700, 700)
     slow = _m(to_device=25.0)  # four seconds a copy back: the latest is back at 8 s, not 6
-    stall, _ = predict(slow, 4, early=0)
+    stall = predict(slow, 4, early=0).stall
     assert stall == pytest.approx(2.0 + 2.0 + 2.0 + 2.0)
 
 
 def test_moving_what_backward_needs_by_its_peak_lowers_nothing() -> None:
     m = _m(needed_at_peak=200)  # the two latest are in use at the peak
-    assert [predict(m, k)[1] for k in range(5)] == [1000, 900, 800, 800, 800]
+    # (and the fourth's copy out still runs at the last save: the window holds it)
+    assert [predict(m, k).peak for k in range(5)] == [1000, 900, 800, 800, 900]
 
 
 def test_a_head_start_brings_early_ones_back_while_the_last_copies_out_run() -> None:
@@ -72,31 +81,52 @@ def test_a_head_start_brings_early_ones_back_while_the_last_copies_out_run() -> 
     # with copies back as slow as out (4 s), the early ones save the stall of three
     slow = _m(sizes=kept.sizes, made=kept.made, to_host=25.0, to_device=25.0)
     assert head_start(slow, 4) == 300
-    assert predict(slow, 4, 0)[0] == pytest.approx(20.0)
-    assert predict(slow, 4, 300)[0] == pytest.approx(14.0)
+    assert predict(slow, 4, 0).stall == pytest.approx(20.0)
+    assert predict(slow, 4, 300).stall == pytest.approx(14.0)
 
 
 def test_choose_meets_the_goal_moving_the_fewest_or_the_most() -> None:
     m = _m(to_device=25.0)  # copies back are slow: moving more stalls more
-    assert choose(m, device_limit=10_000) == (0, 0)  # the step fits: nothing moves
+    assert choose(m, device_limit=10_000)[:2] == (0, 0)  # the step fits: nothing moves
     assert choose(m, device_limit=0)[0] == 4  # nothing fits: everything moves
     assert choose(m, device_limit=750, allocated=0)[0] == 3  # the fewest under it
     assert choose(m, max_overhead=0.0)[0] == predict_free(m)
-    assert choose(m, max_overhead=10.0)[0] == 4
+    # plenty of time: everything moves, and the window waits for each copy at once (a cap
+    # under one copy), so none is held at the peak
+    moved, _, cap = choose(m, max_overhead=10.0)
+    assert moved == 4 and cap is not None and cap < 100
+    assert predict(m, 4, cap=cap).peak == 600
+
+
+def test_the_window_lets_a_tensor_go_once_its_copy_has_ended_and_waits_only_beyond_its_cap() -> (
+    None
+):
+    """The window the hooks keep is the schedule's: a moved tensor stays while its copy
+    runs, and goes at the first save after it ended; with a cap, the forward waits for
+    the oldest copies beyond it, which the stall counts."""
+    slow = _m(to_host=50.0)  # two seconds a copy out: they fall behind the saves
+    assert in_flight(slow, 4, None) == (100, 200, 200, 300)  # [0,2] [2,4] [4,6] [6,8]
+    assert predict(slow, 4, 0).peak == 600 + 300  # three still copying at the last save
+    capped = predict(slow, 4, 0, cap=100)
+    # at each save beyond one copy's bytes the forward waits for the oldest: it saves at
+    # 0, 2, 4 and 6 s instead of 0, 1, 2 and 3
+    assert capped.stall >= 3.0 and capped.peak == 600 + 100
+    assert in_flight(slow, 4, 100) == (100, 100, 100, 100)
 
 
 def predict_free(m: Measurement) -> int:
-    return max(k for k in range(len(m.sizes) + 1) if predict(m, k)[0] == 0.0)
+    return max(k for k in range(len(m.sizes) + 1) if predict(m, k).stall == 0.0)
 
 
 def test_a_plan_says_what_moves_what_stays_and_what_it_predicts() -> None:
     plan = OffloadPlan(
         budget=600, kept=3, kept_bytes=600, moved=1, moved_bytes=100, replans=0,
-        mode=Mode.OVERHEAD, overhead=0.031, peak=5 << 30,
+        mode=Mode.OVERHEAD, overhead=0.031, peak=5 << 30, held=6 << 30,
     )  # fmt: skip
     text = str(plan)
     assert text.startswith("max_overhead: 3 saved tensors")
-    assert "3.1% of the step's compute waiting for copies, a peak of 5.0 GiB" in text
+    assert "3.1% of the step's compute waiting for copies, a peak of 5.0 GiB allocated" in text
+    assert "held 6.0 GiB" in text
 
 
 # --- on the simulated device, timed ------------------------------------------------------------
@@ -183,30 +213,48 @@ def test_a_ceiling_that_the_step_fits_under_moves_nothing_after_its_first_step(s
 
 
 def test_a_ceiling_is_held_moving_the_least(sim: Any) -> None:
-    """The plan moves part of the activations; a step over the limit (the plan's peak
-    was predicted short) makes it move more, until the step holds the limit."""
-    limits = []
+    """The plan moves part of the activations, and what the device holds (reserved: what
+    decides an out-of-memory error) stays under the limit on every step, the measured
+    one too; a plan that held less than it predicted by much is made again to move less
+    (it keeps a margin under the limit)."""
+    sim.dry = True
+    plain = _dry_steps(sim, None, [4096])[0][0]
+    sim.module.empty_cache()
+    limit = int(0.85 * plain)
+    ctx = leakfree.OffloadActivations(device_limit=limit)
+    steps = _dry_steps(sim, ctx, [4096] * 5)
+    assert all(held <= limit for held, _ in steps), [h / limit for h, _ in steps]
+    plan = ctx.plan
+    assert plan.moved > 0 and plan.kept > 0 and plan.held <= limit
+    assert steps[-1][1] < steps[0][1]  # the measured step moved everything
 
-    def make(plain_peak: int) -> Any:
-        before = sim.allocated()  # the model, its input and no gradients
-        limits.append(before + (plain_peak - before) * 6 // 10)
-        return leakfree.OffloadActivations(device_limit=limits[0])
 
-    ctx, _, _, peak = _run(sim, make, steps=4)
-    assert ctx.plan.moved > 0 and ctx.plan.kept > 0
-    assert peak <= limits[0]
-    assert ctx.plan.peak <= limits[0]
-
-
-def test_a_new_shape_is_measured_and_planned_again(sim: Any) -> None:
+def test_a_forward_of_other_lengths_follows_the_plan_by_place(sim: Any) -> None:
+    """Packed or bucketed batches save the same tensors in the same order, each of its
+    own size: such a forward follows the plan (the same storages move, no measured step
+    that would move nothing); one that saves more tensors is measured and planned again."""
     model = _model().to(sim.device)
     ctx = leakfree.OffloadActivations(max_overhead=0.05)
-    for batch in (512, 512, 256, 256, 256):
+    moved = []
+    for batch in (512, 512, 256, 384, 256):
+        before = ctx.stats.to_host
         _step(model, torch.randn(batch, 256, device=sim.device), ctx, sim)
+        moved.append(ctx.stats.to_host - before)
         model.zero_grad(set_to_none=True)
-    assert ctx.plan.replans == 1
-    # the new shape's 17 saved storages (each layer's two, and the loss's), of 256 rows
-    assert ctx.plan.kept_bytes + ctx.plan.moved_bytes == 17 * 256 * 256 * 4
+    assert ctx.plan.replans == 0 and moved[0] == 0 and ctx.plan.moved > 0
+    assert moved[1:] == [ctx.plan.moved] * 4
+    # a deeper model saves more: its first forward follows the plan as far as it goes,
+    # the next is measured (moving nothing), then a plan of its own follows
+    deeper = nn.Sequential(*model, nn.Linear(256, 256), nn.Tanh()).to(sim.device)
+    planned = ctx.plan.moved
+    moved = []
+    for _ in range(3):
+        before = ctx.stats.to_host
+        _step(deeper, torch.randn(512, 256, device=sim.device), ctx, sim)
+        moved.append(ctx.stats.to_host - before)
+        deeper.zero_grad(set_to_none=True)
+    assert moved[0] == planned and moved[1] == 0 and moved[2] == ctx.plan.moved > 0
+    assert ctx.plan.kept + ctx.plan.moved > 17 and ctx.plan.replans == 1
 
 
 def test_copies_back_run_on_their_own_stream_beside_the_copies_out(sim: Any) -> None:
@@ -231,7 +279,10 @@ def test_backward_begins_while_the_copies_out_still_run(sim: Any) -> None:
     """The compute stream no longer waits for the copies out at ``__exit__``: backward's
     first kernels run while they do (it needs the kept activations first)."""
     ctx, _, t, _ = _run(
-        sim, lambda _: leakfree.OffloadActivations(min_offload_size=1, device_budget=2 * MiB)
+        sim,
+        lambda _: leakfree.OffloadActivations(
+            min_offload_size=1, device_budget=2 * MiB, max_fwd_stash_size=5
+        ),
     )
     last_out = max(op.end for op in t.ops if op.engine == TO_HOST)
     forward_end = _forward_end(t)
@@ -299,3 +350,104 @@ def test_a_held_copy_does_not_widen_the_prefetch_window(
         model.zero_grad(set_to_none=True)
     assert ctx.plan.kept_bytes >= 256 << 10 and ctx.plan.moved > 8
     assert outstanding and max(outstanding) <= 2 * (8 << 10)
+
+
+# --- lengths that change every step ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.9])
+def test_a_limit_survives_forwards_of_other_lengths(sim: Any, fraction: float) -> None:
+    """A forward of other lengths on the step after a limit's new plan: that step checked
+    a plan its forward had forgotten, and raised ``RuntimeError: a plan was checked
+    without a limit`` from backward. Gradients stay plain PyTorch's throughout."""
+    model = _model().to(sim.device)
+    sim.module.reset_peak_memory_stats()
+    _step(model, torch.randn(512, 256, device=sim.device), None, sim)
+    model.zero_grad(set_to_none=True)
+    ctx = leakfree.OffloadActivations(
+        device_limit=int(fraction * sim.module.max_memory_allocated())
+    )
+    for batch in (512, 512, 384, 384, 512, 256):
+        x = torch.randn(batch, 256, device=sim.device)
+        _step(model, x, ctx, sim)
+        got = _grads(model)
+        _step(model, x, None, sim)
+        assert all(torch.equal(a, b) for a, b in zip(got, _grads(model)))
+    assert ctx.plan is not None
+
+
+def _dry_steps(
+    sim: Any, ctx: Any, lengths: list[int], *, width: int = 1024, depth: int = 8
+) -> list[tuple[int, int]]:
+    """Steps of a model whose activations are 4 MiB per 1024 rows (large enough for the
+    caching allocator's own segments), in dry mode (shapes only): per step, the bytes the
+    device held at most (reserved) and the bytes moved to the host."""
+    model = deep(width, depth).to(sim.device)
+    out = []
+    for rows in lengths:
+        x = torch.empty(rows, width, device=sim.device)
+        moved = ctx.stats.to_host_bytes if ctx is not None else 0
+        sim.module.reset_peak_memory_stats()
+        _step(model, x, ctx, sim)
+        model.zero_grad(set_to_none=True)
+        held = sim.module.max_memory_reserved()
+        out.append((held, (ctx.stats.to_host_bytes - moved) if ctx is not None else 0))
+    return out
+
+
+#: a packing trace: each step's rows (tokens) drawn from 1024-4096, as packed SFT batches
+PACKED = [4096, 1536, 3072, 2560, 4096, 1024, 3584, 2048, 4096, 3072, 1536, 4096]
+
+
+def test_a_limit_holds_every_step_of_a_packing_trace(sim: Any) -> None:
+    """What the device holds (reserved: what decides an out-of-memory error) stays under
+    the limit on the steps of lengths that change every step: the measured step, each
+    check, a forward longer than the plan's (planned again from the measured step,
+    scaled; it keeps less meanwhile). The caching allocator's blocks of mixed lengths,
+    which no prediction sees, can take one step over (here the tenth, by 1.5%): the plan
+    then moves that much more, and the cache of the old blocks goes."""
+    sim.dry = True
+    plain = _dry_steps(sim, None, [4096])[0][0]
+    sim.module.empty_cache()
+    limit = int(0.85 * plain)
+    ctx = leakfree.OffloadActivations(device_limit=limit)
+    steps = _dry_steps(sim, ctx, PACKED)
+    held = [h / limit for h, _ in steps]
+    over = [i for i, h in enumerate(held) if h > 1]
+    assert len(over) <= 1 and max(held) <= 1.02, held
+    assert all(h <= 1 for h in held[over[0] + 1 :] if over), held  # corrected after it
+    assert ctx.plan is not None and ctx.plan.moved > 0 and steps[-1][1] > 0
+
+
+def test_a_time_cap_moves_at_every_length_what_it_moves_at_one(sim: Any) -> None:
+    """Under ``max_overhead``, a forward of other lengths follows the plan by place: it
+    moves the same storages (bytes in proportion to its lengths), where a plan keyed on
+    exact sizes measured every new shape again, moving nothing."""
+    sim.dry = True
+    ctx = leakfree.OffloadActivations(max_overhead=0.05)
+    steps = _dry_steps(sim, ctx, PACKED)
+    planned = ctx.plan
+    assert planned is not None and planned.moved > 0 and planned.replans == 0
+    for rows, (_, moved) in list(zip(PACKED, steps))[1:]:
+        assert moved == pytest.approx(planned.moved_bytes * rows / PACKED[0], rel=0.01)
+
+
+def test_microbatches_of_varying_count_follow_one_plan(sim: Any) -> None:
+    """Steps of 1 to 4 microbatches (a forward and a backward each, under one manager):
+    every forward has the same tensors, so one plan serves all, and gradients stay plain
+    PyTorch's."""
+    model = _model().to(sim.device)
+    ctx = leakfree.OffloadActivations(max_overhead=0.05)
+    for count in (2, 1, 4, 3, 1):
+        xs = [torch.randn(256, 256, device=sim.device) for _ in range(count)]
+        with attach(SMALL):
+            for x in xs:
+                with ctx:
+                    loss = model(x).square().mean()
+                loss.backward()
+            sim.module.synchronize()
+        got = _grads(model)
+        for x in xs:
+            model(x).square().mean().backward()
+        assert all(torch.equal(a, b) for a, b in zip(got, _grads(model)))
+    assert ctx.plan is not None and ctx.plan.replans == 0 and ctx.plan.moved > 0

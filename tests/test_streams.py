@@ -820,7 +820,7 @@ def test_a_device_budget_keeps_the_last_activations_and_moves_the_rest(sim: Any)
         assert step["to_host"] <= 1.05 * (total - budget)
         assert step["to_device"] == step["to_host"]  # what moved comes back, once
         # the device memory the budget adds over moving everything is the budget at most
-        assert step["peak"] <= everything[0]["peak"] + budget
+        assert step["peak"] <= everything[0]["peak"] + budget + 512  # a block's rounding
     assert "stay on the device" in str(plan)
 
 
@@ -838,13 +838,17 @@ def test_a_zero_budget_moves_everything(sim: Any) -> None:
     assert all(s["held"] == 0 for s in steps[1:])  # planned: moved as the forward goes
 
 
-def test_a_budget_replans_when_the_shapes_change(sim: Any) -> None:
+def test_a_budget_follows_its_plan_by_place_across_lengths_and_holds_its_bytes(
+    sim: Any,
+) -> None:
+    """A forward of other lengths saves as many tensors: it follows the plan by place (the
+    same ones move), and the budget's bytes still bound what it holds (in a longer one,
+    the oldest held move too)."""
     budget = 64 * 1024
-    ctx, steps = _budget_run(sim, budget, batches=(32, 32, 16, 16, 32))
-    assert ctx.plan is not None and ctx.plan.replans == 2  # 32 -> 16 -> 32
+    ctx, steps = _budget_run(sim, budget, batches=(32, 32, 16, 16, 64, 32))
+    assert ctx.plan is not None and ctx.plan.replans == 0
     assert all(s["held"] <= budget for s in steps)
-    small = ctx.plan  # planned for batch 32 again
-    assert small.kept_bytes <= budget
+    assert steps[2]["to_host"] < steps[1]["to_host"] < steps[4]["to_host"]
 
 
 def test_offload_model_takes_a_device_budget(sim: Any) -> None:
@@ -862,29 +866,34 @@ def test_offload_model_takes_a_device_budget(sim: Any) -> None:
 def test_the_in_flight_window_records_a_stream_only_for_copies_still_running(
     sim: Any, lazy: bool
 ) -> None:
-    """A tensor leaves the window as it is when its copy out is done (no record_stream:
-    the common case), with ``record_stream(side)`` when it is not; and the window, not
-    the handle, holds it, so a graph dropped mid-forward cannot free what a copy reads."""
+    """A tensor leaves the window as it is when its copy out is done (the common case). One
+    that leaves mid-forward while its copy runs goes in stream order (the compute stream
+    waits for the copy: no record_stream, its memory reusable at once); the ones left at
+    ``__exit__`` are recorded on the side stream, so backward need not wait. The window,
+    not the handle, holds them, so a graph dropped mid-forward cannot free what a copy
+    reads."""
     model, x = deep(depth=8).to("sim"), torch.randn(32, 64, device="sim")
     sim.lazy = lazy
     ctx = offload(max_fwd_stash_size=2, batch_bytes=0)  # each copy sent as it is made
     with ctx:
         loss = model(x).square().mean()
-        held = [weakref.ref(t) for t, _ in ctx._transfers.in_flight]
+        held = [weakref.ref(t) for t, _, _ in ctx._transfers.in_flight]
         del loss  # the graph dies mid-forward: its handles go, the window's tensors stay
         assert len(held) == 2 and all(r() is not None for r in held)
     recorded = [e for e in sim.log if e[0] == "record_stream"]
-    assert bool(recorded) == lazy  # retired mid-forward while the copy was pending
-    assert all(r() is None for r in held)  # let go at __exit__, after the compute waited
+    assert len(recorded) == (2 if lazy else 0)  # the two left at __exit__, copies pending
+    assert all(r() is None for r in held)  # let go at __exit__
     sim.lazy = False
 
 
-def test_a_budget_set_later_lets_moved_tensors_go_at_once(sim: Any) -> None:
-    """Without a budget the in-flight window holds a moved tensor until its copy is done;
-    under one, which counts it no more, it is let go at once with ``record_stream``.
-    Setting a budget later switches the window off, as passing it to the constructor
-    does (with the window left on, the budget's moved bytes would stay on the device)."""
+def test_the_window_lets_tensors_go_in_stream_order_in_every_mode(sim: Any) -> None:
+    """Whatever the mode, a moved tensor stays in the window while its copy runs; once the
+    window is full the oldest goes in stream order (the compute stream waits for its
+    copy, no ``record_stream``), so what the device holds for copies in flight is the
+    window at most: a budget's moved tensors, let go at once with ``record_stream``
+    before, were held by the allocator until the host saw their copies end."""
     model, x = deep(depth=8).to("sim"), torch.randn(32, 64, device="sim")
+    sim.lazy = True  # the host never sees a copy end before it waits: the worst case
     ctx = offload(batch_bytes=0)
     for budget in (None, 0):
         ctx.device_budget = budget
@@ -899,10 +908,9 @@ def test_a_budget_set_later_lets_moved_tensors_go_at_once(sim: Any) -> None:
             side.stream_id for (_, back), side in ctx._transfers.side_streams.items() if not back
         }
         recorded = [e for e in sim.log if e[0] == "record_stream" and e[2] in out]
-        if budget is None:
-            assert window > 0 and not recorded
-        else:
-            assert window == 0 and len(recorded) == moved > 0
+        assert moved > 5 and window == ctx.max_fwd_stash_size == 5
+        assert len(recorded) == window  # only the window's, at __exit__
+    sim.lazy = False
 
 
 def test_a_copy_back_on_a_stream_that_never_saw_the_copies_out_waits_for_them(

@@ -14,11 +14,11 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from leakfree.offload.handles import _Group, _HostCopy, _Offloaded
+from leakfree.offload.handles import Arrival, _Group, _HostCopy, _Offloaded
 from leakfree.offload.measure import StepMeasure
 from leakfree.offload.plan import Planner
 from leakfree.offload.streams import Order, _Copies, _follow, _Pass, _to_prefetch
@@ -32,9 +32,11 @@ class Copier(Protocol):
 
     def send(self, group: _Group) -> None: ...
 
-    def copy_in(self, group: _Group, *, prefetch: bool = False) -> tuple[torch.Tensor, Any]: ...
+    def copy_in(
+        self, group: _Group, *, prefetch: bool = False
+    ) -> tuple[torch.Tensor, Arrival | None]: ...
 
-    def use_here(self, dev: torch.Tensor, event: Any) -> None: ...
+    def use_here(self, dev: torch.Tensor, arrival: Arrival) -> None: ...
 
     def allocated(self) -> int: ...
 
@@ -110,21 +112,23 @@ class Backward:
             else:
                 sibling = group.live_restored() if group.restored is not None else None
                 if sibling is not None:  # a sibling's, from another pass: maybe another stream
-                    dev, event = sibling
-                    if event is not None:
-                        self._transfers.use_here(dev, event)
+                    dev, arrival = sibling
+                    if arrival is not None:
+                        self._transfers.use_here(dev, arrival)
                 else:
                     if group.prefetched is not None:
-                        dev, event = group.prefetched
+                        dev, arrival = group.prefetched
                         group.prefetched = None
                         early = state.early if state is not None else None
                         if state is not None and (early is None or group.seq not in early):
                             state.outstanding -= group.used
-                        self._transfers.use_here(dev, event)
+                        if arrival is not None:
+                            self._transfers.use_here(dev, arrival)
                     else:
-                        dev, event = self._transfers.copy_in(group)
+                        dev, found = self._transfers.copy_in(group)
+                        arrival = found
                     # a later pass may find it alive (a double-backward graph keeps it)
-                    group.restored = (weakref.ref(dev.untyped_storage()), event)
+                    group.restored = (weakref.ref(dev.untyped_storage()), arrival)
             if state is not None:
                 if group.task != task:  # the first unpack of this group in this pass
                     self._first_unpack(state, group, task)
@@ -158,20 +162,38 @@ class Backward:
         goal's early groups too)."""
         group.task = task
         group.remaining = group.users
-        state.order.append((group.seq, group.used))
+        state.order.append(group.seq)
         state.held.append(weakref.ref(group))
         measuring = self._measurer.measuring
         if measuring is not None:
             measuring.sample(group.used, moved=True)
+        self._ahead(state, group)
+
+    def _ahead(self, state: _Pass, unit: _Group | _HostCopy) -> None:
+        """The pass first unpacks ``unit`` (a group brought back, or a copy held on the
+        device): what the learned order needs next is brought back ahead, within the
+        window (a goal's early groups too). A held copy starts it as well, so the first
+        groups backward needs after the ones kept on the device are on their way while it
+        uses those."""
         if not (state.following and self._transfers.use_streams):
             return
-        if self._planner.early:
-            self._prefetch_early(state, group)
+        planner = self._planner
+        if planner.early:
+            self._prefetch_early(state, unit)
         window = self.prefetch_bytes
         if window is None:
             window = state.window
+            if planner.mode.goal and planner.split is not None:
+                # a goal's plan looks further ahead where the device has room under its
+                # ceiling (backward frees what it has used): copies back then run as early
+                # as its schedule assumes, not a window's length before their use
+                rises = planner.rises
+                position = len(state.order) - 1
+                rise = rises[position] if 0 <= position < len(rises) else 0
+                used = self._transfers.allocated() - state.outstanding
+                window = max(window, planner.ceiling - rise - used)
         if window:
-            for ahead in _to_prefetch(state, group, window):
+            for ahead in _to_prefetch(state, unit, window):
                 ahead.prefetched = self._transfers.copy_in(ahead, prefetch=True)
                 state.prefetched.append(weakref.ref(ahead))
 
@@ -227,12 +249,11 @@ class Backward:
         with self._lock:
             state = self._pass(task, copy)
             copy.task = task
-            state.order.append((copy.seq, copy.nbytes))
+            state.order.append(copy.seq)
             measuring = self._measurer.measuring
             if measuring is not None:
                 measuring.sample(copy.nbytes, moved=False)
-            if state.following and self._planner.early and self._transfers.use_streams:
-                self._prefetch_early(state, copy)
+            self._ahead(state, copy)
 
     def _pass(self, task: int, first: _Group | _HostCopy) -> _Pass:
         """The state of backward pass ``task`` (lock held); begun by its first unpack, of
@@ -261,9 +282,12 @@ class Backward:
             for ref in state.prefetched:
                 group = ref()
                 if group is not None and group.prefetched is not None:
-                    # brought back and never used: freed (the side stream's memory, which
-                    # only its later work reuses)
+                    # brought back and never used: freed in the current stream's order,
+                    # after its copy (the memory is the current stream's)
+                    dev, arrival = group.prefetched
                     group.prefetched = None
+                    if arrival is not None:
+                        self._transfers.use_here(dev, arrival)
             if state.order:
                 self._order = state.learned()
             self._measurer.pass_ended()

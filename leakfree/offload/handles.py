@@ -15,11 +15,20 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from leakfree.offload.pool import HostBlock, HostBlockPool
+
+
+class Arrival(NamedTuple):
+    """How a group's bytes reached the device: the event after which they are there, and
+    the stream whose memory holds them (its allocator hands the memory out again in that
+    stream's order; another stream that reads it must say so with ``record_stream``)."""
+
+    event: Any
+    home: Any
 
 
 class _Restorer(Protocol):
@@ -264,11 +273,12 @@ class _Group:
         self.seq = 0  # its first copy's creation number
         self.users = 0  # handles made for its copies
         self.lent = False  # restored tensors view the block itself (CPU): never reuse it
-        #: (weak reference to the restored storage, the event its copy-in recorded): the
+        #: (weak reference to the restored storage, its Arrival; None when no copy ran): the
         #: storage, since what autograd keeps of an unpacked tensor may be another tensor
         #: object over it (a double-backward graph)
         self.restored: tuple[Any, Any] | None = None
-        self.prefetched: tuple[torch.Tensor, Any] | None = None  # (device bytes, event)
+        #: (device bytes, their arrival) brought back ahead of use
+        self.prefetched: tuple[torch.Tensor, Arrival | None] | None = None
         self.written: Any = None  # the event its copies out recorded (None: synchronous)
         self.sent = -1  # its place in its manager's order of sends (-1: not sent)
         #: the backward pass (graph task id) that last unpacked it, the device tensor kept

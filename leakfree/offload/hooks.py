@@ -114,7 +114,7 @@ class OffloadActivations(saved_tensors_hooks):
             directions run at once) that overlap with compute.
         min_offload_size: tensors smaller than this many bytes stay where they are.
         max_fwd_stash_size: how many copies out may be in flight holding their device
-            tensors, as TRL's (default None: 5; the automatic budget only).
+            tensors, as TRL's (default None: 5; a budget only).
         prefetch_bytes: how many bytes backward may have brought back ahead of their use
             (with ``use_streams``; at least one group), in the order the previous backward
             of the same shape used (the first copies on demand). Default (None): twice the
@@ -135,8 +135,8 @@ class OffloadActivations(saved_tensors_hooks):
 
         These six decide what stays on the device, and make the manager's :attr:`mode`:
         :class:`~leakfree.offload.options.Options` says in full what each does and which
-        go together (a budget and a goal do not; ``keep_small`` and
-        ``max_fwd_stash_size`` only with the automatic budget). All are settable: the
+        go together (a budget and a goal do not; ``keep_small`` only with the automatic
+        budget, ``max_fwd_stash_size`` only with a budget). All are settable: the
         next forward then plans, or is measured, again, as a first forward is.
         device: the device to offload from; by default the current accelerator. Tensors on
             other device types stay put.
@@ -219,8 +219,7 @@ class OffloadActivations(saved_tensors_hooks):
             use_streams=use_streams and accelerated,
             pool=HostBlockPool(pin_memory_budget, pin=self.use_pin_memory),
             stats=self.stats,
-            window=use_streams and accelerated and options.mode is Mode.AUTO,
-            stash=options.stash,
+            window=self._planner.window,
         )
         self._keeper = Keeper(self._planner, self._transfers, self.stats)
         self._measurer = Measurer(self._planner, self._transfers, self.stats)
@@ -327,9 +326,6 @@ class OffloadActivations(saved_tensors_hooks):
             if options != self._planner.options:
                 self._measurer.reset()
             self._planner.set(options)
-            transfers = self._transfers
-            transfers.window = transfers.use_streams and options.mode is Mode.AUTO
-            transfers.stash = options.stash
 
     @property
     def plan(self) -> OffloadPlan | None:
@@ -460,11 +456,15 @@ class OffloadActivations(saved_tensors_hooks):
         planner = self._planner
         sizes = forward.sizes
         split = planner.split
-        if sizes and (split is None or tuple(sizes) != split.sizes):
+        # a forward that saved as many as the plan's follows it (by place: its lengths
+        # may differ); one that saved more or fewer makes a new plan, or a measured step
+        if sizes and (split is None or len(sizes) != len(split.sizes)):
             if planner.mode.goal:
                 self._measurer.forward_ended(tuple(sizes))
             else:
                 planner.from_forward(*forward.weighed())
+        elif sizes and planner.outgrown(tuple(sizes)):
+            self._measurer.outgrown()
         self._keeper.end_forward()
         self._forward = _Forward(self._backward.began)  # its record goes
 

@@ -60,6 +60,7 @@ class Keeper:
         self._on_plan = False  #: this forward still follows the plan
         #: of the bytes the plan keeps for small storages, what this forward has not kept
         self._small_room = 0
+        self._saved = 0  #: the bytes of this forward's copies so far
 
     # -- a forward's bounds -------------------------------------------------------------
 
@@ -70,6 +71,7 @@ class Keeper:
         planner = self._planner
         self._small_room = planner.small_kept[1]
         self._on_plan = True
+        self._saved = 0
         split = planner.split
         self.keep_all = split is not None and split.moved == 0
         if self._held or self._kept:
@@ -130,19 +132,18 @@ class Keeper:
             return
         split = planner.split
         i = len(forward.sizes) - 1  # this copy's place in the forward
-        if (
-            self._on_plan
-            and split is not None
-            and i < len(split.sizes)
-            and split.sizes[i] == copy.nbytes
-        ):
+        self._saved += copy.nbytes
+        planner.follow(i, self._saved)
+        # By place, not by size: a forward of other lengths (packed or bucketed batches)
+        # saves the same tensors in the same order, each of its own size.
+        if self._on_plan and split is not None and i < len(split.sizes):
             if i < split.moved:  # the plan moves it: at once, as the forward goes
                 self._transfers.copy_out(t, copy, ref, capacity)
                 if planner.mode is Mode.BUDGET:
                     self._within_budget()
                 return
         else:
-            self._on_plan = False  # another shape: hold, and move the oldest as needed
+            self._on_plan = False  # more than the plan saw: hold, and move the oldest
         self._hold(copy, t, ref, capacity)
 
     def _hold(

@@ -91,7 +91,10 @@ class StepMeasure:
     The hooks call :meth:`saved` for each storage saved, :meth:`forward_done` at the
     forward's end, :meth:`backward_begins` at backward's first unpack, :meth:`sample` at
     each first unpack (which resets the peak statistic: each sample has the most the
-    device allocated since the one before), and :meth:`finish` when backward is over."""
+    device allocated since the one before), :meth:`wait` where the compute stream waits
+    for a copy (the time it waits is not compute), and :meth:`finish` when backward is
+    over. What the device held (its allocator's reserved bytes) is read beside what it
+    allocated: the most beyond the allocated peak is the step's spare."""
 
     def __init__(self, device: torch.device, module: Any, moved: int) -> None:
         self.module = (
@@ -114,6 +117,16 @@ class StepMeasure:
         self.samples: list[tuple[int, int]] = []
         self.used: list[tuple[int, int]] = []
         self.needed = self.restored = 0
+        #: the most the device held (reserved) in the step, read at each sample
+        self.held = 0
+        #: the compute stream's waits for copies: (the mark before, the mark after)
+        self.waits: list[tuple[int, int]] = []
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """``stream.wait_event(event)``, timed: what the stream waits is not compute."""
+        before = self.marks.mark()
+        stream.wait_event(event)
+        self.waits.append((before, self.marks.mark()))
 
     def saved(self) -> None:
         self.copies.append(self.marks.mark())
@@ -134,9 +147,15 @@ class StepMeasure:
         self.restored += nbytes if moved else 0
         allocated = int(self.module.memory_allocated(self.device))
         peak = int(self.module.max_memory_allocated(self.device))  # since the last sample
+        self._held()
         self.module.reset_peak_memory_stats(self.device)
         self.samples.append((allocated, peak))
         self.used.append((self.needed, self.restored))
+
+    def _held(self) -> None:
+        reserved = getattr(self.module, "max_memory_reserved", None)
+        if reserved is not None:
+            self.held = max(self.held, int(reserved(self.device)))
 
     def finish(
         self, moved: int, probe: Callable[[int], tuple[float, float]]
@@ -151,18 +170,22 @@ class StepMeasure:
         end = marks.mark()
         seconds = marks.seconds()
         start = seconds[self.start]
-        made = tuple(seconds[i] - start for i in self.copies)
+        waited = _waited(seconds, self.waits)
+        made = tuple(seconds[i] - start - waited(i) for i in self.copies)
         if len(made) != len(sizes):
             return None
-        forward = seconds[self.forward] - start
+        forward = seconds[self.forward] - start - waited(self.forward)
         backward = seconds[end] - seconds[self.backward]
         moved -= self.moved
         if moved:  # backward waited for copies back: its compute, about twice the forward's
             backward = min(backward, 2 * forward)
-        needed = floor = 0
+        needed = floor = spare = 0
         rises: tuple[int, ...] = ()
         if self.module is not None:
             last = int(self.module.max_memory_allocated(self.device))  # since the last sample
+            self._held()
+            most = max([last, *(p for _, p in self.samples)])
+            spare = max(0, self.held - most) if self.held else 0
             peak, needed, floor = _peaks(self.samples, self.used, last, moved)
             peak, floor = peak - self.allocated, max(0, floor - self.allocated)
             rises = _rises([*self.samples, (0, last)])
@@ -170,9 +193,19 @@ class StepMeasure:
             peak = sum(sizes)
         to_host, to_device = probe(max(1 << 20, min(_PROBE_BYTES, max(sizes, default=0))))
         measurement = Measurement(
-            sizes, made, forward, backward, to_host, to_device, peak, needed, floor
+            sizes, made, forward, backward, to_host, to_device, peak, needed, floor, spare
         )
         return measurement, rises
+
+
+def _waited(seconds: list[float], waits: list[tuple[int, int]]) -> Callable[[int], float]:
+    """Seconds the compute stream waited for copies before mark ``i``, as a function."""
+    spans = [(after, seconds[after] - seconds[before]) for before, after in waits]
+
+    def before(i: int) -> float:
+        return sum(d for after, d in spans if after <= i)
+
+    return before
 
 
 #: the bytes of the one copy each way that measures the bandwidth for a goal's plan

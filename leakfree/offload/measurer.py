@@ -6,21 +6,29 @@ checks the step after a new plan against it. The front calls it with its lock he
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import torch
 
 from leakfree.offload.measure import StepMeasure
+from leakfree.offload.options import Mode
 from leakfree.offload.plan import Planner
 from leakfree.offload.stats import OffloadStats
 
 
+def _wait(stream: Any, event: Any) -> None:
+    stream.wait_event(event)
+
+
 class Link(Protocol):
     """What the measurer asks of the copies (:class:`~leakfree.offload.transfers.Transfers`,
-    handed in by the front): the device and its module, and the copy bandwidths."""
+    handed in by the front): the device and its module, the copy bandwidths, and how the
+    compute stream waits for a copy (timed in a measured step)."""
 
     device: torch.device | None
     module: Any
+    wait: Callable[[Any, Any], None]
 
     def bandwidth(self, nbytes: int) -> tuple[float, float]: ...
 
@@ -43,18 +51,24 @@ class Measurer:
 
     def reset(self) -> None:
         """The options changed: nothing measured or checked so far counts."""
-        self.measuring = None
+        self._measure(None)
         self._checking = None
 
+    def _measure(self, step: StepMeasure | None) -> None:
+        """``step`` is the one measured now (None: none); its waits for copies are timed."""
+        self.measuring = step
+        self._transfers.wait = step.wait if step is not None else _wait
+
     def begin_forward(self) -> None:
-        """A forward begins: measured, if a goal has no plan; checked, if a limit's new
-        plan awaits its check (where the device reports its peak)."""
+        """A forward begins: measured, if a goal has no plan; under a limit, watched (where
+        the device reports its peak): checked, if the plan is new; else corrected if it
+        holds more than the limit (lengths the plan was not made for)."""
         planner = self._planner
         transfers = self._transfers
         if planner.mode.goal and planner.split is None:
             device = cast(torch.device, transfers.device)
-            self.measuring = StepMeasure(device, transfers.module, self._stats.to_host_bytes)
-        elif planner.check is not None and transfers.module is not None:
+            self._measure(StepMeasure(device, transfers.module, self._stats.to_host_bytes))
+        elif planner.mode is Mode.LIMIT and transfers.module is not None:
             module = transfers.module
             module.reset_peak_memory_stats(transfers.device)
             self._checking = int(module.memory_allocated(transfers.device))
@@ -67,7 +81,13 @@ class Measurer:
             measuring.forward_done(sizes)
         else:
             self._planner.forget()
-            self.measuring = None
+            self._measure(None)
+            self._checking = None  # the plan it would check is gone
+
+    def outgrown(self) -> None:
+        """The plan was made again for a forward of larger lengths (it ran under the old
+        one): this step is not its check; the next of these lengths is."""
+        self._checking = None
 
     def pass_ended(self) -> None:
         """A backward pass is over: the measured step's makes the plan for its shapes (one
@@ -75,7 +95,7 @@ class Measurer:
         peak is weighed by the planner."""
         measuring = self.measuring
         if measuring is not None and measuring.backward is not None:
-            self.measuring = None
+            self._measure(None)
             measured = measuring.finish(self._stats.to_host_bytes, self._transfers.bandwidth)
             if measured is None:  # saves the plan did not see: the next step is measured
                 return
@@ -84,7 +104,24 @@ class Measurer:
             planner.adopt(measurement, measuring.allocated, checkable=measuring.module is not None)
             planner.rises = rises
             planner.replans += 1
+            self._release_cache()
         elif self._checking is not None:
             self._checking = None
-            module = self._transfers.module
-            self._planner.checked(int(module.max_memory_allocated(self._transfers.device)))
+            module, device = self._transfers.module, self._transfers.device
+            held = getattr(module, "max_memory_reserved", module.max_memory_allocated)
+            planner = self._planner
+            if planner.check is not None:
+                planner.checked(int(held(device)))
+            else:
+                planner.overshot(int(held(device)))
+            if planner.check is not None:  # a new plan, to be checked in turn
+                self._release_cache()
+
+    def _release_cache(self) -> None:
+        """A new plan: what the caching allocator keeps of the steps before it (blocks
+        laid out for another plan, or for a measured step that kept everything) goes back
+        to the device, so that what the device holds from now on is the plan's. (On
+        CUDA, ``empty_cache`` waits for the device: once per plan.)"""
+        empty = getattr(self._transfers.module, "empty_cache", None)
+        if empty is not None:
+            empty()

@@ -4,8 +4,7 @@ options that choose what stays on the device, checked once, and the :class:`Mode
 A manager is in exactly one mode, decided here once and reported by ``ctx.plan``:
 
 * :attr:`Mode.AUTO`: the automatic budget (``device_budget="auto"``, the default): twice
-  the largest copy stays, the smallest storages stay (``keep_small``), and moved tensors
-  stay alive while their copies are in flight (``max_fwd_stash_size``);
+  the largest copy stays, and the smallest storages stay (``keep_small``);
 * :attr:`Mode.BUDGET`: an explicit ``device_budget`` in bytes;
 * :attr:`Mode.OVERHEAD`: a time goal, ``max_overhead``;
 * :attr:`Mode.LIMIT`: a memory goal, ``device_limit`` (with ``max_overhead`` too, that
@@ -48,10 +47,15 @@ class Mode(enum.Enum):
         return self.value
 
 
-#: the options only the automatic budget honours: (option, what it does)
-_AUTO_ONLY = {
-    "keep_small": "keeps the smallest storages",
-    "max_fwd_stash_size": "bounds the copies in flight that hold their device tensors",
+#: the options some modes decide for themselves: option -> (what it does, the modes that
+#: honour it, said as the message says it)
+_HONOURED = {
+    "keep_small": ("keeps the smallest storages", (Mode.AUTO,), "the automatic budget"),
+    "max_fwd_stash_size": (
+        "bounds the copies in flight that hold their device tensors",
+        (Mode.AUTO, Mode.BUDGET),
+        "a budget (a goal's plan sizes that window)",
+    ),
 }
 
 
@@ -77,11 +81,12 @@ class Options:
     other shapes keeps at most as many small bytes as the plan did: what does not fit
     moves, and a new plan follows.
 
-    ``max_fwd_stash_size`` (the automatic budget only; None: 5): how many device-to-host
+    ``max_fwd_stash_size`` (a budget, automatic or not; None: 5): how many device-to-host
     copies may be in flight at once after their group is sent, their device tensors kept
-    alive until then, as TRL's. (A group not sent yet holds its copies' tensors too: at
-    most ``batch_bytes``.) A budget or a goal lets a moved tensor go as soon as its copy
-    is issued (``record_stream`` keeps its memory safe).
+    alive until then, as TRL's; beyond it the compute stream waits for the oldest copy
+    before its tensor goes (see :class:`~leakfree.offload.transfers.Transfers`). (A group
+    not sent yet holds its copies' tensors too: at most ``batch_bytes``.) A goal's plan
+    sizes that window in bytes itself.
 
     ``max_overhead``: a time goal: the step time offloading may add, a fraction of the
     step's compute (0.05: 5%). The first step of each shape is measured keeping
@@ -142,8 +147,8 @@ class Options:
 
     @property
     def stash(self) -> int:
-        """How many copies out may hold their device tensors in flight (the automatic
-        budget's window: 5 unless given)."""
+        """How many copies out may hold their device tensors in flight (a budget's window:
+        5 unless given)."""
         return 5 if self.max_fwd_stash_size is None else self.max_fwd_stash_size
 
 
@@ -210,16 +215,14 @@ def _combine(call: str, options: Options, mode: Mode, *, setter: str | None) -> 
             f"plans them from a measured step: give one of the two "
             f'(device_budget="auto" with a goal)'
         )
-    if mode is not Mode.AUTO:
-        for option, does in _AUTO_ONLY.items():
-            value = getattr(options, option)
-            if value is not None:
-                pair = {mode.value: getattr(options, mode.value), option: value}
-                raise _args.ArgumentError(
-                    f"{_label(call, setter, pair)}: {option} {does} under the automatic "
-                    f"budget only; with {mode} it would be ignored: leave {option} out "
-                    "(None)"
-                )
+    for option, (does, modes, who) in _HONOURED.items():
+        value = getattr(options, option)
+        if value is not None and mode not in modes:
+            pair = {mode.value: getattr(options, mode.value), option: value}
+            raise _args.ArgumentError(
+                f"{_label(call, setter, pair)}: {option} {does} under {who} only; with "
+                f"{mode} it would be ignored: leave {option} out (None)"
+            )
 
 
 def _label(call: str, setter: str | None, pair: dict[str, Any]) -> str:

@@ -6,11 +6,12 @@ so dropping a graph is never delayed by it.
 
 Prefetch follows the order backward actually used: a pass records the order in which it
 first unpacked each group of host copies, and each copy a device budget held (by the
-creation number of the copy, or of a group's first copy, with sizes); the next pass over
-a forward of the same shape (every recorded creation number, relative to the first,
-names a live group, or held copy, of the same size) prefetches its groups in that order,
-within a byte window. A pass with no matching record prefetches nothing: nothing is
-brought back that backward will not use.
+creation number of the copy, or of a group's first copy); the next pass over a forward of
+the same structure (every recorded creation number, relative to the first, names a live
+group or held copy: the sizes may differ, as a forward of other lengths saves the same
+tensors, each of its own size)
+prefetches its groups in that order, within a byte window. A pass with no matching
+record prefetches nothing: nothing is brought back that backward will not use.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import torch
 from leakfree.offload.handles import _Group, _HostCopy
 
 #: one device-to-host copy in flight: the device tensor it reads (held here, so it outlives
-#: even a graph dropped mid-forward) and the event of its group's copies
-Flight = tuple[torch.Tensor, Any]
+#: even a graph dropped mid-forward), the event of its group's copies, and its bytes
+Flight = tuple[torch.Tensor, Any, int]
 
 
 class _Copies:
@@ -64,16 +65,12 @@ class _Copies:
 _SWEEP_SLACK = 64
 
 
-#: the order one pass first unpacked its groups and held copies: (creation number relative
-#: to the first one unpacked, size in bytes), in unpack order
-Order = tuple[tuple[int, int], ...]
+#: the order one pass first unpacked its groups and held copies: the creation number of
+#: each (a group's: its first copy's), relative to the first one unpacked, in unpack order
+Order = tuple[int, ...]
 
 #: what a pass unpacks: a group brought back, or a copy a device budget held
 Unit = _Group | _HostCopy
-
-
-def _size(unit: Unit) -> int:
-    return unit.used if isinstance(unit, _Group) else unit.nbytes
 
 
 class _Pass:
@@ -93,7 +90,7 @@ class _Pass:
     )
 
     def __init__(self) -> None:
-        self.order: list[tuple[int, int]] = []  # (seq, nbytes), in first-unpack order
+        self.order: list[int] = []  # creation numbers, in first-unpack order
         self.held: list[weakref.ref[_Group]] = []  # groups given a `keep` in this pass
         self.prefetched: list[weakref.ref[_Group]] = []
         self.outstanding = 0  # bytes prefetched and not consumed yet
@@ -112,36 +109,38 @@ class _Pass:
         """This pass's order, relative to its first unpacked unit (empty if none)."""
         if not self.order:
             return ()
-        first = self.order[0][0]
-        return tuple([(seq - first, nbytes) for seq, nbytes in self.order])
+        first = self.order[0]
+        return tuple([seq - first for seq in self.order])
 
 
 def _follow(order: Order, first: Unit, copies: _Copies, state: _Pass) -> None:
     """Set ``state``'s plan from ``order`` if this pass's groups and held copies match it:
     ``first`` (the first one unpacked) stands where the recorded first one did, and every
-    recorded one is alive with the recorded size (a group, named by its first copy)."""
-    if not order or order[0][1] != _size(first):
+    recorded one is alive (a group named by its first copy). Sizes may differ, and what a
+    budget held may have moved since: a forward of other lengths (packed or bucketed
+    batches) saves the same tensors in the same order, each of its own size."""
+    if not order:
         return
-    base = first.seq - order[0][0]  # the creation number of relative 0
+    base = first.seq - order[0]  # the creation number of relative 0
     plan: list[weakref.ref[Unit]] = []
     largest = 0
-    for rel, nbytes in order:
+    for rel in order:
         copy = copies.at(base + rel)
         if copy is None:
             return
         group = copy.group
         unit: Unit = copy if group is None else group
-        if (group is not None and group.seq != copy.seq) or _size(unit) != nbytes:
+        if group is not None and group.seq != copy.seq:
             return
         plan.append(weakref.ref(unit))
         if isinstance(unit, _Group):  # held copies are never brought back: not theirs
             largest = max(largest, unit.largest)
     state.following = plan
-    state.position = {base + rel: i for i, (rel, _) in enumerate(order)}
+    state.position = {base + rel: i for i, rel in enumerate(order)}
     state.window = 2 * largest
 
 
-def _to_prefetch(state: _Pass, current: _Group, window: int) -> list[_Group]:
+def _to_prefetch(state: _Pass, current: Unit, window: int) -> list[_Group]:
     """The groups to bring back now, after ``current``: the next ones in the plan that are
     sent and not restored, prefetched or kept, while the bytes outstanding stay within
     ``window`` (one at least, so a group larger than the window still comes early). Adds

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 
 from leakfree._device import device_index
-from leakfree.offload.handles import _Group, _HostCopy
+from leakfree.offload.handles import Arrival, _Group, _HostCopy
 from leakfree.offload.measure import bandwidth
 from leakfree.offload.pool import HostBlock, HostBlockPool
 from leakfree.offload.stats import OffloadStats
@@ -30,9 +31,10 @@ class Transfers:
     """The copies and their streams (see the module doc).
 
     Kept here: the pool's free host blocks (until the pool is trimmed or dies), the side
-    streams, weak references to the open groups, and, with the in-flight window
-    (``window``), the device tensors of the last ``stash`` copies out until they retire.
-    Nothing else per step: the graph owns the groups and their blocks."""
+    streams, weak references to the open groups, and the window: the device tensors of the
+    latest copies out until they retire (as many as ``window()`` says; none after
+    ``__exit__``). Nothing else per step: the graph owns the groups and their
+    blocks."""
 
     def __init__(
         self,
@@ -42,8 +44,7 @@ class Transfers:
         use_streams: bool,
         pool: HostBlockPool,
         stats: OffloadStats,
-        window: bool,
-        stash: int,
+        window: Callable[[], tuple[int | None, int | None]],
     ) -> None:
         self.device = device
         #: the device's module (``torch.cuda``...); None on the CPU
@@ -54,14 +55,17 @@ class Transfers:
         #: force_host_copy on the CPU: the "device" is the host itself, so copies out are
         #: plain host copies and restored tensors view the host bytes (no copy back)
         self.on_host = device is not None and device.type == "cpu"
-        #: whether moved tensors stay alive while their copies are in flight (the automatic
-        #: budget's window), and how many at most
+        #: the window: device tensors kept alive while their copies out run (so the copies
+        #: read what was saved); ``window()`` says how many bytes and tensors it holds at
+        #: most (None: any), as the plan decides
         self.window = window
-        self.stash = stash
+        #: how the compute stream waits for a copy's event (a measured step times it)
+        self.wait: Callable[[Any, Any], None] = _wait
         #: (device, direction) -> its side stream: one for copies out and one for prefetch
         #: back per device, so the two directions run at once (a stream runs in order)
         self.side_streams: dict[tuple[torch.device, bool], Any] = {}
         self.in_flight: deque[Flight] = deque()  #: device tensors whose copies may run
+        self.in_flight_bytes = 0
         #: the groups copies join, one per dtype and device (weakly: a graph dropped
         #: mid-forward frees its group, and the bytes it would send)
         self.open: dict[tuple[torch.dtype, torch.device], weakref.ref[_Group]] = {}
@@ -157,22 +161,18 @@ class Transfers:
             torch._C._set_grad_enabled(grad)
         if side is None or not block.pinned:
             return  # on the current stream, or synchronous: nothing to keep
-        if self.window:
-            # The device tensors stay alive until their copies retire.
-            window = self.in_flight
-            event = group.written
-            for _, src in pairs:
-                window.append((src, event))
-            excess = len(window) - self.stash
-            if excess > 0:  # the oldest retire
-                self._let_go([window.popleft() for _ in range(excess)])
-        else:
-            # Let go of at once (a device budget, which counts them no more): the allocator
-            # must not hand this memory to anyone before the copies ran.
-            for _, src in pairs:
-                src.record_stream(side)
+        # The device tensors stay alive in the window while their copies run, and retire
+        # oldest first once it is full (see _retire).
+        window = self.in_flight
+        event = group.written
+        for _, src in pairs:
+            window.append((src, event, src.nbytes))
+            self.in_flight_bytes += src.nbytes
+        self._retire(*self.window())
 
-    def copy_in(self, group: _Group, *, prefetch: bool = False) -> tuple[torch.Tensor, Any]:
+    def copy_in(
+        self, group: _Group, *, prefetch: bool = False
+    ) -> tuple[torch.Tensor, Arrival | None]:
         """Bring ``group``'s bytes back: needed now, on the current stream (after the copies
         out); ahead of use, on the side stream, into memory of the current stream (the
         side waits for the current stream first, as that memory may be its own; the
@@ -192,10 +192,14 @@ class Transfers:
         current = module.current_stream(group.device)
         if prefetch and self.use_streams:
             side = self.side_streams.get((group.device, True)) or self.side(group.device, True)
+            # Memory of the current stream, which backward frees and reuses in its order (a
+            # side stream's pool would hold every buffer it ever prefetched apart): the copy
+            # waits for the current stream's earlier use of that memory, and for the copy out.
+            dev = torch.empty(host.shape, dtype=host.dtype, device=group.device)
+            side.wait_event(current.record_event())
             if group.written is not None:  # the copy out, on the other side stream
                 side.wait_event(group.written)
-            with module.stream(side):  # the side stream's memory: waits for nothing else
-                dev = torch.empty(host.shape, dtype=host.dtype, device=group.device)
+            with module.stream(side):
                 dev.copy_(host, non_blocking=block.pinned)
                 event = side.record_event()
         else:
@@ -204,34 +208,55 @@ class Transfers:
             dev = group.to_device(non_blocking=block.pinned)
             event = current.record_event()
         block.event = event  # the host block is read until this completes
-        return dev, event
+        return dev, Arrival(event, current)
+
+    def _retire(self, keep_bytes: int | None, keep_count: int | None) -> None:
+        """Let the window's oldest tensors go until it holds at most ``keep_bytes`` bytes
+        (None: any) and ``keep_count`` tensors (None: any). One whose copy the host has
+        seen complete goes as it is. One whose copy may still run goes *in stream order*:
+        the compute stream waits for its copy's event, and the tensor is dropped without
+        ``record_stream``, so the allocator hands its memory to the compute stream's next
+        allocations at once, which run after the copy. (``record_stream`` would keep the
+        memory from everyone until the host saw the copy end: with the host running ahead
+        of the device, that is most of the forward, and offloading would lower what the
+        device holds by nothing.) The compute stream then waits only where the copies out
+        fall behind it by more than the window."""
+        window = self.in_flight
+        waited = None  # a group's copies share one event: one wait for all of them
+        while window and (
+            (keep_bytes is not None and self.in_flight_bytes > keep_bytes)
+            or (keep_count is not None and len(window) > keep_count)
+        ):
+            t, event, nbytes = window.popleft()
+            self.in_flight_bytes -= nbytes
+            if event is not waited and not event.query():
+                self.wait(self.module.current_stream(t.device), event)
+                waited = event
 
     def let_go(self) -> None:
-        """End the in-flight window's hold of every device tensor (``__exit__``): the
-        compute stream never waits for the copies out here, so backward may begin while
-        they run (only the copies back of their groups wait for them)."""
-        self._let_go(list(self.in_flight))
-        self.in_flight.clear()
-
-    def _let_go(self, flights: list[Flight]) -> None:
-        """End the in-flight window's hold of device tensors whose copies out recorded
-        their events, before the compute stream waits for them. A tensor whose copy is
-        done (its event says so: the common case) is let go as it is; else
-        ``record_stream`` makes the allocator wait for the side stream first."""
+        """End the window's hold of every device tensor (``__exit__``), without a wait: a
+        tensor whose copy the host has not seen complete is recorded on the side stream
+        (``record_stream``: its memory is handed out again once the copy has ended), so
+        backward may begin while the last copies out run. What is held that way is at most
+        the window."""
         seen, running = None, False  # the last event asked (a group's copies share one)
-        for t, event in flights:
+        for t, event, _ in self.in_flight:
             if event is not seen:
                 seen, running = event, not event.query()
             if running:
                 t.record_stream(self.side(t.device, False))
+        self.in_flight.clear()
+        self.in_flight_bytes = 0
 
-    def use_here(self, dev: torch.Tensor, event: Any) -> None:
-        """Make ``dev``, written on another stream up to ``event``, usable on the current
-        stream: wait for the write, and keep the allocator from reusing the memory before
-        this stream is done with it."""
+    def use_here(self, dev: torch.Tensor, arrival: Arrival) -> None:
+        """Make ``dev``, which ``arrival`` brought back, usable on the current stream: it
+        waits for the copy; and when the memory is another stream's (a pass on another
+        stream), ``record_stream`` keeps that stream's allocator from reusing it before
+        this one is done with it."""
         current = self.module.current_stream(dev.device)
-        current.wait_event(event)
-        dev.record_stream(current)
+        current.wait_event(arrival.event)
+        if current != arrival.home:
+            dev.record_stream(current)
 
     def allocated(self) -> int:
         """What the device's allocator counts allocated now."""
@@ -263,6 +288,10 @@ class Transfers:
             side = self.side_streams[(indexed, back)] = self.module.Stream(device=indexed)
         self.side_streams[(device, back)] = side
         return side
+
+
+def _wait(stream: Any, event: Any) -> None:
+    stream.wait_event(event)
 
 
 def _bytes_of(
