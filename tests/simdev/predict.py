@@ -280,3 +280,66 @@ def frontier(sim: _device.SimDevice, *, trl: bool = True) -> dict[str, Predictio
         out["trl"] = predict(sim, "trl")
         limit("device_limit=TRL's peak", out["trl"].activation_peak)
     return out
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a run of steps (:func:`steps`): its tokens per sequence, its time
+    against no offloading at that length, what it allocated and held at most beyond what
+    was allocated before it (held: reserved, what decides an out-of-memory error), the
+    bytes it moved to the host, and the plan after it."""
+
+    seq: int
+    ratio: float
+    activation_peak: int
+    held_peak: int
+    to_host: int
+    plan: Any = None
+
+
+def steps(
+    sim: _device.SimDevice,
+    mode: str,
+    lengths: list[int],
+    *,
+    batch: int = 2,
+    layers: int = 8,
+    none: dict[int, float] | None = None,
+) -> list[Step]:
+    """``mode`` (a name :func:`_context` knows) on a fresh model over steps of ``lengths``
+    tokens, each timed on the H100 model and compared with a step without offloading at
+    its length (timed once per length, in ``none`` if given). The cache is emptied once,
+    before the first step: what each step holds includes what the steps before it left
+    cached, as in a training run."""
+    none = {} if none is None else none
+    sim.module.empty_cache()
+    model = llama(sim.device, layers)
+    context = _context(mode, model, None)
+    out = []
+    try:
+        for seq in lengths:
+            ids = torch.zeros(batch, seq, dtype=torch.long, device=sim.device)
+            if seq not in none:
+                with timing.attach(timing.H100) as t:
+                    _step(sim, model, ids, contextlib.nullcontext)
+                none[seq] = t.end
+                sim.module.empty_cache()
+            stats = getattr(context(), "stats", None)
+            before_bytes = stats.to_host_bytes if stats is not None else 0
+            allocated = sim.allocated()
+            with timing.attach(timing.H100) as t:
+                _step(sim, model, ids, context)
+            out.append(
+                Step(
+                    seq,
+                    t.end / none[seq],
+                    t.peak - allocated,
+                    t.held_peak - allocated,
+                    _sent(t) if stats is None else stats.to_host_bytes - before_bytes,
+                    getattr(context(), "plan", None),
+                )
+            )
+    finally:
+        model.to_empty(device="meta")
+        sim.module.empty_cache()
+    return out
