@@ -618,7 +618,7 @@ class Planner:
         the limit, the plan's prediction of what it holds was short by what the step went
         over it: a plan moving more follows. Far under it (by more than a 16th of the
         limit: twice the margin a plan keeps), the prediction was long: a plan moving less
-        follows, corrected by what it overstated, at most :data:`_DOWN` times. Each is
+        follows, corrected by half what it overstated, at most :data:`_DOWN` times. Each is
         checked again; else the plan stands. What the device holds beyond what it
         allocates (the caching allocator's splits and rounding) is what the measured step
         predicts worst: the correction is to its ``spare``."""
@@ -633,8 +633,9 @@ class Planner:
         if held > limit:
             spare = measurement.spare + max(held - predicted, held - limit)
         elif limit - held > 2 * (limit // _SLACK) and downs < _DOWN and moved > 0:
-            # what the prediction overstated (the plan keeps its margin under the limit)
-            spare = max(0, measurement.spare - (predicted - held))
+            # half what the prediction overstated: a plan that moves less lays the caching
+            # allocator's blocks out otherwise, and may hold more than this one did
+            spare = max(0, measurement.spare - (predicted - held) // 2)
             downs += 1
         else:
             self.check = None
