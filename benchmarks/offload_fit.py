@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ],
     )
     for cap, won in result["winners"].items():
-        print(f"{cap}: longest: {won['longest']}; fastest at 2 x 4096: {won['fastest at 2 x 4096']}")
+        fastest = won["fastest at 2 x 4096"]
+        print(f"{cap}: longest: {won['longest']}; fastest at 2 x 4096: {fastest}")
     write_json("offload_fit", result, args.json)
     return result
 

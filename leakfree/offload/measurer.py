@@ -17,10 +17,6 @@ from leakfree.offload.plan import Planner
 from leakfree.offload.stats import OffloadStats
 
 
-def _wait(stream: Any, event: Any) -> None:
-    stream.wait_event(event)
-
-
 class Link(Protocol):
     """What the measurer asks of the copies (:class:`~leakfree.offload.transfers.Transfers`,
     handed in by the front): the device and its module, the copy bandwidths, and how the
@@ -48,6 +44,7 @@ class Measurer:
         self._stats = stats
         self.measuring: StepMeasure | None = None
         self._checking: int | None = None
+        self._plain_wait = transfers.wait  # restored when a measured step ends
 
     def reset(self) -> None:
         """The options changed: nothing measured or checked so far counts."""
@@ -57,7 +54,7 @@ class Measurer:
     def _measure(self, step: StepMeasure | None) -> None:
         """``step`` is the one measured now (None: none); its waits for copies are timed."""
         self.measuring = step
-        self._transfers.wait = step.wait if step is not None else _wait
+        self._transfers.wait = step.wait if step is not None else self._plain_wait
 
     def begin_forward(self) -> None:
         """A forward begins: measured, if a goal has no plan; under a limit, watched (where
