@@ -102,7 +102,7 @@ def held(dry: Any) -> dict[str, Any]:
     none: dict[int, float] = {}
     out: dict[str, Any] = {"none": h100.steps(dry, "none", [4096], none=none)}
     ceiling = out["none"][0].held_peak - GiB
-    params = _params(dry)
+    params = out["params"] = _params(dry)
     out["ceiling"] = ceiling
     out["default"] = h100.steps(dry, "default", [4096] * 3, none=none)
     out["max_overhead"] = h100.steps(dry, "max_overhead=0.05", [4096] * 3, none=none)
@@ -145,8 +145,9 @@ def test_a_five_percent_time_cap_holds_less_within_7_percent(held: dict[str, Any
     assert last.ratio <= 1.07 and _lower(held, "max_overhead") > 0.02
     plan = last.plan
     assert plan.mode.value == "max_overhead" and plan.overhead <= 0.05
-    before = plan.held - last.held_peak  # what the device held before the step
-    assert plan.held - before == pytest.approx(last.held_peak, rel=0.05)
+    # what the plan predicts the device holds: short by what the copies still running as
+    # the forward ends keep from the allocator at backward's first large allocations
+    assert plan.held - held["params"] == pytest.approx(last.held_peak, rel=0.12)
 
 
 def test_a_ceiling_1_gib_under_what_no_offloading_holds_is_held_every_step(
@@ -167,6 +168,17 @@ def test_lengths_that_change_every_step_stay_under_the_ceiling(held: dict[str, A
     steps = held["device_limit cycling"]
     assert all(s.held_peak <= ceiling for s in steps), [s.held_peak / ceiling for s in steps]
     assert all(s.to_host > 0 for s in steps[1:])  # it follows its plan at every length
+
+
+def test_under_the_cap_no_offloading_needs_a_ceiling_trains_1_75x_the_length(dry: Any) -> None:
+    """The fit target: under what no offloading holds at 2 x 4096 (a hard cap, as
+    ``set_per_process_memory_fraction``), ``device_limit`` at that cap trains 2 x 7168;
+    no offloading does not train 2 x 4608 there (the cap binds)."""
+    from tests.simdev import fit as fitting
+
+    cap = fitting.caps(dry)[0]
+    assert fitting.trains(dry, "none", cap=cap, batch=2, seq=4608) is None
+    assert fitting.trains(dry, "device_limit=cap", cap=cap, batch=2, seq=7168) is not None
 
 
 def _has_trl() -> bool:
