@@ -131,12 +131,36 @@ def _context(mode: str, model: torch.nn.Module, moved: int | None) -> Callable[[
 def as_measured() -> Iterator[None]:
     """leakfree's offloader with the schedule the H100 run measured (e7732f1): one
     side stream for both directions, the compute stream waiting for it at ``__exit__``,
-    and prefetch waiting for the compute stream. (The calibration compares the model
+    prefetch waiting for the compute stream into the side stream's own memory and begun
+    by the first group brought back (not by a copy kept on the device), and the window of
+    then: ``max_fwd_stash_size`` tensors, the oldest let go with
+    ``record_stream`` where its copy may still run. (The calibration compares the model
     with those measurements: it must run what they ran.)"""
+    from leakfree.offload.backward import Backward
+    from leakfree.offload.handles import Arrival, _Group
     from leakfree.offload.hooks import OffloadActivations as Offload
+    from leakfree.offload.options import Mode
+    from leakfree.offload.plan import Planner
     from leakfree.offload.transfers import Transfers
 
     side, exit_, copy_in = Transfers.side, Offload.__exit__, Transfers.copy_in
+    retire, window, ahead = Transfers._retire, Planner.window, Backward._ahead
+
+    def groups_ahead(self: Any, state: Any, unit: Any) -> None:
+        if isinstance(unit, _Group):  # a copy kept on the device started nothing then
+            ahead(self, state, unit)
+
+    def stash_window(self: Any) -> tuple[int | None, int | None]:
+        # the automatic budget's window; a device budget had none (all let go at once)
+        return None, self.options.stash if self.options.mode is Mode.AUTO else 0
+
+    def recorded_retire(self: Any, keep_bytes: int | None, keep_count: int | None) -> None:
+        flights = self.in_flight
+        while flights and keep_count is not None and len(flights) > keep_count:
+            t, event, nbytes = flights.popleft()
+            self.in_flight_bytes -= nbytes
+            if not event.query():
+                t.record_stream(self.side(t.device, False))
 
     def one_side(self: Any, device: torch.device, back: bool) -> Any:
         return side(self, device, False)
@@ -149,18 +173,34 @@ def as_measured() -> Iterator[None]:
         exit_(self, *exc)
 
     def waiting_copy_in(self: Any, group: Any, *, prefetch: bool = False) -> Any:
-        if prefetch and self.use_streams:
-            stream = self.side(group.device, True)
-            stream.wait_stream(self.module.current_stream(group.device))
-        return copy_in(self, group, prefetch=prefetch)
+        if not (prefetch and self.use_streams):
+            return copy_in(self, group, prefetch=prefetch)
+        stream = self.side(group.device, True)
+        stream.wait_stream(self.module.current_stream(group.device))
+        host = group.on_host()
+        self.stats.to_device += 1
+        self.stats.to_device_bytes += group.used
+        with self.module.stream(stream):
+            if group.written is not None:
+                stream.wait_event(group.written)
+            dev = torch.empty(host.shape, dtype=host.dtype, device=group.device)
+            dev.copy_(host, non_blocking=group.block.pinned)
+            event = stream.record_event()
+        group.block.event = event
+        return dev, Arrival(event, stream)
 
     Transfers.side = one_side  # type: ignore[method-assign]
     Offload.__exit__ = waiting_exit  # type: ignore[method-assign]
     Transfers.copy_in = waiting_copy_in  # type: ignore[method-assign]
+    Transfers._retire = recorded_retire  # type: ignore[method-assign]
+    Planner.window = stash_window  # type: ignore[method-assign]
+    Backward._ahead = groups_ahead  # type: ignore[method-assign]
     try:
         yield
     finally:
         Transfers.side, Transfers.copy_in = side, copy_in  # type: ignore[method-assign]
+        Transfers._retire, Planner.window = retire, window  # type: ignore[method-assign]
+        Backward._ahead = ahead  # type: ignore[method-assign]
         Offload.__exit__ = exit_  # type: ignore[method-assign]
 
 
