@@ -236,9 +236,11 @@ def python_calls(run: Run) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
-def peak_bytes(run: Run, sim: Any) -> tuple[int, int]:
-    """Device bytes at most above the step's start: at the end of the forward, and over the
-    whole step. The gradients of an earlier step are already allocated (backward adds into
+def peak_bytes(run: Run, sim: Any) -> tuple[int, int, int]:
+    """Device bytes at most above what was allocated at the step's start: allocated at the
+    end of the forward and over the whole step, and held (reserved by the caching
+    allocator: what the blocks it keeps add, the earlier step's cache included) over the
+    step. The gradients of an earlier step are already allocated (backward adds into
     them), so the peaks are activations, copies and temporaries."""
     step(run)  # gradients exist
     start = sim.allocated()
@@ -247,7 +249,7 @@ def peak_bytes(run: Run, sim: Any) -> tuple[int, int]:
         loss = run.loss(run.model)
     forward = sim.peak() - start
     loss.backward()
-    return forward, sim.peak() - start
+    return forward, sim.peak() - start, sim.held_peak() - start
 
 
 def gradients(run: Run) -> list[torch.Tensor]:
@@ -316,7 +318,7 @@ def counters(run: Run, sim: Any, saved: int, live_steps: int) -> dict[str, Any]:
     """What one mode does apart from its time: copies, Python calls, peaks, gradients (as
     ``grads``, compared by the caller) and live device bytes step after step."""
     calls, own = python_calls(run)
-    forward_peak, step_peak = peak_bytes(run, sim)
+    forward_peak, step_peak, step_held = peak_bytes(run, sim)
     offloader = own_code(run.mode) is not None
     live = live_bytes(run, sim, live_steps)
     return {
@@ -327,6 +329,7 @@ def counters(run: Run, sim: Any, saved: int, live_steps: int) -> dict[str, Any]:
         "offloader_calls_per_saved_tensor": own / saved if offloader else None,
         "forward_peak_bytes": forward_peak,
         "step_peak_bytes": step_peak,
+        "step_held_bytes": step_held,
         "grads": gradients(run),
         "live_bytes_after_each_step": live,
         "flat": live[1] == live[-1],
@@ -355,6 +358,7 @@ def print_section(result: dict[str, Any]) -> None:
         "own calls/saved",
         "fwd peak KiB",
         "step peak KiB",
+        "step held KiB",
         "grads equal",
         "flat",
     ]
@@ -379,6 +383,7 @@ def print_section(result: dict[str, Any]) -> None:
                 "-" if own is None else f"{own:.1f}",
                 _kib(m["forward_peak_bytes"]),
                 _kib(m["step_peak_bytes"]),
+                _kib(m["step_held_bytes"]),
                 m["grads_bit_identical"],
                 m["flat"],
             ]
