@@ -5,8 +5,8 @@ forward and backward begin and end, and the device's memory at each of backward'
 unpacks; at the end it gives a :class:`~leakfree.offload.plan.Measurement`. :class:`Marks`
 notes points of the work issued to the device (timing events on an accelerator's current
 stream; the host's clock on the CPU) and reads the seconds between them once the last has
-completed: one host wait, when the step is over. :func:`bandwidth` times one copy each way
-between the device and pinned host memory. Nothing here holds a tensor past its call.
+completed: one host wait, when the step is over. Nothing here holds a tensor past its
+call.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from leakfree.offload.link import Link
 from leakfree.offload.plan import Measurement
 
-__all__ = ["Marks", "StepMeasure", "bandwidth"]
+__all__ = ["Marks", "StepMeasure"]
 
 
 class Marks:
@@ -49,39 +50,6 @@ class Marks:
             return [p - first for p in self.points]
         self.points[-1].synchronize()
         return [first.elapsed_time(p) / 1e3 for p in self.points]
-
-
-def bandwidth(
-    device: torch.device, module: Any, streams: tuple[Any, Any], nbytes: int
-) -> tuple[float, float]:
-    """Bytes per second of one ``nbytes`` copy to pinned host memory and one back, each on
-    its side stream (``streams``: out, back) into memory of that stream, timed with events;
-    the host waits for each. On the CPU (``module`` None), one host copy timed by the
-    host's clock, both ways."""
-    if module is None:
-        src = torch.empty(nbytes, dtype=torch.uint8)
-        start = time.perf_counter()
-        torch.empty_like(src).copy_(src)
-        seconds = time.perf_counter() - start
-        rate = nbytes / seconds if seconds > 0 else float("inf")
-        return rate, rate
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    rates = []
-    for side, out in zip(streams, (True, False)):
-        with module.stream(side):
-            dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            begin = module.Event(enable_timing=True)
-            end = module.Event(enable_timing=True)
-            begin.record(side)
-            if out:
-                host.copy_(dev, non_blocking=True)
-            else:
-                dev.copy_(host, non_blocking=True)
-            end.record(side)
-        end.synchronize()  # before the host block is used again, or freed
-        ms = begin.elapsed_time(end)
-        rates.append(nbytes / (ms / 1e3) if ms > 0 else float("inf"))
-    return rates[0], rates[1]
 
 
 class StepMeasure:
@@ -158,10 +126,10 @@ class StepMeasure:
             self.held = max(self.held, int(reserved(self.device)))
 
     def finish(
-        self, moved: int, probe: Callable[[int], tuple[float, float]]
+        self, moved: int, probe: Callable[[int], Link]
     ) -> tuple[Measurement, tuple[int, ...]] | None:
         """Backward is over (``moved``: the bytes moved to the host so far; ``probe(n)``:
-        the bandwidths each way, measured with ``n`` bytes if not yet): the measurement,
+        the link, measured with ``n`` bytes if not yet): the measurement,
         and how far backward's allocations rose after each sample (:func:`_rises`); None
         where the step saved what its forward did not record."""
         sizes, marks = self.sizes, self.marks
@@ -191,9 +159,19 @@ class StepMeasure:
             rises = _rises([*self.samples, (0, last)])
         else:
             peak = sum(sizes)
-        to_host, to_device = probe(max(1 << 20, min(_PROBE_BYTES, max(sizes, default=0))))
+        link = probe(max(1 << 20, min(_PROBE_BYTES, max(sizes, default=0))))
         measurement = Measurement(
-            sizes, made, forward, backward, to_host, to_device, peak, needed, floor, spare
+            sizes,
+            made,
+            forward,
+            backward,
+            link.to_host,
+            link.to_device,
+            peak,
+            needed,
+            floor,
+            spare,
+            duplex=link.duplex,
         )
         return measurement, rises
 
@@ -208,7 +186,7 @@ def _waited(seconds: list[float], waits: list[tuple[int, int]]) -> Callable[[int
     return before
 
 
-#: the bytes of the one copy each way that measures the bandwidth for a goal's plan
+#: the bytes of the copies that measure the link for a goal's plan
 _PROBE_BYTES = 64 << 20
 
 

@@ -11,22 +11,23 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from leakfree.offload.link import Link
 from leakfree.offload.measure import StepMeasure
 from leakfree.offload.options import Mode
 from leakfree.offload.plan import Planner
 from leakfree.offload.stats import OffloadStats
 
 
-class Link(Protocol):
+class Copies(Protocol):
     """What the measurer asks of the copies (:class:`~leakfree.offload.transfers.Transfers`,
-    handed in by the front): the device and its module, the copy bandwidths, and how the
-    compute stream waits for a copy (timed in a measured step)."""
+    handed in by the front): the device and its module, the link, and how the compute
+    stream waits for a copy (timed in a measured step)."""
 
     device: torch.device | None
     module: Any
     wait: Callable[[Any, Any], None]
 
-    def bandwidth(self, nbytes: int) -> tuple[float, float]: ...
+    def link(self, nbytes: int) -> Link: ...
 
 
 __all__ = ["Measurer"]
@@ -38,7 +39,7 @@ class Measurer:
     as the step checked against it began. Events and numbers only. Called under the
     manager's lock."""
 
-    def __init__(self, planner: Planner, transfers: Link, stats: OffloadStats) -> None:
+    def __init__(self, planner: Planner, transfers: Copies, stats: OffloadStats) -> None:
         self._planner = planner
         self._transfers = transfers
         self._stats = stats
@@ -93,7 +94,7 @@ class Measurer:
         measuring = self.measuring
         if measuring is not None and measuring.backward is not None:
             self._measure(None)
-            measured = measuring.finish(self._stats.to_host_bytes, self._transfers.bandwidth)
+            measured = measuring.finish(self._stats.to_host_bytes, self._transfers.link)
             if measured is None:  # saves the plan did not see: the next step is measured
                 return
             measurement, rises = measured

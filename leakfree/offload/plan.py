@@ -56,7 +56,9 @@ class Measurement:
     peak (moving those lowers nothing); ``floor``: a peak no plan goes under (what
     backward allocates later on, as it brings back and makes its gradients); ``spare``:
     what the device held beyond what it allocated at its peak (the caching allocator's
-    rounding, splits and blocks still read by a copy)."""
+    rounding, splits and blocks still read by a copy); ``duplex``: the share of its rate
+    each direction keeps while the other one copies (1: a full-duplex link;
+    :mod:`leakfree.offload.link`)."""
 
     sizes: tuple[int, ...]
     made: tuple[float, ...]
@@ -68,6 +70,7 @@ class Measurement:
     needed_at_peak: int = 0
     floor: int = 0
     spare: int = 0
+    duplex: float = 1.0
 
     def scaled(self, sizes: tuple[int, ...]) -> Measurement:
         """This step as it would be with the same tensors of ``sizes`` (a forward of other
@@ -151,13 +154,65 @@ def head_start(m: Measurement, moved: int, cap: int | None = None) -> int:
 
 def _head_start(m: Measurement, moved: int, ends: list[float], begins: float) -> int:
     room = sum(m.sizes[moved:])
-    engine, total = begins, 0
+    candidates = []
+    total = 0
     for k in range(moved - 1):
-        engine = max(ends[k], engine) + m.sizes[k] / m.to_device
-        if engine > ends[-1] or total + m.sizes[k] > room:
+        if total + m.sizes[k] > room:
             break
         total += m.sizes[k]
-    return total
+        candidates.append(k)
+    back, last_out = _copies_back(m, moved, ends, begins, candidates)
+    early = 0
+    for k in candidates:
+        if back[k] > last_out:
+            break
+        early += m.sizes[k]
+    return early
+
+
+def _copies_back(
+    m: Measurement, moved: int, ends: list[float], begins: float, order: list[int]
+) -> tuple[dict[int, float], float]:
+    """When each copy back of ``order`` (storage indices, in the order issued) ends, and
+    when the last copy out ends: copies back run one at a time from ``begins`` (the
+    forward's end), each once its copy out has ended (``ends``: the copies out as
+    scheduled alone). While both directions copy, each runs at ``m.duplex`` of its rate:
+    the copies out still running as backward begins are slowed too, and so end later."""
+    sizes, share, to_host, to_device = m.sizes, m.duplex, m.to_host, m.to_device
+    done: dict[int, float] = {}
+    t = begins
+    if share >= 1.0 or moved == 0:
+        for k in order:
+            t = done[k] = max(t, ends[k]) + sizes[k] / to_device
+        return done, ends[moved - 1] if moved else begins
+    # the copies out still running at ``begins`` run back to back from there: ``i`` the
+    # first of them, with ``left`` seconds to go at its full rate
+    i = next((k for k in range(moved) if ends[k] > begins), moved)
+    left = ends[i] - begins if i < moved else 0.0
+    last_out = ends[i - 1] if i > 0 else begins
+    for k in order:
+        while k >= i:  # its copy out still runs: the copies out alone until it has ended
+            t += left
+            last_out = t
+            i += 1
+            left = sizes[i] / to_host if i < moved else 0.0
+        back = sizes[k] / to_device  # seconds to go at its full rate
+        while back > 0.0:
+            if i >= moved:  # no copy out left: the full rate
+                t += back
+                break
+            step = min(back, left) / share  # until one of the two ends
+            t += step
+            back -= step * share
+            left -= step * share
+            if left <= 1e-12:
+                last_out = t
+                i += 1
+                left = sizes[i] / to_host if i < moved else 0.0
+        done[k] = t
+    if i < moved:  # the copies out that outlast the copies back: alone
+        last_out = t + left + sum(sizes[i + 1 : moved]) / to_host
+    return done, last_out
 
 
 def predict(
@@ -170,28 +225,28 @@ def predict(
     Backward needs storage ``k`` after ``backward * (forward - made[k]) / forward``
     seconds of its compute (the forward, mirrored), plus what it waited so far. Copies
     back run one at a time, each once its copy out is done: the early ones first, from
-    the forward's end, then the rest in the order backward needs them. The peak falls by
-    the bytes moved, but for the latest ones backward needs by its peak, and not under
-    the measured floor; it rises by what the window holds as the forward ends (those
-    tensors are allocated until ``__exit__``, and held until their copies end after it).
-    What is held adds the measured spare."""
+    the forward's end, then the rest in the order backward needs them; where they run
+    beside the last copies out, each direction at the link's ``duplex`` share
+    (:func:`_copies_back`). The peak falls by the bytes moved, but for the latest ones
+    backward needs by its peak, and not under the measured floor; it rises by what the
+    window holds as the forward ends (those tensors are allocated until ``__exit__``,
+    and held until their copies end after it). What is held adds the measured spare."""
     sizes, made = m.sizes, m.made
     schedule = _schedule(m, moved, cap)
     ends, begins = schedule.ends, m.forward + schedule.delay
     if early is None:
         early = _head_start(m, moved, ends, begins) if moved >= 2 else 0
-    engine = begins  # the copy back engine is free from the forward's end on
     first = 0  # the early ones: the first storages, up to ``early`` bytes
     while first < moved and sizes[first] <= early:
         early -= sizes[first]
-        engine = max(ends[first], engine) + sizes[first] / m.to_device
         first += 1
+    order = list(range(first)) + list(range(moved - 1, first - 1, -1))
+    back, _ = _copies_back(m, moved, ends, begins, order)
     rate = m.backward / m.forward if m.forward > 0 else 0.0
     stall = schedule.delay
     for k in range(moved - 1, first - 1, -1):
-        engine = max(ends[k], engine) + sizes[k] / m.to_device
         need = m.forward + stall + rate * (m.forward - made[k])
-        stall += max(0.0, engine - need)
+        stall += max(0.0, back[k] - need)
     held_at_end = schedule.window[-1] if schedule.window else 0
     peak = _peak(m, sum(sizes[:moved])) + held_at_end
     return Prediction(stall, peak, peak + m.spare)
@@ -232,32 +287,45 @@ def choose(
     that fraction of the step's compute (with a limit too: among the plans under it),
     the one that holds the least. For each cap, the bytes moved are found by bisection:
     a plan that moves more waits at least as long, and (its cap bounding what the window
-    holds) holds no more."""
-    n = len(m.sizes)
+    holds) holds no more.
+
+    A forward of many storages is searched over at most :data:`_UNITS` units of
+    consecutive ones (about equal in bytes), then at full resolution within the units
+    around the boundary chosen: a few schedules of every storage, not one per candidate."""
     allowed = None if max_overhead is None else max_overhead * (m.forward + m.backward)
+    room = None if device_limit is None else device_limit - allocated
+    coarse, bounds = _coarse(m)
+    chosen = _search(coarse, allowed, room)
+    if chosen is None:  # nothing is under the limit: everything moves, the smallest cap
+        cap = _caps(m)[-1]
+        return len(m.sizes), head_start(m, len(m.sizes), cap), cap
+    units, cap = chosen
+    moved = bounds[units]
+    if coarse is not m:
+        low, high = bounds[max(0, units - 1)], bounds[min(len(bounds) - 1, units + 1)]
+        if room is not None:
+            moved = low = _fewest_under(m, cap, room, low, high)
+        if allowed is not None:
+            moved = _most_within(m, cap, allowed, low, high)
+    return moved, head_start(m, moved, cap), cap
+
+
+def _search(
+    m: Measurement, allowed: float | None, room: int | None
+) -> tuple[int, int | None] | None:
+    """The bytes moved and the cap :func:`choose` picks (None: no plan is under the
+    limit), searching every cap and storage of ``m``."""
+    n = len(m.sizes)
     best: tuple[tuple[float, ...], int, int | None] | None = None
     for cap in _caps(m):
         low = 0
-        if device_limit is not None:  # the fewest moved under the limit
-            room = device_limit - allocated
-            if allocated + predict(m, n, 0, cap).held > device_limit:
+        if room is not None:  # the fewest moved under the limit
+            if predict(m, n, 0, cap).held > room:
                 continue
-            high = n
-            while low < high:
-                mid = (low + high) // 2
-                if predict(m, mid, 0, cap).held <= room:
-                    high = mid
-                else:
-                    low = mid + 1
+            low = _fewest_under(m, cap, room, 0, n)
         moved = low
         if allowed is not None:  # the most moved within the time allowed
-            high = n
-            while moved < high:
-                mid = (moved + high + 1) // 2
-                if predict(m, mid, cap=cap).stall <= allowed:
-                    moved = mid
-                else:
-                    high = mid - 1
+            moved = _most_within(m, cap, allowed, low, n)
         p = predict(m, moved, cap=cap)
         if allowed is None or p.stall > allowed:
             key: tuple[float, ...] = (0.0, p.stall, moved, -(cap or 0))  # least stall
@@ -265,11 +333,56 @@ def choose(
             key = (-1.0, p.held, p.stall, -(cap or 0))  # within the time: least held
         if best is None or key < best[0]:
             best = (key, moved, cap)
-    if best is None:  # nothing is under the limit: everything moves, the smallest cap
-        cap = _caps(m)[-1]
-        return n, head_start(m, n, cap), cap
-    _, moved, cap = best
-    return moved, head_start(m, moved, cap), cap
+    return None if best is None else (best[1], best[2])
+
+
+def _fewest_under(m: Measurement, cap: int | None, room: int, low: int, high: int) -> int:
+    """The fewest storages in ``[low, high]`` to move for a held peak within ``room``
+    (``high`` if none is)."""
+    while low < high:
+        mid = (low + high) // 2
+        if predict(m, mid, 0, cap).held <= room:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def _most_within(m: Measurement, cap: int | None, allowed: float, low: int, high: int) -> int:
+    """The most storages in ``[low, high]`` to move for a stall within ``allowed``
+    seconds (``low`` if none is)."""
+    while low < high:
+        mid = (low + high + 1) // 2
+        if predict(m, mid, cap=cap).stall <= allowed:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+#: a goal's plan is searched over at most this many units of consecutive storages
+_UNITS = 96
+
+
+def _coarse(m: Measurement) -> tuple[Measurement, list[int]]:
+    """``m`` with its storages merged into at most :data:`_UNITS` runs of consecutive
+    ones, about equal in bytes (each saved when its last one was), and where each run
+    begins: ``bounds[u]`` storages are in the first ``u`` runs. ``m`` itself when it has
+    no more storages than that."""
+    n = len(m.sizes)
+    if n <= _UNITS:
+        return m, list(range(n + 1))
+    share = max(1, sum(m.sizes) // _UNITS)
+    bounds, sizes, made = [0], [], []
+    total = 0
+    for k, size in enumerate(m.sizes):
+        total += size
+        if total >= share or k == n - 1:
+            bounds.append(k + 1)
+            sizes.append(total)
+            made.append(m.made[k])
+            total = 0
+    return dataclasses.replace(m, sizes=tuple(sizes), made=tuple(made)), bounds
 
 
 def in_flight(m: Measurement, moved: int, cap: int | None) -> tuple[int, ...]:
