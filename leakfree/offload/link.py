@@ -20,6 +20,7 @@ device buffers, and the product's operands.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -124,6 +125,10 @@ def _both(device: torch.device, module: Any, *copies: tuple[Any, Callable[[], No
     return max(float(begin.elapsed_time(end)) for end in ends) / 1e3
 
 
+def _product(a: torch.Tensor) -> None:
+    torch.mm(a, a)
+
+
 def _beside(
     device: torch.device, module: Any, *copies: tuple[Any, Callable[[], None]]
 ) -> list[float]:
@@ -131,19 +136,21 @@ def _beside(
     matrix products all the while (long enough by :data:`_COMPUTE_SPAN` against the
     copies alone)."""
     compute = module.current_stream(device)
-    a = torch.empty(2048, 2048, device=device)
-
-    def product() -> None:
-        torch.mm(a, a)
-
-    one = _timed(module, compute, product)
     alone = sum(_timed(module, stream, copy) for stream, copy in copies)
+    # a product of a size that takes a fraction of the copies (from 256 x 256, doubling)
+    side = 256
+    while True:
+        a = torch.empty(side, side, device=device)
+        one = _timed(module, compute, functools.partial(_product, a))
+        if one * 8 >= alone or side >= 4096:
+            break
+        side *= 2
     count = 1 if one <= 0 else min(256, max(1, math.ceil(_COMPUTE_SPAN * alone / one)))
     go = module.Event()
-    torch.mm(a, a)  # the copies start once compute runs
+    _product(a)  # the copies start once compute runs
     go.record(compute)
     for _ in range(count - 1):
-        torch.mm(a, a)
+        _product(a)
     seconds = []
     previous = go
     for stream, copy in copies:

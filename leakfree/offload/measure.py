@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from leakfree.offload.allocator import Counts, Span
 from leakfree.offload.link import Link
 from leakfree.offload.plan import Measurement
 
@@ -53,26 +54,29 @@ class Marks:
 
 
 class StepMeasure:
-    """One step measured for a goal's plan, from its forward's start (the device's peak
-    statistic is reset there: its allocator's; on the CPU, the saved bytes stand for it).
+    """One step measured for a goal's plan, from its forward's start.
 
     The hooks call :meth:`saved` for each storage saved, :meth:`forward_done` at the
     forward's end, :meth:`backward_begins` at backward's first unpack, :meth:`sample` at
-    each first unpack (which resets the peak statistic: each sample has the most the
-    device allocated since the one before), :meth:`wait` where the compute stream waits
-    for a copy (the time it waits is not compute), and :meth:`finish` when backward is
-    over. What the device held (its allocator's reserved bytes) is read beside what it
-    allocated: the most beyond the allocated peak is the step's spare."""
+    each first unpack (what the device allocates now, and the most since the sample
+    before: :class:`~leakfree.offload.allocator.Span`, which never resets the user's peak
+    statistics), :meth:`wait` where the compute stream waits for a copy (the time it
+    waits is not compute), and :meth:`finish` when backward is over. What the device held
+    (its allocator's reserved bytes) is read beside what it allocated: the most beyond the
+    allocated peak is the step's spare. On the CPU (``read`` None) the saved bytes stand
+    for the peak."""
 
-    def __init__(self, device: torch.device, module: Any, moved: int) -> None:
-        self.module = (
-            module if module is not None and hasattr(module, "max_memory_allocated") else None
-        )
+    def __init__(
+        self,
+        device: torch.device,
+        module: Any,
+        moved: int,
+        read: Callable[[], Counts] | None = None,
+    ) -> None:
         self.device = device
-        self.allocated = 0  # what the device held before the step
-        if self.module is not None:
-            self.module.reset_peak_memory_stats(device)
-            self.allocated = int(self.module.memory_allocated(device))
+        self.span = Span(read) if read is not None else None
+        #: what the device held before the step
+        self.allocated = self.span.start.allocated if self.span is not None else 0
         self.marks = Marks(device, module)
         self.start = self.marks.mark()
         self.copies: list[int] = []  # the mark of each storage's save
@@ -85,10 +89,13 @@ class StepMeasure:
         self.samples: list[tuple[int, int]] = []
         self.used: list[tuple[int, int]] = []
         self.needed = self.restored = 0
-        #: the most the device held (reserved) in the step, read at each sample
-        self.held = 0
         #: the compute stream's waits for copies: (the mark before, the mark after)
         self.waits: list[tuple[int, int]] = []
+
+    @property
+    def module(self) -> Any:
+        """The device's module where its allocator is read (None: the CPU)."""
+        return self.marks.module if self.span is not None else None
 
     def wait(self, stream: Any, event: Any) -> None:
         """``stream.wait_event(event)``, timed: what the stream waits is not compute."""
@@ -109,21 +116,12 @@ class StepMeasure:
 
     def sample(self, nbytes: int, *, moved: bool) -> None:
         """Backward's first unpack of ``nbytes`` (brought back if ``moved``, else held)."""
-        if self.backward is None or self.module is None:
+        if self.backward is None or self.span is None:
             return
         self.needed += nbytes
         self.restored += nbytes if moved else 0
-        allocated = int(self.module.memory_allocated(self.device))
-        peak = int(self.module.max_memory_allocated(self.device))  # since the last sample
-        self._held()
-        self.module.reset_peak_memory_stats(self.device)
-        self.samples.append((allocated, peak))
+        self.samples.append(self.span.read())
         self.used.append((self.needed, self.restored))
-
-    def _held(self) -> None:
-        reserved = getattr(self.module, "max_memory_reserved", None)
-        if reserved is not None:
-            self.held = max(self.held, int(reserved(self.device)))
 
     def finish(
         self, moved: int, probe: Callable[[int], Link]
@@ -144,16 +142,16 @@ class StepMeasure:
             return None
         forward = seconds[self.forward] - start - waited(self.forward)
         backward = seconds[end] - seconds[self.backward]
+        gap = max(0.0, seconds[self.backward] - seconds[self.forward])
         moved -= self.moved
         if moved:  # backward waited for copies back: its compute, about twice the forward's
             backward = min(backward, 2 * forward)
         needed = floor = spare = 0
         rises: tuple[int, ...] = ()
-        if self.module is not None:
-            last = int(self.module.max_memory_allocated(self.device))  # since the last sample
-            self._held()
+        if self.span is not None:
+            _, last = self.span.read()  # the most allocated since the last sample
             most = max([last, *(p for _, p in self.samples)])
-            spare = max(0, self.held - most) if self.held else 0
+            spare = max(0, self.span.held - most)
             peak, needed, floor = _peaks(self.samples, self.used, last, moved)
             peak, floor = peak - self.allocated, max(0, floor - self.allocated)
             rises = _rises([*self.samples, (0, last)])
@@ -172,6 +170,7 @@ class StepMeasure:
             floor,
             spare,
             duplex=link.duplex,
+            gap=gap,
         )
         return measurement, rises
 

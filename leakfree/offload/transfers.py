@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 
 from leakfree._device import device_index
+from leakfree.offload.allocator import reader
 from leakfree.offload.handles import Arrival, _Group, _HostCopy
 from leakfree.offload.link import Link, probe
 from leakfree.offload.pool import HostBlock, HostBlockPool
@@ -70,6 +71,8 @@ class Transfers:
         #: mid-forward frees its group, and the bytes it would send)
         self.open: dict[tuple[torch.dtype, torch.device], weakref.ref[_Group]] = {}
         self._link: Link | None = None
+        #: the device allocator's counts, read cheaply (None: the CPU, or no statistics)
+        self.read = reader(device, module) if device is not None else None
 
     def copy_out(
         self, t: torch.Tensor, copy: _HostCopy, ref: weakref.ref[_HostCopy], capacity: int
@@ -259,8 +262,8 @@ class Transfers:
             dev.record_stream(current)
 
     def allocated(self) -> int:
-        """What the device's allocator counts allocated now."""
-        return int(self.module.memory_allocated(self.device))
+        """What the device's allocator counts allocated now (0 where it says nothing)."""
+        return self.read().allocated if self.read is not None else 0
 
     def link(self, nbytes: int) -> Link:
         """The link each way and both at once (measured once, with ``nbytes``:
