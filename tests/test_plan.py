@@ -349,6 +349,33 @@ def test_a_graph_capture_is_refused_at_enter_and_passed_through_inside(sim: Any)
     assert all(torch.equal(a, b) for a, b in zip(_grads(model), expected))
 
 
+def test_each_device_is_measured_and_limited_by_a_manager_of_its_own(sim: Any) -> None:
+    """Tensors saved on a second device go to a manager of that device (made with the
+    first's settings, following their changes): its own copies and side streams, its own
+    measured step, reading that device's allocator (here: what ``sim:1`` held before the
+    step, which ``sim:0`` did not). Before, the second device's tensors were offloaded by
+    the first device's plan, measured and limited on the first device alone. (The
+    simulated device runs no backward through ``sim:1``: the forward is what is checked.)"""
+    second = torch.device(sim.type, 1)
+    ballast = torch.empty(8 * MiB, dtype=torch.uint8, device=second)  # sim:1 holds more
+    a = torch.randn(256, 256, device=sim.device, requires_grad=True)
+    b = torch.randn(256, 256, device=second, requires_grad=True)
+    ctx = leakfree.OffloadActivations(device_limit=1 << 40, min_offload_size=1)
+    with ctx:
+        y = (a * a).sum(), (b * b).sum()
+    lanes = ctx.lanes
+    assert set(lanes) == {torch.device(sim.type, 0), second}
+    lane = lanes[second]
+    assert lane is not ctx and lane.device == second and lane.device_limit == 1 << 40
+    measuring = lane._measurer.measuring
+    assert measuring is not None and measuring.allocated > 8 * MiB  # sim:1's own allocator
+    assert ctx._measurer.measuring.allocated < 8 * MiB
+    assert lane.stats.to_host == 1 and ctx.stats.to_host == 1  # each its own device's
+    ctx.device_limit = 1 << 39  # a setting changes every device's manager
+    assert lane.device_limit == 1 << 39
+    del y, ballast
+
+
 def test_a_ceiling_that_the_step_fits_under_moves_nothing_after_its_first_step(sim: Any) -> None:
     ctx, _, _, _ = _run(sim, lambda _: leakfree.OffloadActivations(device_limit=1 << 40))
     assert ctx.plan.moved == 0 and ctx.plan.mode.value == "device_limit"

@@ -18,14 +18,14 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 import leakfree._args as _args
-from leakfree._device import accelerator, device_module
+from leakfree._device import accelerator, device_index, device_module
 from leakfree.offload.backward import Backward, graph_task
 from leakfree.offload.handles import _Forward, _HostCopy, _Kept, _Offloaded, _span
 from leakfree.offload.keeping import Keeper
@@ -75,6 +75,10 @@ def _target(
             "sense to exercise the path; pass force_host_copy=True for that"
         )
     return target
+
+
+def _indexed(device: torch.device, index: int | None) -> torch.device:
+    return device if index is None else torch.device(device.type, index)
 
 
 def _storages_of(model: nn.Module) -> frozenset[int]:
@@ -192,6 +196,12 @@ class OffloadActivations(saved_tensors_hooks):
             use_pin_memory, use_streams, force_host_copy, min_offload_size, prefetch_bytes,
             pin_memory_budget, device,
         )  # fmt: skip
+        #: what a manager of another device (a lane, :meth:`_lane`) is made with
+        self._arguments = {
+            "use_pin_memory": use_pin_memory, "use_streams": use_streams,
+            "force_host_copy": force_host_copy, "pin_memory_budget": pin_memory_budget,
+            "prefetch_bytes": prefetch_bytes,
+        }  # fmt: skip
         options = Options.checked(
             "OffloadActivations",
             device_budget=device_budget,
@@ -233,6 +243,10 @@ class OffloadActivations(saved_tensors_hooks):
             self._transfers.module, "is_current_stream_capturing", None
         )
         self._warned_capture = False
+        #: the managers of the other devices of this one's type, by index, made as a
+        #: tensor is first saved there: each measures, plans and limits its own device
+        self._lanes: dict[int, OffloadActivations] = {}
+        self._index = device_index(target) if accelerated and target is not None else None
         super().__init__(_pack_hook(self._ref), _unpack_hook)
 
     # -- settings -------------------------------------------------------------------------
@@ -257,6 +271,8 @@ class OffloadActivations(saved_tensors_hooks):
         _check_min_offload_size(None, value)
         self._min_offload_size = value
         self._min_bytes = max(value, 1)  # what the pack hook compares, precomputed
+        for lane in getattr(self, "_lanes", {}).values():
+            lane.min_offload_size = value
 
     @property
     def prefetch_bytes(self) -> int | None:
@@ -328,10 +344,11 @@ class OffloadActivations(saved_tensors_hooks):
         """Set ``option`` (checked with the others, refused before anything changes); a
         change makes the next forward plan, or be measured, again, as a first forward is."""
         options = self._planner.options.with_(option, value)
-        with self._lock:
-            if options != self._planner.options:
-                self._measurer.reset()
-            self._planner.set(options)
+        for manager in (self, *self._lanes.values()):
+            with manager._lock:
+                if options != manager._planner.options:
+                    manager._measurer.reset()
+                manager._planner.set(options)
 
     @property
     def plan(self) -> OffloadPlan | None:
@@ -347,6 +364,40 @@ class OffloadActivations(saved_tensors_hooks):
         """
         _args.module("OffloadActivations.update_model_params", "model", model)
         self._param_storages = _storages_of(model)
+        for lane in self._lanes.values():
+            lane._param_storages = self._param_storages
+
+    @property
+    def lanes(self) -> dict[torch.device, OffloadActivations]:
+        """This manager and the managers it made for the other devices of its type
+        (where tensors were saved), by device: each measures, plans and limits its own
+        device (``lanes[device].plan``, ``lanes[device].stats``). A device's manager is
+        made with this one's settings, and follows their changes."""
+        lanes: dict[torch.device, OffloadActivations] = {}
+        if self.device is not None:
+            lanes[_indexed(self.device, self._index)] = self
+        for index, lane in self._lanes.items():
+            lanes[_indexed(cast(torch.device, lane.device), index)] = lane
+        return lanes
+
+    def _lane(self, device: torch.device) -> OffloadActivations:
+        """The manager of ``device`` (made with this one's settings on first use); its
+        forward begins with this one's."""
+        lane = self._lanes.get(device_index(device))
+        if lane is None:
+            lane = OffloadActivations(
+                **self._arguments,  # type: ignore[arg-type]
+                min_offload_size=self.min_offload_size,
+                device=device,
+            )
+            lane._planner.set(self._planner.options)
+            lane._param_storages = self._param_storages
+            self._lanes[device_index(device)] = lane
+        if self._depth > 0 and lane._depth == 0:
+            with lane._lock:
+                lane._begin_forward()
+                lane._depth = 1
+        return lane
 
     # -- the hooks --------------------------------------------------------------------------
 
@@ -365,6 +416,8 @@ class OffloadActivations(saved_tensors_hooks):
             or t.is_neg()
         ):
             return _Kept(t)  # stays where it is, as plain PyTorch would keep it
+        if self._index is not None and t.device.index != self._index:
+            return self._lane(t.device)._pack(t)  # another device: its own manager's
         if self._capturing is not None and self._capturing():
             return self._captured(t)
         base = t._base  # (isinstance against Parameter runs Python: only for views of
@@ -524,6 +577,10 @@ class OffloadActivations(saved_tensors_hooks):
         with self._lock:
             if self._depth == 0:  # nested entries of the same instance share the forward
                 self._begin_forward()
+                for lane in self._lanes.values():
+                    with lane._lock:
+                        lane._begin_forward()
+                        lane._depth = 1
             self._depth += 1
         super().__enter__()
         return self
@@ -532,11 +589,16 @@ class OffloadActivations(saved_tensors_hooks):
         try:
             with self._lock:
                 self._depth -= 1
-                if self._depth == 0:
-                    self._close_forward()
-                # The window's tensors go (those whose copies still run are recorded on
-                # the side stream): backward may begin while the copies out run.
-                self._transfers.let_go()
+                closing = self._depth == 0
+                for manager in (self, *(self._lanes.values() if closing else ())):
+                    with manager._lock:
+                        if closing:
+                            manager._depth = 0
+                            manager._close_forward()
+                        # The window's tensors go (those whose copies still run are
+                        # recorded on the side stream): backward may begin while the
+                        # copies out run.
+                        manager._transfers.let_go()
         finally:
             super().__exit__(*exc)
 

@@ -73,9 +73,10 @@ from . import allocator as _allocator
 
 aten = torch.ops.aten
 NAME = "sim"
-#: One device: the autograd engine of this torch runs backward for a second Python-backend
-#: device on no queue at all (an internal assert), so ``sim:1`` cannot be simulated yet.
-DEVICES = 1
+#: Two devices. A forward runs on ``sim:1`` as on ``sim:0``; a backward through ``sim:1``
+#: does not: the autograd engine of this torch has no queue for a second Python-backend
+#: device (an internal assert), so only what a forward does there can be tested.
+DEVICES = 2
 #: torch versions whose private backend API this module was written against.
 SUPPORTED = ("2.13",)
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
