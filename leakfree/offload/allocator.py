@@ -29,13 +29,15 @@ __all__ = ["Counts", "Span", "reader"]
 
 
 class Counts(NamedTuple):
-    """One reading of a device's allocator, in bytes: allocated and reserved now, and the
-    peak of each (since the process began, or the user's last reset)."""
+    """One reading of a device's allocator, in bytes: allocated and reserved now, the peak
+    of each (since the process began, or the user's last reset), and every byte ever
+    allocated (a running total the allocator keeps; 0 where it keeps none)."""
 
     allocated: int
     reserved: int
     peak_allocated: int
     peak_reserved: int
+    total_allocated: int = 0
 
 
 def reader(device: torch.device, module: Any) -> Callable[[], Counts] | None:
@@ -60,6 +62,7 @@ def reader(device: torch.device, module: Any) -> Callable[[], Counts] | None:
                 int(reserved["current"]),
                 int(allocated["peak"]),
                 int(reserved["peak"]),
+                int(allocated.get("allocated", 0)),
             )
 
         return read_nested
@@ -73,6 +76,7 @@ def reader(device: torch.device, module: Any) -> Callable[[], Counts] | None:
                 int(d.get("reserved_bytes.all.current", 0)),
                 int(d.get("allocated_bytes.all.peak", 0)),
                 int(d.get("reserved_bytes.all.peak", 0)),
+                int(d.get("allocated_bytes.all.allocated", 0)),
             )
 
         return read_flat
@@ -120,9 +124,15 @@ def _nested(
 class Span:
     """What the device allocated and held over a stretch of work, as deltas from where it
     began (never resetting the peaks): :meth:`read` at each point of interest returns the
-    most allocated since the point before it (exact where the process's peak rose
-    meanwhile; else the larger of the two points' counts), and :attr:`held` is the most
-    reserved so far (the peak where it rose, else the counts read)."""
+    most allocated since the point before it, and :attr:`held` is the most reserved so far
+    (the peak where it rose, else the counts read).
+
+    The most allocated between two points is exact where the process's peak rose
+    meanwhile. Where it did not (the stretch stayed under an earlier peak), it is bounded
+    from above: what was allocated at the first point and every byte allocated since (as
+    if nothing were freed in between), and by the process's peak; the plans that read it
+    then err on the side of the device's room. Without a running total, the larger of the
+    two points' counts (from below)."""
 
     def __init__(self, read: Callable[[], Counts]) -> None:
         self._read = read
@@ -130,6 +140,9 @@ class Span:
         self.start = first
         self._last = first
         self.held = first.reserved
+        #: the most allocated known for certain (an exact peak, or a count read): what the
+        #: device held beyond it is not the allocator's count's
+        self.seen = first.allocated
 
     def read(self) -> tuple[int, int]:
         """What is allocated now, and the most allocated since the last read."""
@@ -137,10 +150,15 @@ class Span:
         last = self._last
         if now.peak_allocated > last.peak_allocated:
             most = now.peak_allocated  # the process's peak rose: it is this stretch's
+            self.seen = max(self.seen, most)
+        elif now.total_allocated > last.total_allocated:
+            added = now.total_allocated - last.total_allocated
+            most = min(last.allocated + added, now.peak_allocated)
         else:
             most = max(last.allocated, now.allocated)
         if now.peak_reserved > last.peak_reserved:
             self.held = max(self.held, now.peak_reserved)
         self.held = max(self.held, now.reserved)
+        self.seen = max(self.seen, now.allocated)
         self._last = now
         return now.allocated, most

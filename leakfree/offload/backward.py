@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from leakfree.offload.allocator import Counts
 from leakfree.offload.handles import Arrival, _Group, _HostCopy, _Offloaded
 from leakfree.offload.measure import StepMeasure
 from leakfree.offload.plan import Planner
@@ -38,7 +39,7 @@ class Copier(Protocol):
 
     def use_here(self, dev: torch.Tensor, arrival: Arrival) -> None: ...
 
-    def allocated(self) -> int: ...
+    read: Callable[[], Counts] | None
 
 
 class Sampler(Protocol):
@@ -183,15 +184,14 @@ class Backward:
         window = self.prefetch_bytes
         if window is None:
             window = state.window
-            if planner.mode.goal and planner.split is not None:
+            counts = self._transfers.read() if self._transfers.read is not None else None
+            if planner.mode.goal and planner.split is not None and counts is not None:
                 # a goal's plan looks further ahead where the device has room under its
                 # ceiling (backward frees what it has used): copies back then run as early
-                # as its schedule assumes, not a window's length before their use
-                rises = planner.rises
-                position = len(state.order) - 1
-                rise = rises[position] if 0 <= position < len(rises) else 0
-                used = self._transfers.allocated() - state.outstanding
-                window = max(window, planner.ceiling - rise - used)
+                # as its schedule assumes, not a window's length before their use (the
+                # bytes prefetched and not used yet are counted in the room already)
+                room = planner.room(len(state.order) - 1, counts)
+                window = max(window, room + state.outstanding)
         if window:
             for ahead in _to_prefetch(state, unit, window):
                 ahead.prefetched = self._transfers.copy_in(ahead, prefetch=True)
@@ -203,9 +203,8 @@ class Backward:
         copies out ended first (the forward's earliest activations, which backward needs
         last), in the order sent, so the copy back engine works while the last copies out
         run and never waits for a later one. Paced by what backward frees: each
-        comes once the device's allocated bytes leave room for it under the plan's ceiling
-        (``device_limit``, or the peak the plan predicts), so the step's peak does not
-        grow; they do not count against the prefetch window."""
+        comes once the device leaves room for it (:meth:`Planner.room`), so the step's
+        peak does not grow; they do not count against the prefetch window."""
         if state.early is None:  # the pass begins: its queue, once
             state.early = set()
             sent = [r() for r in state.following]
@@ -219,13 +218,13 @@ class Backward:
         queue = state.early_queue
         if not queue:
             return
-        allocated = self._transfers.allocated()
-        position = len(state.order) - 1
-        rises = self._planner.rises
-        ceiling = self._planner.ceiling - (rises[position] if position < len(rises) else 0)
+        read = self._transfers.read
+        if read is None:
+            return
+        room = self._planner.room(len(state.order) - 1, read())
         while queue:
             group = queue[0]()
-            if group is not None and allocated + group.used > ceiling:
+            if group is not None and group.used > room:
                 return  # no room yet: the next first unpack looks again
             queue.pop(0)
             if (
@@ -235,7 +234,7 @@ class Backward:
                 or (group.restored is not None and group.restored[0]() is not None)
             ):
                 continue
-            allocated += group.used
+            room -= group.used
             group.prefetched = self._transfers.copy_in(group, prefetch=True)
             state.prefetched.append(weakref.ref(group))
             state.early.add(group.seq)

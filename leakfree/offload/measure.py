@@ -91,6 +91,7 @@ class StepMeasure:
         self.needed = self.restored = 0
         #: the compute stream's waits for copies: (the mark before, the mark after)
         self.waits: list[tuple[int, int]] = []
+        self._most = 0  # the most allocated since the last sample, read at saves
 
     @property
     def module(self) -> Any:
@@ -104,7 +105,12 @@ class StepMeasure:
         self.waits.append((before, self.marks.mark()))
 
     def saved(self) -> None:
+        """A storage was saved: its time, and what the forward allocated at most since
+        the save before (read at every save, the bound :class:`Span` gives, where the
+        process's peak does not rise, is that of one operation's allocations)."""
         self.copies.append(self.marks.mark())
+        if self.span is not None:
+            self._most = max(self._most, self.span.read()[1])
 
     def forward_done(self, sizes: tuple[int, ...]) -> None:
         self.sizes = sizes
@@ -120,7 +126,9 @@ class StepMeasure:
             return
         self.needed += nbytes
         self.restored += nbytes if moved else 0
-        self.samples.append(self.span.read())
+        allocated, most = self.span.read()
+        self.samples.append((allocated, max(most, self._most)))
+        self._most = 0
         self.used.append((self.needed, self.restored))
 
     def finish(
@@ -150,8 +158,9 @@ class StepMeasure:
         rises: tuple[int, ...] = ()
         if self.span is not None:
             _, last = self.span.read()  # the most allocated since the last sample
-            most = max([last, *(p for _, p in self.samples)])
-            spare = max(0, self.span.held - most)
+            # what the device held beyond the most it surely allocated (a bound from above
+            # of the most would understate it)
+            spare = max(0, self.span.held - self.span.seen)
             peak, needed, floor = _peaks(self.samples, self.used, last, moved)
             peak, floor = peak - self.allocated, max(0, floor - self.allocated)
             rises = _rises([*self.samples, (0, last)])

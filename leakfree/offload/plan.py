@@ -27,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from leakfree.offload.allocator import Counts
 from leakfree.offload.options import Mode, Options
 
 __all__ = [
@@ -743,12 +744,9 @@ class Planner:
         compute = measurement.forward + measurement.backward
         overhead = p.stall / compute if compute > 0 else 0.0
         self.prediction = (overhead, allocated + p.peak, allocated + p.held)
-        # what bringing groups back early stays under, in the allocator's allocated count:
-        # the plan's ceiling (less, at each point of backward, how far the measured
-        # backward rose above it later: ``rises``); a limit's, less what is held besides
+        # what bringing groups back ahead stays under without a limit (:meth:`room`): the
+        # plan's predicted peak, in the allocator's allocated count
         self.ceiling = allocated + p.peak
-        if limit is not None:
-            self.ceiling = max(self.ceiling, limit - measurement.spare)
         self.split = Split(sizes, count)
         self.small_below = 0
         self.small_kept = (0, 0)
@@ -757,6 +755,21 @@ class Planner:
         self.before = allocated
         self.measured = measurement
         self.check = (measurement, allocated, corrections) if checkable else None
+
+    def room(self, position: int, counts: Counts) -> int:
+        """Bytes backward may bring back ahead of use now, at ``position`` in its order
+        (the device's allocator reads ``counts``): under a limit, what the limit leaves
+        (less its margin and what the device holds beyond what it allocates, the measured
+        spare) over what is allocated now and how far the measured backward rose later
+        than this point (``rises``); else, what the plan's predicted peak leaves over what
+        is allocated, less the same rise."""
+        rises = self.rises
+        rise = rises[position] if 0 <= position < len(rises) else 0
+        limit = self.options.device_limit
+        if limit is not None:
+            spare = self.measured.spare if self.measured is not None else 0
+            return limit - limit // _SLACK - spare - rise - counts.allocated
+        return self.ceiling - rise - counts.allocated
 
     def checked(self, held: int, seconds: float | None = None) -> None:
         """The step after a goal's new plan held at most ``held`` bytes on the device and
@@ -807,7 +820,8 @@ class Planner:
                 abs(overhead - predicted_overhead) > margin
                 or (cap is not None and overhead > cap * (1 + _OVER_CAP))
             )
-            if parted and overhead is not None and moved > 0:
+            # (a limit's plan is the least stall under it: its check is what it held)
+            if parted and overhead is not None and moved > 0 and limit is None:
                 corrected = self._link_fitted(measurement, overhead * compute)
             elif limit is not None and limit - held > 2 * (limit // _SLACK) and moved > 0:
                 spare = max(0, measurement.spare - (predicted_held - held) // 2)

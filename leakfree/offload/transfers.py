@@ -261,10 +261,6 @@ class Transfers:
         if current != arrival.home:
             dev.record_stream(current)
 
-    def allocated(self) -> int:
-        """What the device's allocator counts allocated now (0 where it says nothing)."""
-        return self.read().allocated if self.read is not None else 0
-
     def link(self, nbytes: int) -> Link:
         """The link each way and both at once (measured once, with ``nbytes``:
         :func:`~leakfree.offload.link.probe`), on the side streams where there are."""

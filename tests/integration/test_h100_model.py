@@ -135,9 +135,11 @@ def test_a_five_percent_time_cap_holds_less_within_7_percent(held: dict[str, Any
     assert last.ratio <= 1.07 and _lower(held, "max_overhead") > 0.02
     plan = last.plan
     assert plan.mode.value == "max_overhead" and plan.overhead <= 0.05
-    # what the plan predicts the device holds: short by what the copies still running as
-    # the forward ends keep from the allocator at backward's first large allocations
-    assert plan.held - held["params"] == pytest.approx(last.held_peak, rel=0.12)
+    # what the plan predicts the device holds, after the step that checked it: the first
+    # prediction was short by 10% (what the copies still running as the forward ends keep
+    # from the allocator at backward's first large allocations), the check corrected it
+    assert plan.measured_held is not None
+    assert plan.held - held["params"] == pytest.approx(last.held_peak, rel=0.02)
 
 
 def test_a_ceiling_1_gib_under_what_no_offloading_holds_is_held_every_step(
