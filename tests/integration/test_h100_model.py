@@ -137,9 +137,10 @@ def test_a_five_percent_time_cap_holds_less_within_7_percent(held: dict[str, Any
     assert plan.mode.value == "max_overhead" and plan.overhead <= 0.05
     # what the plan predicts the device holds, after the step that checked it: the first
     # prediction was short by 10% (what the copies still running as the forward ends keep
-    # from the allocator at backward's first large allocations), the check corrected it
+    # from the allocator at backward's first large allocations); the check set it to what
+    # the checking step held (within a 16th), which the next steps pass by up to 5%
     assert plan.measured_held is not None
-    assert plan.held - held["params"] == pytest.approx(last.held_peak, rel=0.02)
+    assert plan.held - held["params"] == pytest.approx(last.held_peak, rel=0.06)
 
 
 def test_a_ceiling_1_gib_under_what_no_offloading_holds_is_held_every_step(
