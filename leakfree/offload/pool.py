@@ -1,16 +1,16 @@
-"""The host side of offloading: size classes, one byte budget per process, reusable blocks.
+"""The host side of offloading: size classes, reusable blocks.
 
 A :class:`HostBlock` is one host buffer (pinned where the pool pins). A
 :class:`HostBlockPool` hands blocks out and takes them back; it keeps *free* blocks only,
-up to a :class:`HostBudget` shared by every pool that does not bring its own
-(:data:`PROCESS_BUDGET`). A block in use belongs to the host copy that holds it, and so
-to the autograd graph: the pool never holds a reference to it.
+within a :class:`~leakfree.offload.budget.HostBudget` shared by every pool that does not
+bring its own (:data:`PROCESS_BUDGET`: this process's share of the node). A block in use
+belongs to the host copy that holds it, and so to the autograd graph: the pool never
+holds a reference to it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import warnings
 from collections import OrderedDict, deque
@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from leakfree.errors import LeakfreeWarning
+from leakfree.errors import OffloadWarning
+from leakfree.offload.budget import (
+    PROCESS_BUDGET,
+    HostBudget,
+    default_budget,
+    local_world_size,
+    release_host_cache,
+)
 
 __all__ = [
     "PROCESS_BUDGET",
@@ -28,11 +35,10 @@ __all__ = [
     "HostBudget",
     "OffloadWarning",
     "PoolStats",
+    "default_budget",
+    "local_world_size",
+    "release_host_cache",
 ]
-
-
-class OffloadWarning(LeakfreeWarning):
-    """Something about offloading that costs speed or memory (never correctness)."""
 
 
 def _size_class(nbytes: int) -> int:
@@ -42,54 +48,6 @@ def _size_class(nbytes: int) -> int:
     so a block of a size class pins exactly its size: the budget counts real bytes.
     """
     return 1 << max(12, (nbytes - 1).bit_length())
-
-
-def _default_budget() -> int:
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover  (non-POSIX)
-        total = 16 << 30
-    return int(total // 4)
-
-
-class HostBudget:
-    """Bytes of pooled host blocks that may exist at once, for one or several pools.
-
-    A block reserves its size when it is created within the budget and gives it back when
-    it is freed (its finalizer queues the bytes; never a lock there, as it may run inside
-    a garbage collection). :data:`PROCESS_BUDGET` is the default of every pool: one
-    budget per process, however many managers (one per model, one per data loader...).
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._used = 0
-        self._freed: deque[int] = deque()
-        self._lock = threading.Lock()
-
-    @property
-    def used(self) -> int:
-        with self._lock:
-            return self._settle()
-
-    def _settle(self) -> int:
-        while self._freed:
-            self._used -= self._freed.popleft()
-        return self._used
-
-    def try_reserve(self, nbytes: int) -> bool:
-        with self._lock:
-            if self._settle() + nbytes > self.limit:
-                return False
-            self._used += nbytes
-            return True
-
-    def give_back(self, nbytes: int) -> None:
-        self._freed.append(nbytes)  # atomic: safe from a finalizer
-
-
-#: The budget every pool shares unless given its own: a quarter of physical memory.
-PROCESS_BUDGET = HostBudget(_default_budget())
 
 
 class HostBlock:
@@ -133,7 +91,7 @@ class HostBlock:
     def __del__(self) -> None:
         budget = getattr(self, "budget", None)
         if budget is not None:
-            budget.give_back(self.size)
+            budget.give_back(self.size, self.pinned)
 
 
 @dataclass
@@ -149,18 +107,24 @@ class PoolStats:
 
 
 class HostBlockPool:
-    """Reusable host blocks up to a byte budget, pinned when ``pin``.
+    """Reusable host blocks within a byte budget, pinned when ``pin``.
 
-    ``acquire(n)`` returns a block of at least ``n`` bytes: a cached block of the same size
-    class whose last copy has completed (waiting for the oldest one if all are busy), else
-    a new one. New blocks join the pool while ``pooled_bytes`` stays within ``budget``,
-    evicting cached blocks of other size classes (least recently used first) to make room;
-    beyond it they are pageable "overflow" blocks, freed again on release (with ``pin``,
-    copies to them are synchronous: an :class:`OffloadWarning` is issued once).
+    ``budget``: bytes (a budget of this pool's own), a :class:`HostBudget` (shared with
+    the pools given the same one), or None for :data:`PROCESS_BUDGET`.
+
+    ``acquire(n)`` returns a block of at least ``n`` bytes: a free block of the same size
+    class whose last copy has completed (waiting for the oldest one if all are busy and
+    there is no room for a new one), else a new one. New blocks join the pool while
+    the budget has room, evicting free blocks of other size classes (least recently used
+    first, their copies completed) to make it; beyond it they are pageable "overflow"
+    blocks, freed again on release (with ``pin``, copies to them are synchronous: an
+    :class:`OffloadWarning` is issued once).
 
     ``release`` never blocks and never allocates (it runs from the finalizers of host
     copies, possibly inside a garbage collection triggered while the pool is busy): it
     queues the block, and the next ``acquire``, ``trim`` or ``stats`` read takes it back.
+
+    Kept: the free blocks, until evicted, trimmed, or the pool dies.
     """
 
     def __init__(self, budget: int | HostBudget | None = None, *, pin: bool = True) -> None:
@@ -198,11 +162,15 @@ class HostBlockPool:
             block, reuse = self._returned.popleft()
             self._stats.in_use_bytes -= block.size
             if block.pooled and reuse:
-                self._free[id(block)] = block
-                self._by_size.setdefault(block.size, {})[id(block)] = block
-                self._stats.cached_bytes += block.size
+                self._cache(block)
             elif block.pooled:  # its memory lives on in views: it leaves the pool
                 self._stats.pooled_bytes -= block.size
+
+    def _cache(self, block: HostBlock) -> None:
+        """Put a free block in the free lists (lock held)."""
+        self._free[id(block)] = block
+        self._by_size.setdefault(block.size, {})[id(block)] = block
+        self._stats.cached_bytes += block.size
 
     def acquire(self, nbytes: int) -> HostBlock:
         size = _size_class(nbytes)
@@ -211,25 +179,24 @@ class HostBlockPool:
         with self._lock:
             if self._returned:
                 self._drain()
+            stats = self._stats
+            stats.in_use_bytes += size
             same = self._by_size.get(size)
             if same:
                 block = next((b for b in same.values() if b.ready()), None)
-            if block is None and same and self.host_budget.used + size > self.budget:
+            if block is None and same and not self.host_budget.fits(size):
                 block = wait = next(iter(same.values()))  # all busy, no room: wait for one
             if block is not None:
                 self._take(block)
-                self._stats.cached_bytes -= size
-                self._stats.in_use_bytes += size
-                self._stats.reuses += 1
+                stats.cached_bytes -= size
+                stats.reuses += 1
             else:
-                self._evict_for(size)
-                pooled = self.host_budget.try_reserve(size)
-                self._stats.in_use_bytes += size
+                pooled = self._reserve(size)
                 if pooled:
-                    self._stats.pooled_bytes += size
-                    self._stats.allocations += 1
+                    stats.pooled_bytes += size
+                    stats.allocations += 1
                 else:
-                    self._stats.overflows += 1
+                    stats.overflows += 1
                 warn = not pooled and self.pin and not self._warned
                 self._warned = self._warned or warn
         if wait is not None:
@@ -250,21 +217,42 @@ class HostBlockPool:
                 size, pinned=pooled and self.pin, budget=self.host_budget if pooled else None
             )
         except BaseException:
-            if pooled:
-                self.host_budget.give_back(size)
+            with self._lock:
+                stats.in_use_bytes -= size
+                if pooled:
+                    stats.pooled_bytes -= size
+                    self.host_budget.give_back(size, self.pin)  # (as if it had been made)
             raise
 
+    def _reserve(self, size: int) -> bool:
+        """Count a new block of ``size`` in the budget (lock held), making room if need be:
+        free blocks of other classes are evicted, and freed pinned bytes the host
+        allocator still caches are given back to the system."""
+        budget = self.host_budget
+        if budget.try_reserve(size, self.pin):
+            return True
+        self._evict_for(size)
+        if budget.try_reserve(size, self.pin):
+            return True
+        if budget.parked and budget.live + size <= budget.limit:
+            release_host_cache()  # once per change of shapes on a full budget
+            return budget.try_reserve(size, self.pin)
+        return False
+
     def _evict_for(self, size: int) -> None:
-        """Free ready cached blocks (least recently used first) until ``size`` fits."""
+        """Free free blocks whose last copy has completed (least recently used first)
+        until ``size`` fits beside the live blocks (lock held)."""
+        budget = self.host_budget
+        limit = budget.limit
         for key in list(self._free):
-            if self.host_budget.used + size <= self.budget:
+            if budget.live + size <= limit:
                 return
-            if self._free[key].ready():
-                block = self._free[key]
+            block = self._free[key]
+            if block.ready():
                 self._take(block)
                 self._stats.cached_bytes -= block.size
                 self._stats.pooled_bytes -= block.size
-                del block  # its finalizer gives its bytes back to the budget
+                del block  # its finalizer gives its bytes back (parked, if pinned)
 
     def _take(self, block: HostBlock) -> None:
         """Remove a free block from the free lists (lock held)."""
@@ -279,8 +267,9 @@ class HostBlockPool:
     def trim(self) -> int:
         """Free every cached block; returns the bytes freed.
 
-        Pinned memory goes back to PyTorch's host allocator, which keeps its own cache;
-        ``torch._C._host_emptyCache()`` (where it exists) is called to return it to the OS.
+        Pinned memory goes back to PyTorch's host allocator, which keeps its own cache:
+        :func:`release_host_cache` then returns it to the system (on CUDA, a wait for the
+        device), and the budget counts the bytes free from then on.
         """
         with self._lock:
             self._drain()
@@ -289,7 +278,6 @@ class HostBlockPool:
             self._stats.cached_bytes = 0
             self._free.clear()
             self._by_size.clear()
-        empty = getattr(torch._C, "_host_emptyCache", None)
-        if freed and self.pin and empty is not None:
-            empty()
+        if freed and self.pin:
+            release_host_cache()
         return freed
