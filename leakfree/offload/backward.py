@@ -21,6 +21,7 @@ import torch
 from leakfree.offload.handles import Arrival, _Group, _HostCopy, _Offloaded
 from leakfree.offload.measure import StepMeasure
 from leakfree.offload.plan import Planner
+from leakfree.offload.pool import HostBlockPool
 from leakfree.offload.streams import Order, _Copies, _follow, _Pass, _to_prefetch
 
 
@@ -29,6 +30,7 @@ class Copier(Protocol):
     handed in by the front)."""
 
     use_streams: bool
+    pool: HostBlockPool
 
     def send(self, group: _Group) -> None: ...
 
@@ -291,6 +293,8 @@ class Backward:
             if state.order:
                 self._order = state.learned()
             self._measurer.pass_ended()
+        # between steps: the pool makes the blocks the next forward takes (outside it)
+        self._transfers.pool.prepare()
 
 
 def _pass_over(passes_ref: weakref.ref[Backward], task: int) -> None:

@@ -1,11 +1,12 @@
-"""The host side of offloading: size classes, reusable blocks.
+"""The host side of offloading: size classes, reusable blocks, made ahead of need.
 
 A :class:`HostBlock` is one host buffer (pinned where the pool pins). A
 :class:`HostBlockPool` hands blocks out and takes them back; it keeps *free* blocks only,
 within a :class:`~leakfree.offload.budget.HostBudget` shared by every pool that does not
 bring its own (:data:`PROCESS_BUDGET`: this process's share of the node). A block in use
 belongs to the host copy that holds it, and so to the autograd graph: the pool never
-holds a reference to it.
+holds a reference to it. Between steps (when a backward pass ends) the pool makes the
+blocks the next step will take, so a forward's copies out find theirs made.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def _size_class(nbytes: int) -> int:
 class HostBlock:
     """One host buffer (a 1-D ``uint8`` tensor) from a :class:`HostBlockPool`.
 
-    ``event`` is the last device event that reads or writes it; the pool does not hand the
-    block out again before that event has completed.
+    ``event`` is the last device event that reads or writes it, until it is seen to have
+    completed (None then). The pool may hand a block out before that: whoever writes it
+    orders the writes after ``event`` on the device (``stream.wait_event``).
     """
 
     __slots__ = ("__weakref__", "budget", "data", "event", "pinned", "pooled", "size", "views")
@@ -86,7 +88,14 @@ class HostBlock:
         return out
 
     def ready(self) -> bool:
-        return self.event is None or bool(self.event.query())
+        """Whether its last device use has completed (then ``event`` is forgotten)."""
+        event = self.event
+        if event is None:
+            return True
+        if event.query():
+            self.event = None
+            return True
+        return False
 
     def __del__(self) -> None:
         budget = getattr(self, "budget", None)
@@ -96,14 +105,20 @@ class HostBlock:
 
 @dataclass
 class PoolStats:
-    """Byte and event counts of a :class:`HostBlockPool` (sizes are size classes)."""
+    """Byte and event counts of a :class:`HostBlockPool` (sizes are size classes).
+
+    A *step*, here, runs from one :meth:`HostBlockPool.prepare` (the end of a backward
+    pass) to the next."""
 
     in_use_bytes: int = 0  #: held by live host copies
     cached_bytes: int = 0  #: free blocks kept for reuse
     pooled_bytes: int = 0  #: in use + cached, of blocks within the budget
-    allocations: int = 0  #: new blocks within the budget
+    allocations: int = 0  #: new blocks within the budget (on demand or ahead)
     reuses: int = 0  #: acquires served from the cache
     overflows: int = 0  #: new blocks beyond the budget (pageable, freed on release)
+    misses: int = 0  #: acquires that found no free block of their class: made one then
+    step_misses: int = 0  #: misses in this step (0 once the pool makes what a step takes)
+    ahead: int = 0  #: blocks made between steps, ahead of need (in ``allocations`` too)
 
 
 class HostBlockPool:
@@ -113,18 +128,23 @@ class HostBlockPool:
     the pools given the same one), or None for :data:`PROCESS_BUDGET`.
 
     ``acquire(n)`` returns a block of at least ``n`` bytes: a free block of the same size
-    class whose last copy has completed (waiting for the oldest one if all are busy and
-    there is no room for a new one), else a new one. New blocks join the pool while
+    class (one whose last device use has completed if there is one, else the oldest, which
+    the caller orders its writes after), else a new one. New blocks join the pool while
     the budget has room, evicting free blocks of other size classes (least recently used
     first, their copies completed) to make it; beyond it they are pageable "overflow"
     blocks, freed again on release (with ``pin``, copies to them are synchronous: an
     :class:`OffloadWarning` is issued once).
 
+    ``prepare()`` ends a step: it makes, ahead of need, the blocks the last step that took
+    any held at once, less those out and free, so the next step's acquires find them.
+
     ``release`` never blocks and never allocates (it runs from the finalizers of host
     copies, possibly inside a garbage collection triggered while the pool is busy): it
-    queues the block, and the next ``acquire``, ``trim`` or ``stats`` read takes it back.
+    queues the block, and the next ``acquire``, ``prepare``, ``trim`` or ``stats`` read
+    takes it back.
 
-    Kept: the free blocks, until evicted, trimmed, or the pool dies.
+    Kept: the free blocks (until evicted, trimmed, or the pool dies) and, per size class,
+    counts of blocks out and of what the last step held at once.
     """
 
     def __init__(self, budget: int | HostBudget | None = None, *, pin: bool = True) -> None:
@@ -143,6 +163,10 @@ class HostBlockPool:
         self._returned: deque[tuple[HostBlock, bool]] = deque()
         self._lock = threading.RLock()
         self._warned = False
+        self._out: dict[int, int] = {}  # size class -> blocks handed out, not yet back
+        self._peak: dict[int, int] = {}  # size class -> most out at once in this step
+        self._need: dict[int, int] = {}  # the same, of the last step that acquired
+        self._acquired = False  # whether this step acquired any
 
     @property
     def budget(self) -> int:
@@ -161,6 +185,7 @@ class HostBlockPool:
         while self._returned:
             block, reuse = self._returned.popleft()
             self._stats.in_use_bytes -= block.size
+            self._out[block.size] -= 1
             if block.pooled and reuse:
                 self._cache(block)
             elif block.pooled:  # its memory lives on in views: it leaves the pool
@@ -174,36 +199,36 @@ class HostBlockPool:
 
     def acquire(self, nbytes: int) -> HostBlock:
         size = _size_class(nbytes)
-        wait: HostBlock | None = None
-        block = None
         with self._lock:
             if self._returned:
                 self._drain()
+            out = self._out[size] = self._out.get(size, 0) + 1
+            if out > self._peak.get(size, 0):
+                self._peak[size] = out
+            self._acquired = True
             stats = self._stats
             stats.in_use_bytes += size
             same = self._by_size.get(size)
             if same:
+                # a completed one, else the oldest: its next copy waits for it on the
+                # device, where a new block would cost an allocation that blocks the host
                 block = next((b for b in same.values() if b.ready()), None)
-            if block is None and same and not self.host_budget.fits(size):
-                block = wait = next(iter(same.values()))  # all busy, no room: wait for one
-            if block is not None:
+                if block is None:
+                    block = next(iter(same.values()))
                 self._take(block)
                 stats.cached_bytes -= size
                 stats.reuses += 1
+                return block
+            stats.misses += 1
+            stats.step_misses += 1
+            pooled = self._reserve(size)
+            if pooled:
+                stats.pooled_bytes += size
+                stats.allocations += 1
             else:
-                pooled = self._reserve(size)
-                if pooled:
-                    stats.pooled_bytes += size
-                    stats.allocations += 1
-                else:
-                    stats.overflows += 1
-                warn = not pooled and self.pin and not self._warned
-                self._warned = self._warned or warn
-        if wait is not None:
-            wait.event.synchronize()  # outside the lock
-            return wait
-        if block is not None:
-            return block
+                stats.overflows += 1
+            warn = not pooled and self.pin and not self._warned
+            self._warned = self._warned or warn
         if warn:
             warnings.warn(
                 f"OffloadActivations: the pinned host memory budget ({self.budget} bytes) is "
@@ -218,20 +243,21 @@ class HostBlockPool:
             )
         except BaseException:
             with self._lock:
+                self._out[size] -= 1
                 stats.in_use_bytes -= size
                 if pooled:
                     stats.pooled_bytes -= size
                     self.host_budget.give_back(size, self.pin)  # (as if it had been made)
             raise
 
-    def _reserve(self, size: int) -> bool:
+    def _reserve(self, size: int, keep: dict[int, int] | None = None) -> bool:
         """Count a new block of ``size`` in the budget (lock held), making room if need be:
-        free blocks of other classes are evicted, and freed pinned bytes the host
-        allocator still caches are given back to the system."""
+        free blocks of other classes are evicted (those ``keep`` asks for excepted), and
+        freed pinned bytes the host allocator still caches are given back to the system."""
         budget = self.host_budget
         if budget.try_reserve(size, self.pin):
             return True
-        self._evict_for(size)
+        self._evict_for(size, keep)
         if budget.try_reserve(size, self.pin):
             return True
         if budget.parked and budget.live + size <= budget.limit:
@@ -239,15 +265,18 @@ class HostBlockPool:
             return budget.try_reserve(size, self.pin)
         return False
 
-    def _evict_for(self, size: int) -> None:
+    def _evict_for(self, size: int, keep: dict[int, int] | None = None) -> None:
         """Free free blocks whose last copy has completed (least recently used first)
-        until ``size`` fits beside the live blocks (lock held)."""
+        until ``size`` fits beside the live blocks, keeping ``keep[c]`` blocks of each
+        class ``c`` (lock held)."""
         budget = self.host_budget
         limit = budget.limit
         for key in list(self._free):
             if budget.live + size <= limit:
                 return
             block = self._free[key]
+            if keep is not None and len(self._by_size[block.size]) <= keep.get(block.size, 0):
+                continue
             if block.ready():
                 self._take(block)
                 self._stats.cached_bytes -= block.size
@@ -263,6 +292,42 @@ class HostBlockPool:
         """Give ``block`` back (``reuse=False``: its memory is still viewed elsewhere, so
         it leaves the pool instead of being handed out again)."""
         self._returned.append((block, reuse))
+
+    def prepare(self) -> int:
+        """End a step (the front calls it when a backward pass ends): make, ahead of need,
+        the blocks of each size class the last step that acquired held at once, less
+        those out (they come back) and those free, within the budget; returns the bytes
+        made. A step that acquired nothing (the second backward of two forwards) leaves
+        what is needed as it was. Made blocks are free: the pool holds no block in use."""
+        with self._lock:
+            self._drain()
+            if self._acquired:
+                self._need = self._peak
+            self._peak = {size: n for size, n in self._out.items() if n}
+            self._acquired = False
+            self._stats.step_misses = 0
+            keep = {size: n - self._out.get(size, 0) for size, n in self._need.items()}
+            made = []
+            for size, n in sorted(keep.items(), reverse=True):
+                for _ in range(n - len(self._by_size.get(size, ()))):
+                    if not self._reserve(size, keep):
+                        break
+                    made.append(size)
+        blocks = []
+        for i, size in enumerate(made):  # outside the lock: pinning may take a while
+            try:
+                blocks.append(HostBlock(size, pinned=self.pin, budget=self.host_budget))
+            except RuntimeError:  # out of host memory: the next step makes them on demand
+                for unmade in made[i:]:
+                    self.host_budget.give_back(unmade, self.pin)
+                break
+        with self._lock:
+            for block in blocks:
+                self._cache(block)
+                self._stats.pooled_bytes += block.size
+                self._stats.allocations += 1
+                self._stats.ahead += 1
+        return sum(block.size for block in blocks)
 
     def trim(self) -> int:
         """Free every cached block; returns the bytes freed.

@@ -153,6 +153,8 @@ class Transfers:
             if side is not None:
                 side.wait_stream(module.current_stream(device))  # the activations are made
             with module.stream(side):  # stream(None): stay on the current one
+                if block.event is not None:  # its last copy back may still read it
+                    module.current_stream(device).wait_event(block.event)
                 for dst, src in pairs:
                     dst.copy_(src, non_blocking=block.pinned)
                 # the pool hands the block out again only once these copies have completed
