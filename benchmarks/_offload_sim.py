@@ -239,10 +239,11 @@ def python_calls(run: Run) -> tuple[int, int]:
 def peak_bytes(run: Run, sim: Any) -> tuple[int, int, int]:
     """Device bytes at most above what was allocated at the step's start: allocated at the
     end of the forward and over the whole step, and held (reserved by the caching
-    allocator: what the blocks it keeps add, the earlier step's cache included) over the
-    step. The gradients of an earlier step are already allocated (backward adds into
-    them), so the peaks are activations, copies and temporaries."""
+    allocator, its cache emptied before the step) over the step. The gradients of an
+    earlier step are already allocated (backward adds into them), so the peaks are
+    activations, copies and temporaries."""
     step(run)  # gradients exist
+    sim.module.empty_cache()  # held: this mode's own blocks, not what earlier ones cached
     start = sim.allocated()
     sim.reset_peak()
     with run.context():

@@ -8,7 +8,9 @@ peak are the model's, and gradients are compared with plain PyTorch.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import random
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 import leakfree
+from leakfree.offload import plan as plan_module
 from leakfree.offload.options import Mode
 from leakfree.offload.plan import (
     Measurement,
@@ -27,6 +30,7 @@ from leakfree.offload.plan import (
     in_flight,
     predict,
 )
+from leakfree.offload.pool import OffloadWarning
 from tests.simdev.timing import COMPUTE, TO_DEVICE, TO_HOST, Rates, Timeline, attach
 from tests.test_streams import deep
 
@@ -96,6 +100,42 @@ def test_choose_meets_the_goal_moving_the_fewest_or_the_most() -> None:
     moved, _, cap = choose(m, max_overhead=10.0)
     assert moved == 4 and cap is not None and cap < 100
     assert predict(m, 4, cap=cap).peak == 600
+
+
+def _many(n: int, seed: int = 0) -> Measurement:
+    """A forward of ``n`` storages of a transformer's mix of sizes, saved evenly over 25 ms,
+    on an H100's link."""
+    rng = random.Random(seed)
+    sizes = tuple(rng.choice((64, 32, 85, 2, 1)) * MiB // 4 for _ in range(n))
+    made = tuple(0.025 * k / n for k in range(n))
+    total = sum(sizes)
+    return Measurement(
+        sizes, made, 0.025, 0.05, 55e9, 54e9, int(1.3 * total), total // 7, 0, 1 << 26
+    )
+
+
+@pytest.mark.parametrize("goal", ["max_overhead", "device_limit"])
+def test_a_plan_of_many_storages_is_searched_coarse_then_refined(goal: str) -> None:
+    """Over 96 runs of storages, then storage by storage around the boundary: the plan
+    meets its goal as one searched storage by storage does, moving within 3% of its
+    bytes."""
+    m = _many(600)
+    total = sum(m.sizes)
+    compute = m.forward + m.backward
+    if goal == "max_overhead":
+        moved, _, cap = choose(m, max_overhead=0.05)
+        fine = plan_module._search(m, 0.05 * compute, None)
+    else:
+        moved, _, cap = choose(m, device_limit=total)
+        fine = plan_module._search(m, None, total)
+    assert fine is not None
+    p = predict(m, moved, cap=cap)
+    if goal == "max_overhead":
+        assert p.stall <= 0.05 * compute
+    else:
+        assert predict(m, moved, 0, cap).held <= total
+    coarse_bytes, fine_bytes = sum(m.sizes[:moved]), sum(m.sizes[: fine[0]])
+    assert abs(coarse_bytes - fine_bytes) <= 0.03 * total
 
 
 def test_the_window_lets_a_tensor_go_once_its_copy_has_ended_and_waits_only_beyond_its_cap() -> (
@@ -199,8 +239,114 @@ def test_the_first_step_of_a_time_cap_is_measured_keeping_everything(sim: Any) -
     ctx = leakfree.OffloadActivations(max_overhead=0.05)
     _step(model, x, ctx, sim)
     assert ctx.stats.to_host == 0 and ctx.plan is not None  # measured, then planned
-    _step(model, x, ctx, sim)
-    assert ctx.stats.to_host == ctx.plan.moved > 0
+    planned = ctx.plan.moved
+    _step(model, x, ctx, sim)  # (which checks the plan: it may be corrected after it)
+    assert ctx.stats.to_host == planned > 0
+
+
+def test_the_first_planned_step_prefetches_in_the_order_the_measured_one_used(sim: Any) -> None:
+    """The measured step kept everything, so the planned one groups its copies otherwise:
+    the order is learned by copy, not by group, and the first planned backward already
+    brings its groups back ahead of use (it used to wait for each, a third slower)."""
+    model = _model(depth=48).to(sim.device)
+    x = torch.randn(16, 256, device=sim.device)  # 16 KiB tensors: groups of several
+    ctx = leakfree.OffloadActivations(max_overhead=0.05)
+    _step(model, x, ctx, sim)  # measured
+    t = _step(model, x, ctx, sim)  # the first planned step
+    current = sim.module.current_stream().stream_id
+    ahead = [op for op in t.ops if op.engine == TO_DEVICE and op.stream != current]
+    assert ctx.plan.moved > 0 and ctx.stats.groups < ctx.stats.to_host and ahead
+
+
+@pytest.mark.parametrize("duplex", [0.0, 0.44])
+def test_a_time_cap_holds_on_a_link_that_does_not_run_both_ways_at_once(
+    sim: Any, duplex: float
+) -> None:
+    """A half-duplex link (one direction at a time), and one whose second direction runs
+    at 44% while the first copies: the probe measures both directions at once and the
+    plan schedules with it, so the step stays within its cap."""
+    rates = dataclasses.replace(SMALL, duplex=duplex)
+    model = _model().to(sim.device)
+    x = torch.randn(512, 256, device=sim.device)
+    with attach(rates) as plain:
+        model(x).square().mean().backward()
+        sim.module.synchronize()
+    ctx = leakfree.OffloadActivations(max_overhead=0.05)
+    for _ in range(3):
+        with attach(rates) as t:
+            with ctx:
+                loss = model(x).square().mean()
+            loss.backward()
+            sim.module.synchronize()
+    assert ctx.plan.moved > 0 and ctx._planner.measured.duplex < 0.9
+    assert t.end <= 1.07 * plain.end, t.end / plain.end
+
+
+def test_a_time_cap_checks_its_plan_against_the_step_and_corrects_it(sim: Any) -> None:
+    """The step after a new plan is timed and its held memory read: where its stall parts
+    from the prediction by more than the stated margin, the link is fitted to it and the
+    plan made again (checked in turn). ``ctx.plan`` says what was measured beside what was
+    predicted. Here the first plan's step waited 5.4% of its compute, over the cap, where
+    3.1% was predicted: the plan that follows, moving one storage less, keeps it (3.1%)."""
+    model = _model().to(sim.device)
+    x = torch.randn(512, 256, device=sim.device)
+    plain = _step(model, x, None, sim)
+    model.zero_grad(set_to_none=True)
+    ctx = leakfree.OffloadActivations(max_overhead=0.05)
+    ratios = []
+    for _ in range(6):
+        ratios.append(_step(model, x, ctx, sim).end / plain.end)
+        model.zero_grad(set_to_none=True)
+    plan = ctx.plan
+    assert plan.measured_overhead is not None and plan.measured_held is not None
+    assert "measured:" in str(plan)
+    assert plan.moved > 0 and ratios[1] > 1.05 and ratios[-1] <= 1.05, ratios
+
+
+@pytest.mark.parametrize("goal", ["max_overhead", "device_limit"])
+def test_the_users_peak_statistics_are_never_reset(sim: Any, goal: str) -> None:
+    """A trainer resets the peaks at a step's start and logs them at its end: the
+    measured step, the check and the limit's watch read deltas instead of resetting them
+    (which would have left the trainer a peak of leakfree's choosing)."""
+    model = _model().to(sim.device)
+    x = torch.randn(512, 256, device=sim.device)
+    sim.module.empty_cache()
+    sim.module.reset_peak_memory_stats()
+    _step(model, x, None, sim)
+    model.zero_grad(set_to_none=True)
+    plain = sim.module.max_memory_reserved()  # the limit: moving some of it
+    kwargs = {"max_overhead": 0.05} if goal == "max_overhead" else {"device_limit": plain * 4 // 5}
+    ctx = leakfree.OffloadActivations(**kwargs)  # type: ignore[arg-type]
+    sim.module.reset_peak_memory_stats()
+    spike = torch.empty(64 * MiB, dtype=torch.uint8, device=sim.device)  # the user's peak
+    del spike
+    peak, held = sim.module.max_memory_allocated(), sim.module.max_memory_reserved()
+    for _ in range(4):  # measured, planned and checked, then followed (and watched)
+        _step(model, x, ctx, sim)
+        model.zero_grad(set_to_none=True)
+    assert ctx.plan is not None and ctx.plan.moved > 0 and ctx.plan.measured_held is not None
+    assert sim.module.max_memory_allocated() >= peak >= 64 * MiB
+    assert sim.module.max_memory_reserved() >= held
+
+
+def test_a_graph_capture_is_refused_at_enter_and_passed_through_inside(sim: Any) -> None:
+    """Copies to the host, their events and pinned memory cannot be captured in a graph:
+    entered while the stream captures, the manager refuses at once, before any state
+    changes; a capture begun inside the ``with`` keeps the tensors saved during it on
+    the device (warned once), and backward gives plain PyTorch's gradients."""
+    model = _model().to(sim.device)
+    x = torch.randn(64, 256, device=sim.device)
+    model(x).square().mean().backward()
+    expected = _grads(model)
+    ctx = leakfree.OffloadActivations(min_offload_size=1)
+    with sim.capturing(), pytest.raises(RuntimeError, match="captures a graph"):
+        ctx.__enter__()
+    assert ctx._depth == 0 and ctx.stats.to_host == 0
+    with ctx, sim.capturing(), pytest.warns(OffloadWarning, match="graph is captured"):
+        loss = model(x).square().mean()
+    loss.backward()
+    assert ctx.stats.to_host == 0
+    assert all(torch.equal(a, b) for a, b in zip(_grads(model), expected))
 
 
 def test_a_ceiling_that_the_step_fits_under_moves_nothing_after_its_first_step(sim: Any) -> None:
@@ -242,7 +388,8 @@ def test_a_forward_of_other_lengths_follows_the_plan_by_place(sim: Any) -> None:
         moved.append(ctx.stats.to_host - before)
         model.zero_grad(set_to_none=True)
     assert ctx.plan.replans == 0 and moved[0] == 0 and ctx.plan.moved > 0
-    assert moved[1:] == [ctx.plan.moved] * 4
+    # (the first planned step checks the plan, which its time may correct)
+    assert moved[1] > 0 and moved[2:] == [ctx.plan.moved] * 3
     # a deeper model saves more: its first forward follows the plan as far as it goes,
     # the next is measured (moving nothing), then a plan of its own follows
     deeper = nn.Sequential(*model, nn.Linear(256, 256), nn.Tanh()).to(sim.device)
@@ -253,7 +400,7 @@ def test_a_forward_of_other_lengths_follows_the_plan_by_place(sim: Any) -> None:
         _step(deeper, torch.randn(512, 256, device=sim.device), ctx, sim)
         moved.append(ctx.stats.to_host - before)
         deeper.zero_grad(set_to_none=True)
-    assert moved[0] == planned and moved[1] == 0 and moved[2] == ctx.plan.moved > 0
+    assert moved[0] == planned and moved[1] == 0 and moved[2] > 0  # (then checked)
     assert ctx.plan.kept + ctx.plan.moved > 17 and ctx.plan.replans == 1
 
 
@@ -403,9 +550,10 @@ def test_a_limit_holds_every_step_of_a_packing_trace(sim: Any) -> None:
     """What the device holds (reserved: what decides an out-of-memory error) stays under
     the limit on the steps of lengths that change every step: the measured step, each
     check, a forward longer than the plan's (planned again from the measured step,
-    scaled; it keeps less meanwhile). The caching allocator's blocks of mixed lengths,
-    which no prediction sees, can take one step over (here the tenth, by 1.5%): the plan
-    then moves that much more, and the cache of the old blocks goes."""
+    scaled; it keeps less meanwhile). The caching allocator's blocks of the step before,
+    of other lengths, go back to the device as a forward of new lengths begins (kept, they
+    took the tenth step over by 1.5%; the third and fourth by 2.7%, and the fifth by 33%,
+    when only a new plan released them)."""
     sim.dry = True
     plain = _dry_steps(sim, None, [4096])[0][0]
     sim.module.empty_cache()
@@ -413,9 +561,7 @@ def test_a_limit_holds_every_step_of_a_packing_trace(sim: Any) -> None:
     ctx = leakfree.OffloadActivations(device_limit=limit)
     steps = _dry_steps(sim, ctx, PACKED)
     held = [h / limit for h, _ in steps]
-    over = [i for i, h in enumerate(held) if h > 1]
-    assert len(over) <= 1 and max(held) <= 1.02, held
-    assert all(h <= 1 for h in held[over[0] + 1 :] if over), held  # corrected after it
+    assert max(held) <= 1, held
     assert ctx.plan is not None and ctx.plan.moved > 0 and steps[-1][1] > 0
 
 

@@ -66,6 +66,25 @@ def test_the_host_waits_where_it_synchronizes_and_pays_each_launch() -> None:
     assert tiny.end == pytest.approx(4.0, abs=1e-6)
 
 
+def test_a_half_duplex_link_runs_one_direction_at_a_time() -> None:
+    half = Rates("half", 1e12, 1e9, 1e9, 1e9, launch=0.0, kernel_min=0.0, duplex=0.0)
+    t = Timeline(half)
+    out = t.copy(1, 2 * GB, TO_HOST)  # 0-2 s
+    back = t.copy(2, GB, TO_DEVICE)  # issued at once: waits for the link
+    assert (out.end, back.start, back.end) == (2.0, 0.0, 3.0)
+    assert Timeline(UNIT).copy(2, GB, TO_DEVICE).end == 1.0  # full duplex: no wait
+
+
+def test_a_slow_second_direction_gets_its_share_while_the_first_runs() -> None:
+    slow = Rates("44%", 1e12, 1e9, 1e9, 1e9, launch=0.0, kernel_min=0.0, duplex=0.44)
+    t = Timeline(slow)
+    t.copy(1, GB, TO_HOST)  # 0-1 s, alone
+    back = t.copy(2, GB, TO_DEVICE)  # 0.44 GB by 1 s, the rest at full rate
+    assert back.end == pytest.approx(1.56)
+    later = t.copy(2, GB, TO_DEVICE)  # nothing the other way: its full rate
+    assert later.seconds == pytest.approx(1.0)
+
+
 def test_a_copy_names_its_direction() -> None:
     with pytest.raises(ValueError, match="engine='sideways'"):
         Timeline(UNIT).copy(0, 1, "sideways")

@@ -107,7 +107,7 @@ class Backward:
                 self._transfers.send(group)
             state = None
             if task >= 0:
-                state = self._passes.get(task) or self._pass(task, group)
+                state = self._passes.get(task) or self._pass(task, copy)
             kept = group.keep if group.task == task else None
             if kept is not None:
                 dev = kept
@@ -133,7 +133,7 @@ class Backward:
                     group.restored = (weakref.ref(dev.untyped_storage()), arrival)
             if state is not None:
                 if group.task != task:  # the first unpack of this group in this pass
-                    self._first_unpack(state, group, task)
+                    self._first_unpack(state, group, copy, task)
                 if handle.task != task:
                     handle.task = task
                     group.remaining -= 1
@@ -158,13 +158,13 @@ class Backward:
                 out = views[key] = handle.view_of(dev, copy.offset, False)
             return out
 
-    def _first_unpack(self, state: _Pass, group: _Group, task: int) -> None:
-        """Backward pass ``task`` unpacks ``group`` for the first time (lock held): its
-        place in the pass's order, and what the learned order needs next, prefetched (a
-        goal's early groups too)."""
+    def _first_unpack(self, state: _Pass, group: _Group, copy: _HostCopy, task: int) -> None:
+        """Backward pass ``task`` unpacks ``group`` for the first time (lock held), for
+        ``copy``: its place in the pass's order (by that copy), and what the learned order
+        needs next, prefetched (a goal's early groups too)."""
         group.task = task
         group.remaining = group.users
-        state.order.append(group.seq)
+        state.order.append(copy.seq)
         state.held.append(weakref.ref(group))
         measuring = self._measurer.measuring
         if measuring is not None:
@@ -257,7 +257,7 @@ class Backward:
                 measuring.sample(copy.nbytes, moved=False)
             self._ahead(state, copy)
 
-    def _pass(self, task: int, first: _Group | _HostCopy) -> _Pass:
+    def _pass(self, task: int, first: _HostCopy) -> _Pass:
         """The state of backward pass ``task`` (lock held); begun by its first unpack, of
         ``first``: it follows the order learned last time, and ends in a callback."""
         state = self._passes.get(task)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import operator
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +32,7 @@ from leakfree.offload.keeping import Keeper
 from leakfree.offload.measurer import Measurer
 from leakfree.offload.options import AUTO, Mode, Options
 from leakfree.offload.plan import OffloadPlan, Planner
-from leakfree.offload.pool import HostBlockPool, HostBudget
+from leakfree.offload.pool import HostBlockPool, HostBudget, OffloadWarning
 from leakfree.offload.stats import OffloadStats
 from leakfree.offload.transfers import Transfers
 
@@ -232,6 +233,11 @@ class OffloadActivations(saved_tensors_hooks):
             self._transfers, self._planner, self._measurer, self._lock, prefetch_bytes
         )
         self._forward = _Forward()  # what this forward saved, for dedup and the plan
+        #: whether the current stream captures a graph (accelerators that can); warned once
+        self._capturing: Callable[[], bool] | None = getattr(
+            self._transfers.module, "is_current_stream_capturing", None
+        )
+        self._warned_capture = False
         super().__init__(_pack_hook(self._ref), _unpack_hook)
 
     # -- settings -------------------------------------------------------------------------
@@ -364,6 +370,8 @@ class OffloadActivations(saved_tensors_hooks):
             or t.is_neg()
         ):
             return _Kept(t)  # stays where it is, as plain PyTorch would keep it
+        if self._capturing is not None and self._capturing():
+            return self._captured(t)
         base = t._base  # (isinstance against Parameter runs Python: only for views of
         # something other than a plain tensor, which no Parameter is)
         if base is not None and type(base) is not torch.Tensor and isinstance(base, nn.Parameter):
@@ -419,6 +427,22 @@ class OffloadActivations(saved_tensors_hooks):
             offset = first - copy.byte_start // elem
             return _Offloaded(self._backward.ref, copy, t, offset, same)
 
+    def _captured(self, t: torch.Tensor) -> _Kept:
+        """A tensor saved while the current stream captures a graph (a capture begun
+        inside the ``with``): it stays on the device, as plain PyTorch keeps it. Copies,
+        their events and pinned host memory cannot be captured, and a captured copy
+        would replay into memory the graph does not own. Warned once per manager."""
+        if not self._warned_capture:
+            self._warned_capture = True
+            warnings.warn(
+                "OffloadActivations: tensors saved while a graph is captured stay on the "
+                "device (copies to the host cannot be captured); enter the context outside "
+                "the captured region to offload around it",
+                OffloadWarning,
+                stacklevel=4,
+            )
+        return _Kept(t)
+
     def _new_copy(
         self,
         t: torch.Tensor,
@@ -440,6 +464,9 @@ class OffloadActivations(saved_tensors_hooks):
         if measuring is not None:  # when it was saved, for the plan
             measuring.saved()
         self._keeper.place(forward, copy, t, ref)
+        if self._planner.relengthed:
+            self._planner.relengthed = False
+            self._measurer.relengthed()
         return copy, same
 
     # -- a forward's bounds -------------------------------------------------------------------
@@ -491,6 +518,14 @@ class OffloadActivations(saved_tensors_hooks):
             return self._forward
 
     def __enter__(self) -> OffloadActivations:  # type: ignore[override]
+        if self._capturing is not None and self._capturing():
+            raise RuntimeError(
+                "OffloadActivations: entered while the current stream captures a graph "
+                "(torch.cuda.graph, or torch.compile's CUDA graphs); copies to the host, "
+                "their events and pinned memory cannot be captured. Enter it outside the "
+                "captured region, or leave the region's activations on the device "
+                "(leakfree.NoOffload)"
+            )
         with self._lock:
             if self._depth == 0:  # nested entries of the same instance share the forward
                 self._begin_forward()

@@ -5,8 +5,8 @@ forward and backward begin and end, and the device's memory at each of backward'
 unpacks; at the end it gives a :class:`~leakfree.offload.plan.Measurement`. :class:`Marks`
 notes points of the work issued to the device (timing events on an accelerator's current
 stream; the host's clock on the CPU) and reads the seconds between them once the last has
-completed: one host wait, when the step is over. :func:`bandwidth` times one copy each way
-between the device and pinned host memory. Nothing here holds a tensor past its call.
+completed: one host wait, when the step is over. Nothing here holds a tensor past its
+call.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
+from leakfree.offload.allocator import Counts, Span
+from leakfree.offload.link import Link
 from leakfree.offload.plan import Measurement
 
-__all__ = ["Marks", "StepMeasure", "bandwidth"]
+__all__ = ["Marks", "StepMeasure"]
 
 
 class Marks:
@@ -51,60 +53,30 @@ class Marks:
         return [first.elapsed_time(p) / 1e3 for p in self.points]
 
 
-def bandwidth(
-    device: torch.device, module: Any, streams: tuple[Any, Any], nbytes: int
-) -> tuple[float, float]:
-    """Bytes per second of one ``nbytes`` copy to pinned host memory and one back, each on
-    its side stream (``streams``: out, back) into memory of that stream, timed with events;
-    the host waits for each. On the CPU (``module`` None), one host copy timed by the
-    host's clock, both ways."""
-    if module is None:
-        src = torch.empty(nbytes, dtype=torch.uint8)
-        start = time.perf_counter()
-        torch.empty_like(src).copy_(src)
-        seconds = time.perf_counter() - start
-        rate = nbytes / seconds if seconds > 0 else float("inf")
-        return rate, rate
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    rates = []
-    for side, out in zip(streams, (True, False)):
-        with module.stream(side):
-            dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            begin = module.Event(enable_timing=True)
-            end = module.Event(enable_timing=True)
-            begin.record(side)
-            if out:
-                host.copy_(dev, non_blocking=True)
-            else:
-                dev.copy_(host, non_blocking=True)
-            end.record(side)
-        end.synchronize()  # before the host block is used again, or freed
-        ms = begin.elapsed_time(end)
-        rates.append(nbytes / (ms / 1e3) if ms > 0 else float("inf"))
-    return rates[0], rates[1]
-
-
 class StepMeasure:
-    """One step measured for a goal's plan, from its forward's start (the device's peak
-    statistic is reset there: its allocator's; on the CPU, the saved bytes stand for it).
+    """One step measured for a goal's plan, from its forward's start.
 
     The hooks call :meth:`saved` for each storage saved, :meth:`forward_done` at the
     forward's end, :meth:`backward_begins` at backward's first unpack, :meth:`sample` at
-    each first unpack (which resets the peak statistic: each sample has the most the
-    device allocated since the one before), :meth:`wait` where the compute stream waits
-    for a copy (the time it waits is not compute), and :meth:`finish` when backward is
-    over. What the device held (its allocator's reserved bytes) is read beside what it
-    allocated: the most beyond the allocated peak is the step's spare."""
+    each first unpack (what the device allocates now, and the most since the sample
+    before: :class:`~leakfree.offload.allocator.Span`, which never resets the user's peak
+    statistics), :meth:`wait` where the compute stream waits for a copy (the time it
+    waits is not compute), and :meth:`finish` when backward is over. What the device held
+    (its allocator's reserved bytes) is read beside what it allocated: the most beyond the
+    allocated peak is the step's spare. On the CPU (``read`` None) the saved bytes stand
+    for the peak."""
 
-    def __init__(self, device: torch.device, module: Any, moved: int) -> None:
-        self.module = (
-            module if module is not None and hasattr(module, "max_memory_allocated") else None
-        )
+    def __init__(
+        self,
+        device: torch.device,
+        module: Any,
+        moved: int,
+        read: Callable[[], Counts] | None = None,
+    ) -> None:
         self.device = device
-        self.allocated = 0  # what the device held before the step
-        if self.module is not None:
-            self.module.reset_peak_memory_stats(device)
-            self.allocated = int(self.module.memory_allocated(device))
+        self.span = Span(read) if read is not None else None
+        #: what the device held before the step
+        self.allocated = self.span.start.allocated if self.span is not None else 0
         self.marks = Marks(device, module)
         self.start = self.marks.mark()
         self.copies: list[int] = []  # the mark of each storage's save
@@ -117,10 +89,13 @@ class StepMeasure:
         self.samples: list[tuple[int, int]] = []
         self.used: list[tuple[int, int]] = []
         self.needed = self.restored = 0
-        #: the most the device held (reserved) in the step, read at each sample
-        self.held = 0
         #: the compute stream's waits for copies: (the mark before, the mark after)
         self.waits: list[tuple[int, int]] = []
+
+    @property
+    def module(self) -> Any:
+        """The device's module where its allocator is read (None: the CPU)."""
+        return self.marks.module if self.span is not None else None
 
     def wait(self, stream: Any, event: Any) -> None:
         """``stream.wait_event(event)``, timed: what the stream waits is not compute."""
@@ -141,27 +116,18 @@ class StepMeasure:
 
     def sample(self, nbytes: int, *, moved: bool) -> None:
         """Backward's first unpack of ``nbytes`` (brought back if ``moved``, else held)."""
-        if self.backward is None or self.module is None:
+        if self.backward is None or self.span is None:
             return
         self.needed += nbytes
         self.restored += nbytes if moved else 0
-        allocated = int(self.module.memory_allocated(self.device))
-        peak = int(self.module.max_memory_allocated(self.device))  # since the last sample
-        self._held()
-        self.module.reset_peak_memory_stats(self.device)
-        self.samples.append((allocated, peak))
+        self.samples.append(self.span.read())
         self.used.append((self.needed, self.restored))
 
-    def _held(self) -> None:
-        reserved = getattr(self.module, "max_memory_reserved", None)
-        if reserved is not None:
-            self.held = max(self.held, int(reserved(self.device)))
-
     def finish(
-        self, moved: int, probe: Callable[[int], tuple[float, float]]
+        self, moved: int, probe: Callable[[int], Link]
     ) -> tuple[Measurement, tuple[int, ...]] | None:
         """Backward is over (``moved``: the bytes moved to the host so far; ``probe(n)``:
-        the bandwidths each way, measured with ``n`` bytes if not yet): the measurement,
+        the link, measured with ``n`` bytes if not yet): the measurement,
         and how far backward's allocations rose after each sample (:func:`_rises`); None
         where the step saved what its forward did not record."""
         sizes, marks = self.sizes, self.marks
@@ -176,24 +142,35 @@ class StepMeasure:
             return None
         forward = seconds[self.forward] - start - waited(self.forward)
         backward = seconds[end] - seconds[self.backward]
+        gap = max(0.0, seconds[self.backward] - seconds[self.forward])
         moved -= self.moved
         if moved:  # backward waited for copies back: its compute, about twice the forward's
             backward = min(backward, 2 * forward)
         needed = floor = spare = 0
         rises: tuple[int, ...] = ()
-        if self.module is not None:
-            last = int(self.module.max_memory_allocated(self.device))  # since the last sample
-            self._held()
+        if self.span is not None:
+            _, last = self.span.read()  # the most allocated since the last sample
             most = max([last, *(p for _, p in self.samples)])
-            spare = max(0, self.held - most) if self.held else 0
+            spare = max(0, self.span.held - most)
             peak, needed, floor = _peaks(self.samples, self.used, last, moved)
             peak, floor = peak - self.allocated, max(0, floor - self.allocated)
             rises = _rises([*self.samples, (0, last)])
         else:
             peak = sum(sizes)
-        to_host, to_device = probe(max(1 << 20, min(_PROBE_BYTES, max(sizes, default=0))))
+        link = probe(max(1 << 20, min(_PROBE_BYTES, max(sizes, default=0))))
         measurement = Measurement(
-            sizes, made, forward, backward, to_host, to_device, peak, needed, floor, spare
+            sizes,
+            made,
+            forward,
+            backward,
+            link.to_host,
+            link.to_device,
+            peak,
+            needed,
+            floor,
+            spare,
+            duplex=link.duplex,
+            gap=gap,
         )
         return measurement, rises
 
@@ -208,7 +185,7 @@ def _waited(seconds: list[float], waits: list[tuple[int, int]]) -> Callable[[int
     return before
 
 
-#: the bytes of the one copy each way that measures the bandwidth for a goal's plan
+#: the bytes of the copies that measure the link for a goal's plan
 _PROBE_BYTES = 64 << 20
 
 

@@ -56,7 +56,10 @@ class Measurement:
     peak (moving those lowers nothing); ``floor``: a peak no plan goes under (what
     backward allocates later on, as it brings back and makes its gradients); ``spare``:
     what the device held beyond what it allocated at its peak (the caching allocator's
-    rounding, splits and blocks still read by a copy)."""
+    rounding, splits and blocks still read by a copy); ``duplex``: the share of its rate
+    each direction keeps while the other one copies (1: a full-duplex link;
+    :mod:`leakfree.offload.link`); ``gap``: seconds of compute between the forward's end
+    and backward's first unpack (the loss, the head's backward)."""
 
     sizes: tuple[int, ...]
     made: tuple[float, ...]
@@ -68,6 +71,8 @@ class Measurement:
     needed_at_peak: int = 0
     floor: int = 0
     spare: int = 0
+    duplex: float = 1.0
+    gap: float = 0.0
 
     def scaled(self, sizes: tuple[int, ...]) -> Measurement:
         """This step as it would be with the same tensors of ``sizes`` (a forward of other
@@ -83,6 +88,7 @@ class Measurement:
             needed_at_peak=int(self.needed_at_peak * r),
             floor=int(self.floor * r),
             spare=int(self.spare * r),
+            gap=self.gap * r,
         )
 
 
@@ -151,13 +157,65 @@ def head_start(m: Measurement, moved: int, cap: int | None = None) -> int:
 
 def _head_start(m: Measurement, moved: int, ends: list[float], begins: float) -> int:
     room = sum(m.sizes[moved:])
-    engine, total = begins, 0
+    candidates = []
+    total = 0
     for k in range(moved - 1):
-        engine = max(ends[k], engine) + m.sizes[k] / m.to_device
-        if engine > ends[-1] or total + m.sizes[k] > room:
+        if total + m.sizes[k] > room:
             break
         total += m.sizes[k]
-    return total
+        candidates.append(k)
+    back, last_out = _copies_back(m, moved, ends, begins, candidates)
+    early = 0
+    for k in candidates:
+        if back[k] > last_out:
+            break
+        early += m.sizes[k]
+    return early
+
+
+def _copies_back(
+    m: Measurement, moved: int, ends: list[float], begins: float, order: list[int]
+) -> tuple[dict[int, float], float]:
+    """When each copy back of ``order`` (storage indices, in the order issued) ends, and
+    when the last copy out ends: copies back run one at a time from ``begins`` (the
+    forward's end), each once its copy out has ended (``ends``: the copies out as
+    scheduled alone). While both directions copy, each runs at ``m.duplex`` of its rate:
+    the copies out still running as backward begins are slowed too, and so end later."""
+    sizes, share, to_host, to_device = m.sizes, m.duplex, m.to_host, m.to_device
+    done: dict[int, float] = {}
+    t = begins
+    if share >= 1.0 or moved == 0:
+        for k in order:
+            t = done[k] = max(t, ends[k]) + sizes[k] / to_device
+        return done, ends[moved - 1] if moved else begins
+    # the copies out still running at ``begins`` run back to back from there: ``i`` the
+    # first of them, with ``left`` seconds to go at its full rate
+    i = next((k for k in range(moved) if ends[k] > begins), moved)
+    left = ends[i] - begins if i < moved else 0.0
+    last_out = ends[i - 1] if i > 0 else begins
+    for k in order:
+        while k >= i:  # its copy out still runs: the copies out alone until it has ended
+            t += left
+            last_out = t
+            i += 1
+            left = sizes[i] / to_host if i < moved else 0.0
+        back = sizes[k] / to_device  # seconds to go at its full rate
+        while back > 0.0:
+            if i >= moved:  # no copy out left: the full rate
+                t += back
+                break
+            step = min(back, left) / share  # until one of the two ends
+            t += step
+            back -= step * share
+            left -= step * share
+            if left <= 1e-12:
+                last_out = t
+                i += 1
+                left = sizes[i] / to_host if i < moved else 0.0
+        done[k] = t
+    if i < moved:  # the copies out that outlast the copies back: alone
+        last_out = t + left + sum(sizes[i + 1 : moved]) / to_host
+    return done, last_out
 
 
 def predict(
@@ -170,28 +228,28 @@ def predict(
     Backward needs storage ``k`` after ``backward * (forward - made[k]) / forward``
     seconds of its compute (the forward, mirrored), plus what it waited so far. Copies
     back run one at a time, each once its copy out is done: the early ones first, from
-    the forward's end, then the rest in the order backward needs them. The peak falls by
-    the bytes moved, but for the latest ones backward needs by its peak, and not under
-    the measured floor; it rises by what the window holds as the forward ends (those
-    tensors are allocated until ``__exit__``, and held until their copies end after it).
-    What is held adds the measured spare."""
+    the forward's end, then the rest in the order backward needs them; where they run
+    beside the last copies out, each direction at the link's ``duplex`` share
+    (:func:`_copies_back`). The peak falls by the bytes moved, but for the latest ones
+    backward needs by its peak, and not under the measured floor; it rises by what the
+    window holds as the forward ends (those tensors are allocated until ``__exit__``,
+    and held until their copies end after it). What is held adds the measured spare."""
     sizes, made = m.sizes, m.made
     schedule = _schedule(m, moved, cap)
     ends, begins = schedule.ends, m.forward + schedule.delay
     if early is None:
         early = _head_start(m, moved, ends, begins) if moved >= 2 else 0
-    engine = begins  # the copy back engine is free from the forward's end on
     first = 0  # the early ones: the first storages, up to ``early`` bytes
     while first < moved and sizes[first] <= early:
         early -= sizes[first]
-        engine = max(ends[first], engine) + sizes[first] / m.to_device
         first += 1
+    order = list(range(first)) + list(range(moved - 1, first - 1, -1))
+    back, _ = _copies_back(m, moved, ends, begins, order)
     rate = m.backward / m.forward if m.forward > 0 else 0.0
     stall = schedule.delay
     for k in range(moved - 1, first - 1, -1):
-        engine = max(ends[k], engine) + sizes[k] / m.to_device
         need = m.forward + stall + rate * (m.forward - made[k])
-        stall += max(0.0, engine - need)
+        stall += max(0.0, back[k] - need)
     held_at_end = schedule.window[-1] if schedule.window else 0
     peak = _peak(m, sum(sizes[:moved])) + held_at_end
     return Prediction(stall, peak, peak + m.spare)
@@ -232,32 +290,45 @@ def choose(
     that fraction of the step's compute (with a limit too: among the plans under it),
     the one that holds the least. For each cap, the bytes moved are found by bisection:
     a plan that moves more waits at least as long, and (its cap bounding what the window
-    holds) holds no more."""
-    n = len(m.sizes)
+    holds) holds no more.
+
+    A forward of many storages is searched over at most :data:`_UNITS` units of
+    consecutive ones (about equal in bytes), then at full resolution within the units
+    around the boundary chosen: a few schedules of every storage, not one per candidate."""
     allowed = None if max_overhead is None else max_overhead * (m.forward + m.backward)
+    room = None if device_limit is None else device_limit - allocated
+    coarse, bounds = _coarse(m)
+    chosen = _search(coarse, allowed, room)
+    if chosen is None:  # nothing is under the limit: everything moves, the smallest cap
+        cap = _caps(m)[-1]
+        return len(m.sizes), head_start(m, len(m.sizes), cap), cap
+    units, cap = chosen
+    moved = bounds[units]
+    if coarse is not m:
+        low, high = bounds[max(0, units - 1)], bounds[min(len(bounds) - 1, units + 1)]
+        if room is not None:
+            moved = low = _fewest_under(m, cap, room, low, high)
+        if allowed is not None:
+            moved = _most_within(m, cap, allowed, low, high)
+    return moved, head_start(m, moved, cap), cap
+
+
+def _search(
+    m: Measurement, allowed: float | None, room: int | None
+) -> tuple[int, int | None] | None:
+    """The bytes moved and the cap :func:`choose` picks (None: no plan is under the
+    limit), searching every cap and storage of ``m``."""
+    n = len(m.sizes)
     best: tuple[tuple[float, ...], int, int | None] | None = None
     for cap in _caps(m):
         low = 0
-        if device_limit is not None:  # the fewest moved under the limit
-            room = device_limit - allocated
-            if allocated + predict(m, n, 0, cap).held > device_limit:
+        if room is not None:  # the fewest moved under the limit
+            if predict(m, n, 0, cap).held > room:
                 continue
-            high = n
-            while low < high:
-                mid = (low + high) // 2
-                if predict(m, mid, 0, cap).held <= room:
-                    high = mid
-                else:
-                    low = mid + 1
+            low = _fewest_under(m, cap, room, 0, n)
         moved = low
         if allowed is not None:  # the most moved within the time allowed
-            high = n
-            while moved < high:
-                mid = (moved + high + 1) // 2
-                if predict(m, mid, cap=cap).stall <= allowed:
-                    moved = mid
-                else:
-                    high = mid - 1
+            moved = _most_within(m, cap, allowed, low, n)
         p = predict(m, moved, cap=cap)
         if allowed is None or p.stall > allowed:
             key: tuple[float, ...] = (0.0, p.stall, moved, -(cap or 0))  # least stall
@@ -265,11 +336,56 @@ def choose(
             key = (-1.0, p.held, p.stall, -(cap or 0))  # within the time: least held
         if best is None or key < best[0]:
             best = (key, moved, cap)
-    if best is None:  # nothing is under the limit: everything moves, the smallest cap
-        cap = _caps(m)[-1]
-        return n, head_start(m, n, cap), cap
-    _, moved, cap = best
-    return moved, head_start(m, moved, cap), cap
+    return None if best is None else (best[1], best[2])
+
+
+def _fewest_under(m: Measurement, cap: int | None, room: int, low: int, high: int) -> int:
+    """The fewest storages in ``[low, high]`` to move for a held peak within ``room``
+    (``high`` if none is)."""
+    while low < high:
+        mid = (low + high) // 2
+        if predict(m, mid, 0, cap).held <= room:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def _most_within(m: Measurement, cap: int | None, allowed: float, low: int, high: int) -> int:
+    """The most storages in ``[low, high]`` to move for a stall within ``allowed``
+    seconds (``low`` if none is)."""
+    while low < high:
+        mid = (low + high + 1) // 2
+        if predict(m, mid, cap=cap).stall <= allowed:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+#: a goal's plan is searched over at most this many units of consecutive storages
+_UNITS = 96
+
+
+def _coarse(m: Measurement) -> tuple[Measurement, list[int]]:
+    """``m`` with its storages merged into at most :data:`_UNITS` runs of consecutive
+    ones, about equal in bytes (each saved when its last one was), and where each run
+    begins: ``bounds[u]`` storages are in the first ``u`` runs. ``m`` itself when it has
+    no more storages than that."""
+    n = len(m.sizes)
+    if n <= _UNITS:
+        return m, list(range(n + 1))
+    share = max(1, sum(m.sizes) // _UNITS)
+    bounds, sizes, made = [0], [], []
+    total = 0
+    for k, size in enumerate(m.sizes):
+        total += size
+        if total >= share or k == n - 1:
+            bounds.append(k + 1)
+            sizes.append(total)
+            made.append(m.made[k])
+            total = 0
+    return dataclasses.replace(m, sizes=tuple(sizes), made=tuple(made)), bounds
 
 
 def in_flight(m: Measurement, moved: int, cap: int | None) -> tuple[int, ...]:
@@ -294,7 +410,9 @@ class OffloadPlan:
     ``peak``: the step's predicted peak on the device, in bytes, as the caching allocator
     counts it allocated; ``held``: what the device then holds (reserved: the allocated,
     and the memory of copies still running and the allocator's spare), which decides an
-    out-of-memory error (goals only)."""
+    out-of-memory error (goals only). ``measured_overhead`` / ``measured_held``: what the
+    step that checked the plan measured of the same (None until one has: the step after
+    a new plan, where the device reports its allocator)."""
 
     budget: int
     kept: int
@@ -309,6 +427,8 @@ class OffloadPlan:
     overhead: float | None = None
     peak: int | None = None
     held: int | None = None
+    measured_overhead: float | None = None
+    measured_held: int | None = None
 
     def __str__(self) -> str:
         from leakfree._text import format_bytes
@@ -332,6 +452,11 @@ class OffloadPlan:
                 f"; predicted: {self.overhead:.1%} of the step's compute waiting for "
                 f"copies, a peak of {format_bytes(self.peak)} allocated{held}"
             )
+            if self.measured_overhead is not None and self.measured_held is not None:
+                predicted += (
+                    f"; measured: {self.measured_overhead:.1%} waiting, held "
+                    f"{format_bytes(self.measured_held)}"
+                )
         return (
             f"{head}: {self.kept} saved tensors "
             f"({format_bytes(self.kept_bytes)}) stay on the device, {self.moved} "
@@ -379,9 +504,15 @@ _GROUP_SHARE = 8
 _WINDOW_SHARE = 8
 
 #: a limit's plan keeps a _SLACK-th of the limit under it; one that holds less than the
-#: limit by more than twice that is corrected to move less, at most _DOWN times
+#: limit by more than twice that is corrected to move less; a plan is corrected at most
+#: _CORRECTIONS times in a row (but over a limit)
 _SLACK = 16
-_DOWN = 6
+_CORRECTIONS = 6
+#: a checked step's stall may part from the prediction by this much of the step's compute
+#: (and a quarter of the prediction) before the plan is made again
+_STALL_MARGIN = 0.02
+#: or, under a time cap, when the step went over the cap by more than this fraction of it
+_OVER_CAP = 0.05
 
 #: a forward whose copies are at least this fraction of the plan's, place by place, is of
 #: the plan's lengths (a step checked against a limit's plan must be)
@@ -427,6 +558,11 @@ class Planner:
         self.ceiling = 0
         self.rises: tuple[int, ...] = ()
         self.check: tuple[Measurement, int, int] | None = None
+        #: the plan chosen (storages moved, bytes brought back early, the window's cap),
+        #: and what the step that checked it measured (its overhead, None where it was
+        #: not timed; what it held), None until one has
+        self.chosen: tuple[int, int, int | None] = (0, 0, None)
+        self.observed: tuple[float | None, int] | None = None
         #: a budget's window: the bytes of device tensors kept alive while their copies out
         #: run, beyond which the compute stream waits for the oldest (None: no plan yet);
         #: a goal's, as its schedule says at each save (:func:`in_flight`), and the save
@@ -439,6 +575,10 @@ class Planner:
         self.at = 0
         self.scale = 1.0
         self.ratio = 1.0  #: the same, at the latest place (below 1: shorter lengths)
+        #: the first place's ratio in the last forward, and whether this forward's differs
+        #: from it by more than 2% (other lengths than the step before)
+        self.lengths = 1.0
+        self.relengthed = False
         self._prefix: list[int] = [0]  # the planned forward's bytes, cumulated
         #: what the device held before the measured step (a goal's plan), and the
         #: measurement the plan came from
@@ -459,6 +599,9 @@ class Planner:
         if at + 1 < len(prefix) and prefix[at + 1] > 0:
             self.ratio = saved / prefix[at + 1]
             self.scale = max(self.scale, self.ratio)
+            if at == 0:  # this forward's lengths, against the last one's
+                last, self.lengths = self.lengths, self.ratio
+                self.relengthed = abs(self.ratio - last) > (1 - _SAME) * last
 
     def window(self) -> tuple[int | None, int | None]:
         """How many bytes and tensors (None: any) the window keeps alive while their
@@ -487,6 +630,7 @@ class Planner:
         self.split = None
         self.small_below = 0
         self.check = None
+        self.observed = None
         self.window_bytes = None
         self.in_flight = ()
 
@@ -577,15 +721,15 @@ class Planner:
             self.window_bytes = sum(sizes[:moved]) // _WINDOW_SHARE
 
     def adopt(
-        self, measurement: Measurement, allocated: int, *, checkable: bool, downs: int = 0
+        self, measurement: Measurement, allocated: int, *, checkable: bool, corrections: int = 0
     ) -> None:
         """A goal's plan from ``measurement`` (``allocated``: what the device held before
-        the measured step). Under a limit, and where the device reports its peak
-        (``checkable``), the next step's peak is checked against it (:meth:`checked`;
-        ``downs``: how many times the plan was corrected to move less so far)."""
+        the measured step). Where the device reports its allocator (``checkable``), the
+        next step of these shapes checks it (:meth:`checked`; ``corrections``: how many
+        times it was corrected in a row so far)."""
         sizes = measurement.sizes
         limit = self.options.device_limit
-        count, self.early, cap = choose(
+        count, early, cap = choose(
             measurement,
             max_overhead=self.options.max_overhead,
             # a margin under the limit: what the prediction cannot see (the caching
@@ -593,7 +737,9 @@ class Planner:
             device_limit=None if limit is None else limit - limit // _SLACK,
             allocated=allocated,
         )
-        p = predict(measurement, count, self.early, cap)
+        self.early = early
+        self.chosen = (count, early, cap)
+        p = predict(measurement, count, early, cap)
         compute = measurement.forward + measurement.backward
         overhead = p.stall / compute if compute > 0 else 0.0
         self.prediction = (overhead, allocated + p.peak, allocated + p.held)
@@ -610,38 +756,90 @@ class Planner:
         self.in_flight = in_flight(measurement, count, cap)
         self.before = allocated
         self.measured = measurement
-        limited = limit is not None and checkable
-        self.check = (measurement, allocated, downs) if limited else None
+        self.check = (measurement, allocated, corrections) if checkable else None
 
-    def checked(self, held: int) -> None:
-        """A step under a limit's new plan held at most ``held`` bytes on the device. Over
-        the limit, the plan's prediction of what it holds was short by what the step went
-        over it: a plan moving more follows. Far under it (by more than a 16th of the
-        limit: twice the margin a plan keeps), the prediction was long: a plan moving less
-        follows, corrected by half what it overstated, at most :data:`_DOWN` times. Each is
-        checked again; else the plan stands. What the device holds beyond what it
-        allocates (the caching allocator's splits and rounding) is what the measured step
-        predicts worst: the correction is to its ``spare``."""
-        limit = self.options.device_limit
-        if self.check is None or limit is None or self.prediction is None:
-            raise RuntimeError("leakfree: a plan was checked without a limit; please report this")
+    def checked(self, held: int, seconds: float | None = None) -> None:
+        """The step after a goal's new plan held at most ``held`` bytes on the device and
+        took ``seconds`` from its forward's start to its backward's end (None: not
+        timed). What it measured is kept for ``ctx.plan`` (:attr:`observed`), and the
+        plan is made again (and checked in turn) where the step parted from its
+        prediction:
+
+        * over a limit: the prediction of what the step holds was short by what it went
+          over; a plan moving more follows;
+        * its stall off the prediction by more than :data:`_STALL_MARGIN` of the step's
+          compute and a quarter of the prediction, or over a time cap by more than
+          :data:`_OVER_CAP` of it: the link ran slower or faster beside the step than its
+          probe said; its rates are scaled until the schedule waits as long as the step
+          did (:meth:`_link_fitted`), and the plan is chosen again;
+        * under a limit, far under it (by more than a 16th of the limit, twice the margin
+          a plan keeps): a plan moving less follows, corrected by half what the
+          prediction overstated (a plan that moves less lays the caching allocator's
+          blocks out otherwise, and may hold more than this one did);
+        * without a limit, what it held off the prediction by more than a 16th: the
+          prediction is corrected (the plan does not change: a time cap's choice is
+          its stall's).
+
+        What the device holds beyond what it allocates is what the measured step predicts
+        worst: those corrections are to its ``spare``. At most :data:`_CORRECTIONS`
+        corrections but over a limit; then the plan stands."""
+        if self.check is None or self.prediction is None or self.split is None:
+            raise RuntimeError("leakfree: a plan was checked without one; please report this")
         if self.ratio < _SAME:
             return  # a forward of shorter lengths: judged by a step of the plan's, later
-        measurement, allocated, downs = self.check
-        predicted = self.prediction[2]
-        moved = self.split.moved if self.split is not None else 0
-        if held > limit:
-            spare = measurement.spare + max(held - predicted, held - limit)
-        elif limit - held > 2 * (limit // _SLACK) and downs < _DOWN and moved > 0:
-            # half what the prediction overstated: a plan that moves less lays the caching
-            # allocator's blocks out otherwise, and may hold more than this one did
-            spare = max(0, measurement.spare - (predicted - held) // 2)
-            downs += 1
-        else:
+        measurement, allocated, corrections = self.check
+        predicted_overhead, _, predicted_held = self.prediction
+        compute = measurement.forward + measurement.backward
+        overhead = None
+        if seconds is not None and compute > 0:
+            overhead = max(0.0, (seconds - measurement.gap) / compute - 1.0)
+        self.observed = (overhead, held)
+        limit = self.options.device_limit
+        moved = self.split.moved
+        corrected = None
+        if limit is not None and held > limit:
+            spare = measurement.spare + max(held - predicted_held, held - limit)
+            corrected = dataclasses.replace(measurement, spare=spare)
+        elif corrections < _CORRECTIONS:
+            cap = self.options.max_overhead
+            margin = _STALL_MARGIN + predicted_overhead / 4
+            parted = overhead is not None and (
+                abs(overhead - predicted_overhead) > margin
+                or (cap is not None and overhead > cap * (1 + _OVER_CAP))
+            )
+            if parted and overhead is not None and moved > 0:
+                corrected = self._link_fitted(measurement, overhead * compute)
+            elif limit is not None and limit - held > 2 * (limit // _SLACK) and moved > 0:
+                spare = max(0, measurement.spare - (predicted_held - held) // 2)
+                corrected = dataclasses.replace(measurement, spare=spare)
+            elif limit is None and abs(held - predicted_held) > predicted_held // _SLACK:
+                spare = max(0, measurement.spare + held - predicted_held)
+                corrected = dataclasses.replace(measurement, spare=spare)
+        if corrected is None:
             self.check = None
             return
-        corrected = dataclasses.replace(measurement, spare=spare)
-        self.adopt(corrected, allocated, checkable=True, downs=downs)
+        over = limit is not None and held > limit  # not counted: the limit comes first
+        self.adopt(corrected, allocated, checkable=True, corrections=corrections + (not over))
+
+    def _link_fitted(self, m: Measurement, stall: float) -> Measurement:
+        """``m`` with both copy rates scaled (by 1/16 to 4) so that the plan followed
+        waits ``stall`` seconds as the step that checked it did."""
+        moved, early, cap = self.chosen
+
+        def scaled(scale: float) -> Measurement:
+            return dataclasses.replace(m, to_host=m.to_host * scale, to_device=m.to_device * scale)
+
+        def waits(scale: float) -> float:
+            return predict(scaled(scale), moved, early, cap).stall
+
+        low, high = -4.0, 2.0  # log2 of the scale
+        for _ in range(24):
+            mid = (low + high) / 2
+            if waits(2.0**mid) > stall:
+                low = mid  # still waits longer than the step: a faster link
+            else:
+                high = mid
+        return scaled(2.0 ** ((low + high) / 2))
 
     def report(self) -> OffloadPlan | None:
         """The plan as :class:`OffloadPlan` (None before there is one)."""
@@ -653,6 +851,7 @@ class Planner:
         overhead = peak = held = None
         if mode.goal and self.prediction is not None:
             overhead, peak, held = self.prediction
+        measured_overhead, measured_held = self.observed or (None, None)
         return OffloadPlan(
             budget=sum(sizes[moved:]) if mode.goal else self.budget(on_plan=True),
             kept=len(sizes) - moved,
@@ -667,4 +866,6 @@ class Planner:
             overhead=overhead,
             peak=peak,
             held=held,
+            measured_overhead=measured_overhead,
+            measured_held=measured_held,
         )

@@ -5,13 +5,13 @@ Everything here is plain Python over weak references, tested on CPU: it owns no 
 so dropping a graph is never delayed by it.
 
 Prefetch follows the order backward actually used: a pass records the order in which it
-first unpacked each group of host copies, and each copy a device budget held (by the
-creation number of the copy, or of a group's first copy); the next pass over a forward of
-the same structure (every recorded creation number, relative to the first, names a live
-group or held copy: the sizes may differ, as a forward of other lengths saves the same
-tensors, each of its own size)
-prefetches its groups in that order, within a byte window. A pass with no matching
-record prefetches nothing: nothing is brought back that backward will not use.
+first unpacked each group of host copies, and each copy a plan held on the device (by the
+creation number of the copy it unpacked first); the next pass over a forward of the same
+structure (every recorded creation number, relative to the first, names a live copy: the
+sizes may differ, as a forward of other lengths saves the same tensors, each of its own
+size, and so may the grouping) prefetches its groups in that order, within a byte window.
+A pass with no matching record prefetches nothing: nothing is brought back that backward
+will not use.
 """
 
 from __future__ import annotations
@@ -113,16 +113,20 @@ class _Pass:
         return tuple([seq - first for seq in self.order])
 
 
-def _follow(order: Order, first: Unit, copies: _Copies, state: _Pass) -> None:
-    """Set ``state``'s plan from ``order`` if this pass's groups and held copies match it:
-    ``first`` (the first one unpacked) stands where the recorded first one did, and every
-    recorded one is alive (a group named by its first copy). Sizes may differ, and what a
-    budget held may have moved since: a forward of other lengths (packed or bucketed
-    batches) saves the same tensors in the same order, each of its own size."""
+def _follow(order: Order, first: _HostCopy, copies: _Copies, state: _Pass) -> None:
+    """Set ``state``'s plan from ``order`` if this pass's copies match it: ``first`` (the
+    copy first unpacked) stands where the recorded first one did, and every recorded copy
+    is alive. Each names its unit now: its group (once, where it is first named), or
+    itself where it is held on the device. Sizes may differ, and so may the grouping: a
+    forward of other lengths (packed or bucketed batches) saves the same tensors in the
+    same order, each of its own size, and a plan that moves other copies groups them
+    otherwise (the step after a measured one that kept or moved everything)."""
     if not order:
         return
     base = first.seq - order[0]  # the creation number of relative 0
     plan: list[weakref.ref[Unit]] = []
+    position: dict[int, int] = {}
+    seen: set[int] = set()
     largest = 0
     for rel in order:
         copy = copies.at(base + rel)
@@ -130,13 +134,15 @@ def _follow(order: Order, first: Unit, copies: _Copies, state: _Pass) -> None:
             return
         group = copy.group
         unit: Unit = copy if group is None else group
-        if group is not None and group.seq != copy.seq:
-            return
+        if group is not None:
+            if id(group) in seen:
+                continue
+            seen.add(id(group))
+            largest = max(largest, group.largest)
+        position[unit.seq] = len(plan)
         plan.append(weakref.ref(unit))
-        if isinstance(unit, _Group):  # held copies are never brought back: not theirs
-            largest = max(largest, unit.largest)
     state.following = plan
-    state.position = {base + rel: i for i, rel in enumerate(order)}
+    state.position = position
     state.window = 2 * largest
 
 

@@ -20,8 +20,9 @@ from typing import Any, cast
 import torch
 
 from leakfree._device import device_index
+from leakfree.offload.allocator import reader
 from leakfree.offload.handles import Arrival, _Group, _HostCopy
-from leakfree.offload.measure import bandwidth
+from leakfree.offload.link import Link, probe
 from leakfree.offload.pool import HostBlock, HostBlockPool
 from leakfree.offload.stats import OffloadStats
 from leakfree.offload.streams import Flight
@@ -69,7 +70,9 @@ class Transfers:
         #: the groups copies join, one per dtype and device (weakly: a graph dropped
         #: mid-forward frees its group, and the bytes it would send)
         self.open: dict[tuple[torch.dtype, torch.device], weakref.ref[_Group]] = {}
-        self._bandwidth: tuple[float, float] | None = None
+        self._link: Link | None = None
+        #: the device allocator's counts, read cheaply (None: the CPU, or no statistics)
+        self.read = reader(device, module) if device is not None else None
 
     def copy_out(
         self, t: torch.Tensor, copy: _HostCopy, ref: weakref.ref[_HostCopy], capacity: int
@@ -261,13 +264,13 @@ class Transfers:
             dev.record_stream(current)
 
     def allocated(self) -> int:
-        """What the device's allocator counts allocated now."""
-        return int(self.module.memory_allocated(self.device))
+        """What the device's allocator counts allocated now (0 where it says nothing)."""
+        return self.read().allocated if self.read is not None else 0
 
-    def bandwidth(self, nbytes: int) -> tuple[float, float]:
-        """The copy bandwidths each way (measured once, with ``nbytes``), on the side
-        streams where there are."""
-        if self._bandwidth is None:
+    def link(self, nbytes: int) -> Link:
+        """The link each way and both at once (measured once, with ``nbytes``:
+        :func:`~leakfree.offload.link.probe`), on the side streams where there are."""
+        if self._link is None:
             module = self.module
             device = cast(torch.device, self.device)
             if module is not None and self.use_streams:
@@ -277,8 +280,8 @@ class Transfers:
                 streams = (current, current)
             else:
                 streams = (None, None)
-            self._bandwidth = bandwidth(device, module, streams, nbytes)
-        return self._bandwidth
+            self._link = probe(device, module, streams, nbytes)
+        return self._link
 
     def side(self, device: torch.device, back: bool) -> Any:
         """The side stream of ``device`` for copies out (``back`` False) or prefetch back

@@ -175,6 +175,7 @@ class Stream(torch.Stream):
         return event
 
     def query(self) -> bool:
+        _not_capturing("Stream.query")
         if _STATE.timer is not None:  # the timing model says, and the host does not wait
             return bool(_STATE.timer.timeline.stream_done(self.stream_id))
         if _STATE.lazy:
@@ -183,6 +184,7 @@ class Stream(torch.Stream):
         return True
 
     def synchronize(self) -> None:
+        _not_capturing("Stream.synchronize")
         _STATE.count_sync("Stream.synchronize")
         _STATE.synced(self.stream_id)
         _STATE.trace("_handle_stream_synchronization", self.stream_id)
@@ -219,6 +221,7 @@ class Event:
         Stream.wait_event(stream, self)  # type: ignore[arg-type]
 
     def query(self) -> bool:
+        _not_capturing("Event.query")
         if self.done_after is None:
             return True
         stream_id, generation = self.done_after
@@ -242,6 +245,7 @@ class Event:
         return (timeline.event_time(end.id) - timeline.event_time(self.id)) * 1e3
 
     def synchronize(self) -> None:
+        _not_capturing("Event.synchronize")
         _STATE.count_sync("Event.synchronize")
         if self.done_after is not None:
             _STATE.synced(self.done_after[0])
@@ -338,7 +342,11 @@ class _Module:
     def device(self, device: Any) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
+    def is_current_stream_capturing(self) -> bool:
+        return _STATE.capturing
+
     def synchronize(self, device: Any = None) -> None:
+        _not_capturing("synchronize")
         _STATE.count_sync("synchronize")
         for stream_id in list(_STATE.streams):
             _STATE.synced(stream_id)
@@ -474,6 +482,9 @@ class _State:
         #: device) and copies move nothing, so a full-size step runs in seconds for the
         #: timing model; values are garbage, ``.item()`` answers 0
         self.dry = False
+        #: a CUDA graph is being captured on the current stream: what capture forbids (an
+        #: event's or stream's query or synchronize, a pinned host allocation) raises
+        self.capturing = False
         self._generations: Counter[int] = Counter()  # stream -> host waits for it
 
     @staticmethod
@@ -821,7 +832,14 @@ def _pinning(op: Any) -> Any:
     return kernel
 
 
+def _not_capturing(what: str) -> None:
+    """As CUDA: ``what`` is not permitted while a graph is captured."""
+    if _STATE.capturing:
+        raise RuntimeError(f"{what}: operation not permitted when stream is capturing")
+
+
 def _mark_pinned(t: torch.Tensor) -> None:
+    _not_capturing("pinned host allocation")
     storage = t.untyped_storage()
     _STATE.pinned[storage.data_ptr()] = storage
     _STATE.trace("allocate_pinned", storage.data_ptr())
@@ -1008,6 +1026,16 @@ class SimDevice:
 
     def reset_copies(self) -> None:
         _STATE.copies.clear()
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """As ``torch.cuda.graph(g)`` around the block: the current stream captures, and
+        what capture forbids raises (the kernels themselves run, as the sim runs them)."""
+        _STATE.capturing = True
+        try:
+            yield
+        finally:
+            _STATE.capturing = False
 
     def peak(self) -> int:
         """The most device bytes allocated at once since :meth:`reset_peak`

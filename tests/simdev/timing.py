@@ -9,8 +9,10 @@ The model is the ordering CUDA gives, with durations from a device's rates:
 * **Engines.** Kernels run on one compute engine, one at a time (kernels of different
   streams overlapping on the SMs are not modelled: the large ones of a training step fill
   the device). Copies run on a copy engine per direction, device-to-host and
-  host-to-device, so the two directions overlap each other and compute (the link is full
-  duplex); copies of one direction run one at a time, in the order issued.
+  host-to-device, so the two directions overlap each other and compute; copies of one
+  direction run one at a time, in the order issued. The link is full duplex unless
+  :attr:`Rates.duplex` says otherwise: a copy then gets that share of its bandwidth while
+  a copy the other way, issued before it, runs (0: it waits for it, a half-duplex link).
 * **Streams.** Work on a stream runs in the order issued; an operation starts when its
   stream's previous one ended, when every event its stream waits on has completed, when
   its engine is free, and not before the host issued it.
@@ -31,6 +33,7 @@ and stream events (``with attach(H100) as timeline:``), FLOPs counted by
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +58,10 @@ class Rates:
     to_device: float  #: copy engine, pinned host memory to device, bytes/s
     launch: float  #: host seconds to issue one operation
     kernel_min: float  #: the shortest a kernel takes, seconds
+    #: what a copy gets of its direction's bandwidth while a copy the other way, issued
+    #: before it, runs: 1 a full-duplex link, 0 a half-duplex one (it waits), between: a
+    #: link whose second direction runs slower
+    duplex: float = 1.0
 
 
 #: one H100 80GB (SXM), torch 2.11, bf16. Measured in the H100 run: the copy
@@ -103,6 +110,11 @@ class Timeline:
     _waits: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     _engine_free: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ENGINES, 0.0))
     _events: dict[int, float] = field(default_factory=dict)
+    #: each copy engine's copies: (start, end), and their ends, in order (both increase)
+    _copy_spans: dict[str, list[tuple[float, float]]] = field(
+        default_factory=lambda: {TO_HOST: [], TO_DEVICE: []}
+    )
+    _copy_ends: dict[str, list[float]] = field(default_factory=lambda: {TO_HOST: [], TO_DEVICE: []})
     #: device memory as the simulated device's caching allocator counts it
     #: (``allocator.py``), in host order: ``allocated`` (``memory_allocated``) and
     #: ``reserved`` (``memory_reserved``) now, and their peaks since the timeline began,
@@ -133,17 +145,51 @@ class Timeline:
             raise ValueError(f"copy(engine={engine!r}): expected {TO_HOST!r} or {TO_DEVICE!r}")
         self.calls.append(("copy", (stream, nbytes, engine, name)))
         bandwidth = self.rates.to_host if engine == TO_HOST else self.rates.to_device
-        return self._run(name, engine, stream, nbytes / bandwidth, nbytes=nbytes)
+        other = TO_DEVICE if engine == TO_HOST else TO_HOST
+        op = self._run(name, engine, stream, nbytes / bandwidth, nbytes=nbytes, beside=other)
+        self._copy_ends[engine].append(op.end)
+        self._copy_spans[engine].append((op.start, op.end))
+        return op
 
-    def _run(self, name: str, engine: str, stream: int, seconds: float, **sizes: Any) -> Op:
+    def _run(
+        self,
+        name: str,
+        engine: str,
+        stream: int,
+        seconds: float,
+        beside: str | None = None,
+        **sizes: Any,
+    ) -> Op:
         self.host += self.rates.launch
         start = max(
             self.host, self._stream_end[stream], self._waits[stream], self._engine_free[engine]
         )
-        op = Op(name, engine, stream, start, start + seconds, **sizes)
+        end = start + seconds
+        if beside is not None and self.rates.duplex < 1.0:
+            end = self._shared(beside, start, seconds)
+        op = Op(name, engine, stream, start, end, **sizes)
         self._stream_end[stream] = self._engine_free[engine] = op.end
         self.ops.append(op)
         return op
+
+    def _shared(self, other: str, start: float, seconds: float) -> float:
+        """When a copy of ``seconds`` alone, starting at ``start``, ends on a link that
+        gives it :attr:`Rates.duplex` of its rate while the ``other`` direction's copies
+        (issued before it) run."""
+        share = self.rates.duplex
+        spans = self._copy_spans[other]
+        t, left = start, seconds  # ``left``: seconds of work at the full rate
+        for a, b in spans[bisect.bisect_right(self._copy_ends[other], start) :]:
+            if a > t:  # the link is the copy's alone until the other's next copy
+                if left <= a - t:
+                    return t + left
+                left -= a - t
+                t = a
+            if share > 0 and left <= (b - t) * share:
+                return t + left / share
+            left -= (b - t) * share
+            t = b
+        return t + left
 
     # -- ordering -----------------------------------------------------------------------
 
