@@ -37,6 +37,11 @@ class PatchError(RuntimeError):
         )
 
 
+class OffloadWarning(LeakfreeWarning):
+    """Something about offloading that costs speed or memory, never correctness
+    (``leakfree.offload.OffloadWarning``)."""
+
+
 class MemoryGrowthWarning(LeakfreeWarning):
     """Live memory grew per optimizer step after the warm-up (an integration callback's
     verdict, :mod:`leakfree.integrations`). Turn it into an error with

@@ -568,9 +568,10 @@ def one_offloaded_tensor(sim: Any) -> tuple[nn.Linear, torch.Tensor, int]:
     return lin, x, 16 * 64 * 4
 
 
-def test_a_slow_device_makes_the_pool_wait_for_a_busy_block(sim: Any) -> None:
-    """Blocks whose last copy has not completed are not handed out; with no room for a
-    new one, the pool waits for the oldest (the only host wait offloading may make)."""
+def test_a_slow_device_s_busy_block_is_reused_in_stream_order(sim: Any) -> None:
+    """A block whose last copy back has not completed is handed out again all the same
+    (no room for a new one, and none needed): the copy out waits for it on the device,
+    and the host never waits (the sanitizer reports the copy out if it did not wait)."""
     sim.lazy = True
     lin, x, size = one_offloaded_tensor(sim)
     ctx = offload(min_offload_size=size, pin_memory_budget=_size_class(size), device_budget=0)
@@ -580,7 +581,7 @@ def test_a_slow_device_makes_the_pool_wait_for_a_busy_block(sim: Any) -> None:
         y.backward()
     stats = ctx.pool.stats
     assert stats.allocations == 1 and stats.reuses == 1 and stats.overflows == 0
-    assert sim.syncs["Event.synchronize"] == 1
+    assert sim.syncs["Event.synchronize"] == 0
     expect = x.grad.cpu() / 2
     x.grad = None
     nn.functional.gelu(lin(x)).sum().backward()

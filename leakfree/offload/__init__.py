@@ -46,8 +46,9 @@ stays on the device), ``plan`` (the planner, over ``options``: the options and t
 they make), ``measurer`` (a goal's measured and checked steps, each measured by
 ``measure``) and ``backward`` (the passes: restore, prefetch, the order learned).
 ``handles`` is what the graph owns (handles, host copies, their groups, a forward's
-record), ``pool`` the host blocks and their budget, ``streams`` the order's bookkeeping,
-``stats`` what was moved, ``models`` ``offload_model`` and head discovery.
+record), ``pool`` the host blocks, ``budget`` the bytes they may pin (a process's share
+of the node), ``streams`` the order's bookkeeping, ``stats`` what was moved, ``models``
+``offload_model`` and head discovery.
 """
 
 from leakfree.offload.hooks import NoOffload, OffloadActivations

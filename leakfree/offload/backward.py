@@ -22,6 +22,7 @@ from leakfree.offload.allocator import Counts
 from leakfree.offload.handles import Arrival, _Group, _HostCopy, _Offloaded
 from leakfree.offload.measure import StepMeasure
 from leakfree.offload.plan import Planner
+from leakfree.offload.pool import HostBlockPool
 from leakfree.offload.streams import Order, _Copies, _follow, _Pass, _to_prefetch
 
 
@@ -30,6 +31,7 @@ class Copier(Protocol):
     handed in by the front)."""
 
     use_streams: bool
+    pool: HostBlockPool
 
     def send(self, group: _Group) -> None: ...
 
@@ -290,6 +292,8 @@ class Backward:
             if state.order:
                 self._order = state.learned()
             self._measurer.pass_ended()
+        # between steps: the pool makes the blocks the next forward takes (outside it)
+        self._transfers.pool.prepare()
 
 
 def _pass_over(passes_ref: weakref.ref[Backward], task: int) -> None:

@@ -32,7 +32,7 @@ from leakfree.offload.keeping import Keeper
 from leakfree.offload.measurer import Measurer
 from leakfree.offload.options import AUTO, Mode, Options
 from leakfree.offload.plan import OffloadPlan, Planner
-from leakfree.offload.pool import HostBlockPool, OffloadWarning
+from leakfree.offload.pool import HostBlockPool, HostBudget, OffloadWarning
 from leakfree.offload.stats import OffloadStats
 from leakfree.offload.transfers import Transfers
 
@@ -64,7 +64,8 @@ def _target(
     ):
         _args.flag(call, name, value)
     _args.count(call, "prefetch_bytes", prefetch_bytes, 0, none=True, unit="bytes; 0: none")
-    _args.count(call, "pin_memory_budget", pin_memory_budget, 0, none=True, unit="bytes")
+    if not isinstance(pin_memory_budget, HostBudget):
+        _args.count(call, "pin_memory_budget", pin_memory_budget, 0, none=True, unit="bytes")
     _check_min_offload_size("min_offload_size", min_offload_size)
     target = _args.device(call, "device", device) if device is not None else accelerator()
     if target is None and force_host_copy:
@@ -148,9 +149,13 @@ class OffloadActivations(saved_tensors_hooks):
         force_host_copy: without an accelerator, offload CPU tensors to separate host
             buffers, so the whole path runs and is tested on the CPU (restored tensors view
             those buffers). Without it, on such a machine, the context is a cheap no-op.
-        pin_memory_budget: bytes of pinned host memory the pool may hold (as PyTorch's
-            pinned allocator rounds them); beyond it copies use pageable memory. Default
-            (None): the process's share (``leakfree.offload.pool.PROCESS_BUDGET``).
+        pin_memory_budget: bytes of pinned host memory this manager's pool may hold (as
+            PyTorch's pinned allocator rounds them), a budget of its own; or a
+            ``HostBudget`` (``leakfree.offload.pool``), shared with the managers given the
+            same one (``HostBudget()``: of the default size). Beyond it copies use pageable
+            memory. Default (None): the budget every such manager of the process shares
+            (``PROCESS_BUDGET``), a quarter of the node's memory divided among the
+            processes on the node (``LOCAL_WORLD_SIZE``).
 
     Copies out travel in groups (``batch_bytes``), sent to one host block when full, when
     backward needs them, or at ``__exit__``. In one backward pass each group comes back
@@ -184,7 +189,7 @@ class OffloadActivations(saved_tensors_hooks):
         *,
         device: torch.device | str | None = None,
         force_host_copy: bool = False,
-        pin_memory_budget: int | None = None,
+        pin_memory_budget: int | HostBudget | None = None,
         prefetch_bytes: int | None = None,
         device_budget: int | str | None = AUTO,
         batch_bytes: int = 256 << 10,

@@ -1,16 +1,17 @@
-"""The host side of offloading: size classes, one byte budget per process, reusable blocks.
+"""The host side of offloading: size classes, reusable blocks, made ahead of need.
 
 A :class:`HostBlock` is one host buffer (pinned where the pool pins). A
 :class:`HostBlockPool` hands blocks out and takes them back; it keeps *free* blocks only,
-up to a :class:`HostBudget` shared by every pool that does not bring its own
-(:data:`PROCESS_BUDGET`). A block in use belongs to the host copy that holds it, and so
-to the autograd graph: the pool never holds a reference to it.
+within a :class:`~leakfree.offload.budget.HostBudget` shared by every pool that does not
+bring its own (:data:`PROCESS_BUDGET`: this process's share of the node). A block in use
+belongs to the host copy that holds it, and so to the autograd graph: the pool never
+holds a reference to it. Between steps (when a backward pass ends) the pool makes the
+blocks the next step will take, so a forward's copies out find theirs made.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import warnings
 from collections import OrderedDict, deque
@@ -19,7 +20,14 @@ from typing import Any
 
 import torch
 
-from leakfree.errors import LeakfreeWarning
+from leakfree.errors import OffloadWarning
+from leakfree.offload.budget import (
+    PROCESS_BUDGET,
+    HostBudget,
+    default_budget,
+    local_world_size,
+    release_host_cache,
+)
 
 __all__ = [
     "PROCESS_BUDGET",
@@ -28,11 +36,10 @@ __all__ = [
     "HostBudget",
     "OffloadWarning",
     "PoolStats",
+    "default_budget",
+    "local_world_size",
+    "release_host_cache",
 ]
-
-
-class OffloadWarning(LeakfreeWarning):
-    """Something about offloading that costs speed or memory (never correctness)."""
 
 
 def _size_class(nbytes: int) -> int:
@@ -44,59 +51,12 @@ def _size_class(nbytes: int) -> int:
     return 1 << max(12, (nbytes - 1).bit_length())
 
 
-def _default_budget() -> int:
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover  (non-POSIX)
-        total = 16 << 30
-    return int(total // 4)
-
-
-class HostBudget:
-    """Bytes of pooled host blocks that may exist at once, for one or several pools.
-
-    A block reserves its size when it is created within the budget and gives it back when
-    it is freed (its finalizer queues the bytes; never a lock there, as it may run inside
-    a garbage collection). :data:`PROCESS_BUDGET` is the default of every pool: one
-    budget per process, however many managers (one per model, one per data loader...).
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._used = 0
-        self._freed: deque[int] = deque()
-        self._lock = threading.Lock()
-
-    @property
-    def used(self) -> int:
-        with self._lock:
-            return self._settle()
-
-    def _settle(self) -> int:
-        while self._freed:
-            self._used -= self._freed.popleft()
-        return self._used
-
-    def try_reserve(self, nbytes: int) -> bool:
-        with self._lock:
-            if self._settle() + nbytes > self.limit:
-                return False
-            self._used += nbytes
-            return True
-
-    def give_back(self, nbytes: int) -> None:
-        self._freed.append(nbytes)  # atomic: safe from a finalizer
-
-
-#: The budget every pool shares unless given its own: a quarter of physical memory.
-PROCESS_BUDGET = HostBudget(_default_budget())
-
-
 class HostBlock:
     """One host buffer (a 1-D ``uint8`` tensor) from a :class:`HostBlockPool`.
 
-    ``event`` is the last device event that reads or writes it; the pool does not hand the
-    block out again before that event has completed.
+    ``event`` is the last device event that reads or writes it, until it is seen to have
+    completed (None then). The pool may hand a block out before that: whoever writes it
+    orders the writes after ``event`` on the device (``stream.wait_event``).
     """
 
     __slots__ = ("__weakref__", "budget", "data", "event", "pinned", "pooled", "size", "views")
@@ -128,39 +88,63 @@ class HostBlock:
         return out
 
     def ready(self) -> bool:
-        return self.event is None or bool(self.event.query())
+        """Whether its last device use has completed (then ``event`` is forgotten)."""
+        event = self.event
+        if event is None:
+            return True
+        if event.query():
+            self.event = None
+            return True
+        return False
 
     def __del__(self) -> None:
         budget = getattr(self, "budget", None)
         if budget is not None:
-            budget.give_back(self.size)
+            budget.give_back(self.size, self.pinned)
 
 
 @dataclass
 class PoolStats:
-    """Byte and event counts of a :class:`HostBlockPool` (sizes are size classes)."""
+    """Byte and event counts of a :class:`HostBlockPool` (sizes are size classes).
+
+    A *step*, here, runs from one :meth:`HostBlockPool.prepare` (the end of a backward
+    pass) to the next."""
 
     in_use_bytes: int = 0  #: held by live host copies
     cached_bytes: int = 0  #: free blocks kept for reuse
     pooled_bytes: int = 0  #: in use + cached, of blocks within the budget
-    allocations: int = 0  #: new blocks within the budget
+    allocations: int = 0  #: new blocks within the budget (on demand or ahead)
     reuses: int = 0  #: acquires served from the cache
     overflows: int = 0  #: new blocks beyond the budget (pageable, freed on release)
+    misses: int = 0  #: acquires that found no free block of their class: made one then
+    step_misses: int = 0  #: misses in this step (0 once the pool makes what a step takes)
+    ahead: int = 0  #: blocks made between steps, ahead of need (in ``allocations`` too)
 
 
 class HostBlockPool:
-    """Reusable host blocks up to a byte budget, pinned when ``pin``.
+    """Reusable host blocks within a byte budget, pinned when ``pin``.
 
-    ``acquire(n)`` returns a block of at least ``n`` bytes: a cached block of the same size
-    class whose last copy has completed (waiting for the oldest one if all are busy), else
-    a new one. New blocks join the pool while ``pooled_bytes`` stays within ``budget``,
-    evicting cached blocks of other size classes (least recently used first) to make room;
-    beyond it they are pageable "overflow" blocks, freed again on release (with ``pin``,
-    copies to them are synchronous: an :class:`OffloadWarning` is issued once).
+    ``budget``: bytes (a budget of this pool's own), a :class:`HostBudget` (shared with
+    the pools given the same one), or None for :data:`PROCESS_BUDGET`.
+
+    ``acquire(n)`` returns a block of at least ``n`` bytes: a free block of the same size
+    class (one whose last device use has completed if there is one, else the oldest, which
+    the caller orders its writes after), else a new one. New blocks join the pool while
+    the budget has room, evicting free blocks of other size classes (least recently used
+    first, their copies completed) to make it; beyond it they are pageable "overflow"
+    blocks, freed again on release (with ``pin``, copies to them are synchronous: an
+    :class:`OffloadWarning` is issued once).
+
+    ``prepare()`` ends a step: it makes, ahead of need, the blocks the last step that took
+    any held at once, less those out and free, so the next step's acquires find them.
 
     ``release`` never blocks and never allocates (it runs from the finalizers of host
     copies, possibly inside a garbage collection triggered while the pool is busy): it
-    queues the block, and the next ``acquire``, ``trim`` or ``stats`` read takes it back.
+    queues the block, and the next ``acquire``, ``prepare``, ``trim`` or ``stats`` read
+    takes it back.
+
+    Kept: the free blocks (until evicted, trimmed, or the pool dies) and, per size class,
+    counts of blocks out and of what the last step held at once.
     """
 
     def __init__(self, budget: int | HostBudget | None = None, *, pin: bool = True) -> None:
@@ -179,6 +163,10 @@ class HostBlockPool:
         self._returned: deque[tuple[HostBlock, bool]] = deque()
         self._lock = threading.RLock()
         self._warned = False
+        self._out: dict[int, int] = {}  # size class -> blocks handed out, not yet back
+        self._peak: dict[int, int] = {}  # size class -> most out at once in this step
+        self._need: dict[int, int] = {}  # the same, of the last step that acquired
+        self._acquired = False  # whether this step acquired any
 
     @property
     def budget(self) -> int:
@@ -197,46 +185,50 @@ class HostBlockPool:
         while self._returned:
             block, reuse = self._returned.popleft()
             self._stats.in_use_bytes -= block.size
+            self._out[block.size] -= 1
             if block.pooled and reuse:
-                self._free[id(block)] = block
-                self._by_size.setdefault(block.size, {})[id(block)] = block
-                self._stats.cached_bytes += block.size
+                self._cache(block)
             elif block.pooled:  # its memory lives on in views: it leaves the pool
                 self._stats.pooled_bytes -= block.size
 
+    def _cache(self, block: HostBlock) -> None:
+        """Put a free block in the free lists (lock held)."""
+        self._free[id(block)] = block
+        self._by_size.setdefault(block.size, {})[id(block)] = block
+        self._stats.cached_bytes += block.size
+
     def acquire(self, nbytes: int) -> HostBlock:
         size = _size_class(nbytes)
-        wait: HostBlock | None = None
-        block = None
         with self._lock:
             if self._returned:
                 self._drain()
+            out = self._out[size] = self._out.get(size, 0) + 1
+            if out > self._peak.get(size, 0):
+                self._peak[size] = out
+            self._acquired = True
+            stats = self._stats
+            stats.in_use_bytes += size
             same = self._by_size.get(size)
             if same:
+                # a completed one, else the oldest: its next copy waits for it on the
+                # device, where a new block would cost an allocation that blocks the host
                 block = next((b for b in same.values() if b.ready()), None)
-            if block is None and same and self.host_budget.used + size > self.budget:
-                block = wait = next(iter(same.values()))  # all busy, no room: wait for one
-            if block is not None:
+                if block is None:
+                    block = next(iter(same.values()))
                 self._take(block)
-                self._stats.cached_bytes -= size
-                self._stats.in_use_bytes += size
-                self._stats.reuses += 1
+                stats.cached_bytes -= size
+                stats.reuses += 1
+                return block
+            stats.misses += 1
+            stats.step_misses += 1
+            pooled = self._reserve(size)
+            if pooled:
+                stats.pooled_bytes += size
+                stats.allocations += 1
             else:
-                self._evict_for(size)
-                pooled = self.host_budget.try_reserve(size)
-                self._stats.in_use_bytes += size
-                if pooled:
-                    self._stats.pooled_bytes += size
-                    self._stats.allocations += 1
-                else:
-                    self._stats.overflows += 1
-                warn = not pooled and self.pin and not self._warned
-                self._warned = self._warned or warn
-        if wait is not None:
-            wait.event.synchronize()  # outside the lock
-            return wait
-        if block is not None:
-            return block
+                stats.overflows += 1
+            warn = not pooled and self.pin and not self._warned
+            self._warned = self._warned or warn
         if warn:
             warnings.warn(
                 f"OffloadActivations: the pinned host memory budget ({self.budget} bytes) is "
@@ -250,21 +242,46 @@ class HostBlockPool:
                 size, pinned=pooled and self.pin, budget=self.host_budget if pooled else None
             )
         except BaseException:
-            if pooled:
-                self.host_budget.give_back(size)
+            with self._lock:
+                self._out[size] -= 1
+                stats.in_use_bytes -= size
+                if pooled:
+                    stats.pooled_bytes -= size
+                    self.host_budget.give_back(size, self.pin)  # (as if it had been made)
             raise
 
-    def _evict_for(self, size: int) -> None:
-        """Free ready cached blocks (least recently used first) until ``size`` fits."""
+    def _reserve(self, size: int, keep: dict[int, int] | None = None) -> bool:
+        """Count a new block of ``size`` in the budget (lock held), making room if need be:
+        free blocks of other classes are evicted (those ``keep`` asks for excepted), and
+        freed pinned bytes the host allocator still caches are given back to the system."""
+        budget = self.host_budget
+        if budget.try_reserve(size, self.pin):
+            return True
+        self._evict_for(size, keep)
+        if budget.try_reserve(size, self.pin):
+            return True
+        if budget.parked and budget.live + size <= budget.limit:
+            release_host_cache()  # once per change of shapes on a full budget
+            return budget.try_reserve(size, self.pin)
+        return False
+
+    def _evict_for(self, size: int, keep: dict[int, int] | None = None) -> None:
+        """Free free blocks whose last copy has completed (least recently used first)
+        until ``size`` fits beside the live blocks, keeping ``keep[c]`` blocks of each
+        class ``c`` (lock held)."""
+        budget = self.host_budget
+        limit = budget.limit
         for key in list(self._free):
-            if self.host_budget.used + size <= self.budget:
+            if budget.live + size <= limit:
                 return
-            if self._free[key].ready():
-                block = self._free[key]
+            block = self._free[key]
+            if keep is not None and len(self._by_size[block.size]) <= keep.get(block.size, 0):
+                continue
+            if block.ready():
                 self._take(block)
                 self._stats.cached_bytes -= block.size
                 self._stats.pooled_bytes -= block.size
-                del block  # its finalizer gives its bytes back to the budget
+                del block  # its finalizer gives its bytes back (parked, if pinned)
 
     def _take(self, block: HostBlock) -> None:
         """Remove a free block from the free lists (lock held)."""
@@ -276,11 +293,48 @@ class HostBlockPool:
         it leaves the pool instead of being handed out again)."""
         self._returned.append((block, reuse))
 
+    def prepare(self) -> int:
+        """End a step (the front calls it when a backward pass ends): make, ahead of need,
+        the blocks of each size class the last step that acquired held at once, less
+        those out (they come back) and those free, within the budget; returns the bytes
+        made. A step that acquired nothing (the second backward of two forwards) leaves
+        what is needed as it was. Made blocks are free: the pool holds no block in use."""
+        with self._lock:
+            self._drain()
+            if self._acquired:
+                self._need = self._peak
+            self._peak = {size: n for size, n in self._out.items() if n}
+            self._acquired = False
+            self._stats.step_misses = 0
+            keep = {size: n - self._out.get(size, 0) for size, n in self._need.items()}
+            made = []
+            for size, n in sorted(keep.items(), reverse=True):
+                for _ in range(n - len(self._by_size.get(size, ()))):
+                    if not self._reserve(size, keep):
+                        break
+                    made.append(size)
+        blocks = []
+        for i, size in enumerate(made):  # outside the lock: pinning may take a while
+            try:
+                blocks.append(HostBlock(size, pinned=self.pin, budget=self.host_budget))
+            except RuntimeError:  # out of host memory: the next step makes them on demand
+                for unmade in made[i:]:
+                    self.host_budget.give_back(unmade, self.pin)
+                break
+        with self._lock:
+            for block in blocks:
+                self._cache(block)
+                self._stats.pooled_bytes += block.size
+                self._stats.allocations += 1
+                self._stats.ahead += 1
+        return sum(block.size for block in blocks)
+
     def trim(self) -> int:
         """Free every cached block; returns the bytes freed.
 
-        Pinned memory goes back to PyTorch's host allocator, which keeps its own cache;
-        ``torch._C._host_emptyCache()`` (where it exists) is called to return it to the OS.
+        Pinned memory goes back to PyTorch's host allocator, which keeps its own cache:
+        :func:`release_host_cache` then returns it to the system (on CUDA, a wait for the
+        device), and the budget counts the bytes free from then on.
         """
         with self._lock:
             self._drain()
@@ -289,7 +343,6 @@ class HostBlockPool:
             self._stats.cached_bytes = 0
             self._free.clear()
             self._by_size.clear()
-        empty = getattr(torch._C, "_host_emptyCache", None)
-        if freed and self.pin and empty is not None:
-            empty()
+        if freed and self.pin:
+            release_host_cache()
         return freed

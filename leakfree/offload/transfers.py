@@ -156,9 +156,12 @@ class Transfers:
             if side is not None:
                 side.wait_stream(module.current_stream(device))  # the activations are made
             with module.stream(side):  # stream(None): stay on the current one
+                if block.event is not None:  # its last copy back may still read it
+                    module.current_stream(device).wait_event(block.event)
                 for dst, src in pairs:
                     dst.copy_(src, non_blocking=block.pinned)
-                # the pool hands the block out again only once these copies have completed
+                # whoever writes the block next waits for these copies (above), and the
+                # pool hands out blocks whose copies completed first
                 block.event = group.written = module.current_stream(device).record_event()
         finally:
             torch._C._set_grad_enabled(grad)
