@@ -81,47 +81,27 @@ class Step:
 
 
 class Peaks:
-    """The most the device allocated and held during a step, whoever resets the peak
-    counters meanwhile: leakfree's goals reset them inside a step (its measured step at
-    each of backward's first unpacks, a limit's check as the forward begins), which would
-    hide the step's earlier peak from a reading at its end. While a step runs, the
-    module's ``reset_peak_memory_stats`` first folds the peaks so far into this reading,
-    then resets as asked, so the library sees the counters it expects."""
+    """The most the device allocated and held during a step: the suite resets the peak
+    counters once, before the step, and reads them after it. (leakfree never resets them:
+    it reads a step's peaks as deltas, so the reading is the step's, a measured or
+    checked one's too; tests/integration/test_gpu_suite.py checks it.)"""
 
     def __init__(self, module: Any, device: torch.device) -> None:
         self.module, self.device = module, device
         self.allocated = self.reserved = 0
 
-    def _fold(self, device: Any = None) -> None:
-        device = self.device if device is None else device
-        self.allocated = max(self.allocated, int(self.module.max_memory_allocated(device)))
-        self.reserved = max(self.reserved, int(self.module.max_memory_reserved(device)))
-
     @contextlib.contextmanager
     def during(self) -> Iterator[Peaks]:
-        module = self.module
-        own = "reset_peak_memory_stats" in vars(module)  # torch.cuda's is the module's
-        original = module.reset_peak_memory_stats
-        self.allocated = self.reserved = 0
         # The suite's one reset, before the step: the counters count from the last reset
         # only, and nothing else gives a step's peak (the memory history would slow every
-        # allocation of the step it measures). It leaves the library's readings whole:
-        # each of them begins and ends inside a step (a measured or checked step's).
-        original(self.device)
-
-        def folding_reset(device: Any = None) -> None:
-            self._fold(device)
-            original(device)
-
-        module.reset_peak_memory_stats = folding_reset
+        # allocation of the step it measures).
+        self.module.reset_peak_memory_stats(self.device)
+        self.allocated = self.reserved = 0
         try:
             yield self
         finally:
-            if own:
-                module.reset_peak_memory_stats = original
-            else:
-                del module.reset_peak_memory_stats
-            self._fold()
+            self.allocated = int(self.module.max_memory_allocated(self.device))
+            self.reserved = int(self.module.max_memory_reserved(self.device))
 
 
 class Bench:

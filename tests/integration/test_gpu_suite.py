@@ -60,7 +60,8 @@ def test_dry_run_leaves_every_part_in_the_json(tmp_path: Path) -> None:
     for name, row in modes.items():
         assert row["error"] is None, (name, row["error"])
         assert row["ratio_vs_none"]["median"] >= 0.99 and row["held_peak_bytes"] > 0
-        assert len(set(row["allocated_after_each_step"])) == 1  # flat: nothing kept
+        after = row["allocated_after_each_step"]
+        assert max(after) == after[0]  # nothing kept from step to step (TRL's frees late)
     assert modes["default"]["held_peak_bytes"] < modes["none"]["held_peak_bytes"]
     for goal in ("max_overhead", "device_limit"):  # the plan's predictions beside measured
         predicted, measured = modes[goal]["plan_vs_measured"]["held"]
@@ -105,10 +106,12 @@ def test_a_part_out_of_time_keeps_what_it_has(tmp_path: Path) -> None:
     assert all(c["verdict"] != "FAIL" for c in data["checks"])
 
 
-def test_a_steps_peaks_see_through_the_librarys_resets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """leakfree's goals reset the peak counters inside a step; the suite's reading of a
-    step's peaks is still the step's (the H100 model's timeline sees every count, whatever
-    the resets), where a reading at the step's end alone would miss it."""
+def test_a_steps_peaks_are_the_steps_and_the_library_leaves_them_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The suite's reading of a step's peaks is the step's (the H100 model's timeline sees
+    every count), and leakfree's goals no longer reset the peak counters inside a step:
+    the counters at the step's end hold its peak (earlier versions reset them after it)."""
     pytest.importorskip("transformers")
     from tests import simdev
     from tests.simdev import timing
@@ -140,5 +143,5 @@ def test_a_steps_peaks_see_through_the_librarys_resets(monkeypatch: pytest.Monke
             seen = timelines[-1]
             assert (step.allocated_total, step.held_total) == (seen.peak, seen.held_peak)
             missed.append(int(sim.module.max_memory_allocated()) < seen.peak)
-        assert missed[0]  # the measured step reset the counters after its peak
+        assert not any(missed)  # measured, checked or followed: no step reset them
         bench.drop(model)
