@@ -149,11 +149,12 @@ def test_a_ceiling_1_gib_under_what_no_offloading_holds_is_held_every_step(
     """Every step holds under the ceiling: the measured one (it moves everything), each
     check, the corrections. The plan keeps a 16th of the limit under it (the caching
     allocator's blocks of a plan that moves less are laid out otherwise; a plan that
-    cut it finer passed the limit by 0.17 GiB on a later step): 1.6x, where 1.15x was
-    the target."""
+    cut it finer passed the limit by 0.17 GiB on a later step): 1.37x, where 1.15x was
+    the target (1.61x before the first planned step prefetched and the search was
+    coarse-then-fine)."""
     ceiling = held["ceiling"]
     assert all(s.held_peak <= ceiling for s in held["device_limit"])
-    assert held["device_limit"][-1].ratio <= 1.7
+    assert held["device_limit"][-1].ratio <= 1.45
 
 
 def test_lengths_that_change_every_step_stay_under_the_ceiling(held: dict[str, Any]) -> None:
