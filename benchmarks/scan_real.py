@@ -86,7 +86,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from leakfree._text import format_table
-from leakfree.scan import Finding, ScanResult, scan
+from leakfree.scan import ScanFinding, ScanResult, scan
 from leakfree.scan._locate import python_files, resolve
 from leakfree.scan.rules import RULES
 
@@ -680,7 +680,7 @@ def _package_path(name: str) -> Path | None:
     return target.path
 
 
-def _relative(finding: Finding, target: Path) -> str:
+def _relative(finding: ScanFinding, target: Path) -> str:
     """The finding's path inside its package (``torch/utils/checkpoint.py``)."""
     path = Path(finding.path)
     if path.is_absolute():
@@ -720,7 +720,9 @@ def _rescan(python: str, path: Path) -> ScanResult:
     data = json.loads(out.stdout)
     result = ScanResult(files=data["files"], unparsed=data["unparsed"], seconds=data["seconds"])
     result.findings = [
-        Finding(f["path"], f["line"], f["column"], f["rule"], f["symbol"], f["message"], f["level"])
+        ScanFinding(
+            f["path"], f["line"], f["column"], f["rule"], f["symbol"], f["message"], f["level"]
+        )
         for f in data["findings"]
     ]
     return result

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from leakfree.__main__ import main
-from leakfree.scan import Finding, ScanResult, render, scan
+from leakfree.scan import ScanFinding, ScanResult, render, scan
 from leakfree.scan._locate import UsageError
-from leakfree.scan._model import Project, Rule, Source
+from leakfree.scan._model import Project, ScanRule, Source
 from leakfree.scan._run import choose_rules, suppressions
 from tests._scan import CASES
 
 
-def _flag_parked(source: Source, project: Project) -> Iterator[Finding]:
+def _flag_parked(source: Source, project: Project) -> Iterator[ScanFinding]:
     """A rule for the machinery's tests: every ``<name>.parked = ...`` assignment."""
     for node in ast.walk(source.tree):
         if isinstance(node, ast.Assign):
@@ -30,7 +30,7 @@ def _flag_parked(source: Source, project: Project) -> Iterator[Finding]:
                     yield source.finding(target, "LF900", "x.parked", "parked on x")
 
 
-def _flag_helper_calls(source: Source, project: Project) -> Iterator[Finding]:
+def _flag_helper_calls(source: Source, project: Project) -> Iterator[ScanFinding]:
     """Flags a call whose helper, defined in any scanned file, assigns ``.parked``."""
     for node in ast.walk(source.tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
@@ -40,8 +40,10 @@ def _flag_helper_calls(source: Source, project: Project) -> Iterator[Finding]:
                     yield source.finding(node, "LF901", node.func.id, f"parks ({where.path})")
 
 
-PARKED = Rule("LF900", "parked", "x.parked =", "find_retained", _flag_parked, needs=(".parked",))
-HELPED = Rule(
+PARKED = ScanRule(
+    "LF900", "parked", "x.parked =", "find_retained", _flag_parked, needs=(".parked",)
+)
+HELPED = ScanRule(
     "LF901",
     "helped",
     "calls a parking helper",
@@ -312,10 +314,10 @@ def test_a_syntax_error_makes_status_3_on_any_python(tmp_path: Path) -> None:
 
 
 def test_notes_do_not_fail_the_scan(tmp_path: Path) -> None:
-    def note(source: Source, project: Project) -> Iterator[Finding]:
+    def note(source: Source, project: Project) -> Iterator[ScanFinding]:
         yield source.finding(source.tree, "LF902", "w", "a weight", level="note")
 
-    noted = Rule("LF902", "noted", "a note", "find_retained", note)
+    noted = ScanRule("LF902", "noted", "a note", "find_retained", note)
     write(tmp_path, {"m.py": "w = 1\n"})
     result = scan([str(tmp_path / "m.py")], rules=[noted])
     assert [f.level for f in result.findings] == ["note"] and result.status == 0
@@ -397,13 +399,13 @@ def test_the_collector_is_paused_only_while_rules_run(tmp_path: Path) -> None:
 
     seen: list[bool] = []
 
-    def probe(source: Source, project: Project) -> Iterator[Finding]:
+    def probe(source: Source, project: Project) -> Iterator[ScanFinding]:
         seen.append(gc.isenabled())
         return iter(())
 
     write(tmp_path, {"m.py": "x = 1\n"})
     assert gc.isenabled()
-    scan([str(tmp_path)], rules=[Rule("LF903", "probe", "", "", probe)])
+    scan([str(tmp_path)], rules=[ScanRule("LF903", "probe", "", "", probe)])
     assert seen == [False] and gc.isenabled()
 
 

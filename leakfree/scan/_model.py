@@ -20,7 +20,7 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True, order=True)
-class Finding:
+class ScanFinding:
     """One place a rule flags: ``path:line:col: RULE symbol: message``.
 
     ``symbol`` names what holds the memory (``Class.attr``, ``self.history``,
@@ -71,9 +71,9 @@ class Source:
 
     def finding(
         self, node: ast.AST, rule: str, symbol: str, message: str, level: str = "warning"
-    ) -> Finding:
+    ) -> ScanFinding:
         """A finding at ``node``'s position in this file."""
-        return Finding(
+        return ScanFinding(
             self.path,
             getattr(node, "lineno", 1),
             getattr(node, "col_offset", 0) + 1,
@@ -218,11 +218,11 @@ class Project:
         yield from found
 
 
-Check = Callable[[Source, Project], Iterable[Finding]]
+Check = Callable[[Source, Project], Iterable[ScanFinding]]
 
 
 @dataclass(frozen=True)
-class Rule:
+class ScanRule:
     """A rule: its code (``LF001``), a short name, what it finds, the runtime tool that
     confirms a finding, and its check (one call per file; the project is for following
     calls)."""

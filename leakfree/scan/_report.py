@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from leakfree.scan._model import Rule
+from leakfree.scan._model import ScanRule
 from leakfree.scan._run import ScanResult
 
 FORMATS = ("text", "json", "sarif")
@@ -78,7 +78,7 @@ def _json(result: ScanResult) -> dict[str, Any]:
     }
 
 
-def help_uri(rule: Rule) -> str:
+def help_uri(rule: ScanRule) -> str:
     """Where a rule is documented: docs/scan.md's section on it, as a file URI of the docs
     beside the package (a source checkout or an editable install), else the path in the
     project's repository (``docs/scan.md#lf001-...``)."""

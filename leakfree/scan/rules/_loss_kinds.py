@@ -2,7 +2,7 @@
 
 The vocabulary (names spelled like losses, loss functions, graph-keeping and detaching
 methods, log-like containers) and :class:`Kinds`, the expression judge the statement walker
-in :mod:`~leakfree.scan.rules.losses` inherits. Unknown is never flagged.
+in :mod:`~leakfree.scan.rules.kept_losses` inherits. Unknown is never flagged.
 """
 
 from __future__ import annotations

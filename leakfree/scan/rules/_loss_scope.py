@@ -1,7 +1,7 @@
 """Where LF003 stands inside one function: its parameters, instance, locals and loops,
 which containers outlive the step, and how a finding is worded and reported.
 
-:class:`Scope` is what the statement walker of :mod:`~leakfree.scan.rules.losses` knows;
+:class:`Scope` is what the statement walker of :mod:`~leakfree.scan.rules.kept_losses` knows;
 it also follows a loss handed to a helper that stores it (Fast-LLM's
 ``self._register_loss(name, loss, losses)``)."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import functools
 
-from leakfree.scan._model import Finding, Project, Source
+from leakfree.scan._model import Project, ScanFinding, Source
 from leakfree.scan._syntax import FunctionNode, name_words, root, symbol, tail, walk
 from leakfree.scan.rules._loss_facts import Env, Module, class_backward_attrs, stored_params
 from leakfree.scan.rules._loss_kinds import (
@@ -63,7 +63,7 @@ class Scope(Kinds):
         self.module_scope = func.name == MODULE_SCOPE
         self.env = Env()
         self.known = self.env.kinds
-        self.findings: list[Finding] = []
+        self.findings: list[ScanFinding] = []
         #: local fresh containers that received a graph value: name -> (node, kind, value text)
         self.pending: dict[str, list[tuple[ast.AST, str]]] = {}
 

@@ -81,7 +81,7 @@ from dataclasses import dataclass
 
 from leakfree.scan._callables import ReturnReader, autograd_classes, imported_names
 from leakfree.scan._flow import Flow
-from leakfree.scan._model import NOTE, Finding, Project, Rule, Source
+from leakfree.scan._model import NOTE, Project, ScanFinding, ScanRule, Source
 from leakfree.scan._syntax import (
     FunctionClass,
     FunctionNode,
@@ -319,7 +319,7 @@ class _Judge:
         return None
 
 
-def _lf001(source: Source, fc: FunctionClass, s: _Store, because: str) -> Finding:
+def _lf001(source: Source, fc: FunctionClass, s: _Store, because: str) -> ScanFinding:
     """The finding for a store that holds tensors: a note for what lives anyway."""
     anyway = _lives_anyway(s.value)
     if anyway is not None:
@@ -342,10 +342,10 @@ def _lf001(source: Source, fc: FunctionClass, s: _Store, because: str) -> Findin
     )
 
 
-def _findings(source: Source, project: Project) -> tuple[list[Finding], list[Finding]]:
+def _findings(source: Source, project: Project) -> tuple[list[ScanFinding], list[ScanFinding]]:
     """LF001's and LF002's findings in one file (both come from the same analysis)."""
-    lf001: list[Finding] = []
-    lf002: list[Finding] = []
+    lf001: list[ScanFinding] = []
+    lf002: list[ScanFinding] = []
     names = imported_names(project, source)
     releases = Releases(project, names)
     helpers = ReturnReader(source, project)
@@ -399,18 +399,18 @@ def _findings(source: Source, project: Project) -> tuple[list[Finding], list[Fin
     return lf001, lf002
 
 
-def _cached(source: Source, project: Project) -> tuple[list[Finding], list[Finding]]:
+def _cached(source: Source, project: Project) -> tuple[list[ScanFinding], list[ScanFinding]]:
     """Both rules read the same analysis, once per file: kept in the project's memo and
     dropped with the file (a module-level cache would keep the last project, and every
     syntax tree it holds, alive after the scan)."""
     return project.memo("ctx rules", source, source.tree, lambda: _findings(source, project))
 
 
-def _check_lf001(source: Source, project: Project) -> Iterable[Finding]:
+def _check_lf001(source: Source, project: Project) -> Iterable[ScanFinding]:
     return list(_cached(source, project)[0])
 
 
-def _check_lf002(source: Source, project: Project) -> Iterable[Finding]:
+def _check_lf002(source: Source, project: Project) -> Iterable[ScanFinding]:
     return list(_cached(source, project)[1])
 
 
@@ -418,8 +418,8 @@ def _check_lf002(source: Source, project: Project) -> Iterable[Finding]:
 #: filter: a subclass of another file's Function, or of an alias, still has a backward)
 _NEEDS = ("Function", "def backward", "def setup_context")
 
-RULES: tuple[Rule, ...] = (
-    Rule(
+RULES: tuple[ScanRule, ...] = (
+    ScanRule(
         "LF001",
         "ctx-outlives-backward",
         "A custom autograd Function keeps tensors on ctx (outside save_for_backward) that "
@@ -428,7 +428,7 @@ RULES: tuple[Rule, ...] = (
         _check_lf001,
         _NEEDS,
     ),
-    Rule(
+    ScanRule(
         "LF002",
         "output-on-ctx",
         "A custom autograd Function stores its output (or a view of it) on ctx: a "

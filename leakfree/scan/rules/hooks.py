@@ -70,7 +70,7 @@ from collections.abc import Iterable, Iterator
 
 from leakfree.scan._callables import Callables, Target
 from leakfree.scan._flow import Flow, Reason, Step
-from leakfree.scan._model import Finding, Project, Rule, Source
+from leakfree.scan._model import Project, ScanFinding, ScanRule, Source
 from leakfree.scan._syntax import (
     Scope,
     Scopes,
@@ -343,7 +343,7 @@ def _cleared_per_block(hook: Target, attrs: list[str]) -> str | None:
 
 def _check_hook(
     hook: Target, project: Project, files: Callables, depth: int, seen: set[int]
-) -> Iterator[Finding]:
+) -> Iterator[ScanFinding]:
     if id(hook.fn) in seen:
         return
     seen.add(id(hook.fn))
@@ -384,7 +384,7 @@ def _follow(
     files: Callables,
     depth: int,
     seen: set[int],
-) -> Iterator[Finding]:
+) -> Iterator[ScanFinding]:
     """``return self._pack(t)``: check the called function with the tensor's parameter."""
     if not isinstance(value, ast.Call):
         return
@@ -410,20 +410,20 @@ def _follow(
 _MARKERS = ("saved_tensors_hooks", "saved_tensors_default_hooks", "pack_hook", "_raw_saved_")
 
 
-def check(source: Source, project: Project) -> Iterable[Finding]:
+def check(source: Source, project: Project) -> Iterable[ScanFinding]:
     if not any(m in source.text for m in _MARKERS):
         return []
     resolver = Callables(source, project)
     seen: set[int] = set()
-    found: dict[tuple[str, int, str], Finding] = {}
+    found: dict[tuple[str, int, str], ScanFinding] = {}
     for hook in _registrations(source, resolver):
         for f in _check_hook(hook, project, resolver, 0, seen):
             found.setdefault((f.path, f.line, f.symbol), f)
     return sorted(found.values())
 
 
-RULES: tuple[Rule, ...] = (
-    Rule(
+RULES: tuple[ScanRule, ...] = (
+    ScanRule(
         code=CODE,
         name="pack-hook-key-table",
         summary=(

@@ -76,7 +76,7 @@ import re
 from collections.abc import Iterator
 
 from leakfree.scan._callables import autograd_classes
-from leakfree.scan._model import Finding, Project, Rule, Source
+from leakfree.scan._model import Project, ScanFinding, ScanRule, Source
 from leakfree.scan._syntax import (
     FunctionNode,
     defined,
@@ -116,7 +116,7 @@ CONFIRM = "leakfree.diagnostics.find_retained"
 class _FunctionScan(Scope):
     """One function's statements in source order, tracking local kinds and aliases."""
 
-    def run(self) -> list[Finding]:
+    def run(self) -> list[ScanFinding]:
         if is_no_grad_decorated(self.func) or NO_GRAD_STEPS.match(self.func.name):
             return []
         if self.in_metric_update():
@@ -395,7 +395,7 @@ def _module_function(tree: ast.Module) -> ast.FunctionDef:
     return func
 
 
-def check(source: Source, project: Project) -> Iterator[Finding]:
+def check(source: Source, project: Project) -> Iterator[ScanFinding]:
     """LF003 over one file: each function, and the module's own statements."""
     text = source.text.lower()
     if not any(t in text for t in (*_LOSS_TEXT, *_FORWARD_TEXT)):
@@ -425,8 +425,8 @@ def check(source: Source, project: Project) -> Iterator[Finding]:
 #: container ("log" itself is left out: every file that logs anything says it)
 _NEEDS = ("Loss", "criterion", *sorted(LOG_WORDS - {"log"}))
 
-RULES: tuple[Rule, ...] = (
-    Rule(
+RULES: tuple[ScanRule, ...] = (
+    ScanRule(
         code=CODE,
         name="loss-kept-with-graph",
         summary=(
