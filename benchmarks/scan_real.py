@@ -670,6 +670,36 @@ LABELS: dict[tuple[str, str, str], tuple[str, str]] = {
         "unsloth/kernels/rope_embedding.py",
         "Fast_RoPE_Embedding_QK.rope_indices",
     ): (TRUE, "position ids as int32, one per token (tiny)"),
+    # --- found by the rules of the round that labelled eight more stacks store by store
+    # (the evidence from use, objects that carry tensors, notes for a few numbers) ---------
+    ("LF001", "torch/nn/utils/_expanded_weights/layer_norm_expanded_weights.py",
+     "LayerNormPerSampleGrad.mean"): (
+        TRUE, "per-row mean of the layer norm (one per token), kept on ctx, never released"),
+    ("LF001", "torch/nn/utils/_expanded_weights/layer_norm_expanded_weights.py",
+     "LayerNormPerSampleGrad.rstd"): (TRUE, "per-row reciprocal std, as mean"),
+    ("LF001", "bitsandbytes/autograd/_functions.py", "MatMul8bitLt.state"): (
+        BENIGN, "the layer's MatmulLtState (int8 weight, its scales): lives with the module"),
+    ("LF001", "bitsandbytes/autograd/_functions.py", "MatMul8bitLt.tensor_states"): (
+        BENIGN, "(SCAt, state.idx): SCAt is None in this version; idx the outlier columns, "
+        "at most hidden-size ints, also held by the layer's state"),
+    ("LF001", "bitsandbytes/autograd/_functions.py", "MatMul4Bit.bias"): (
+        BENIGN, "a parameter (a note)"),
+    ("LF001", "transformer_engine/pytorch/distributed.py",
+     "_CheckpointFunction.fwd_cuda_rng_state"): (BENIGN, "the CUDA RNG state (a note)"),
+    ("LF001", "deepspeed/sequence/fpdt_layer.py", "_FPDTGPUAttentionImpl_.qkv_linear_weight"): (
+        BENIGN, "a weight (a note)"),
+    ("LF001", "deepspeed/sequence/fpdt_layer.py", "_FPDTGPUAttentionImpl_.qkv_linear_bias"): (
+        BENIGN, "a parameter (a note)"),
+    ("LF001", "deepspeed/sequence/fpdt_layer.py",
+     "_FPDTGPUOffloadingAttentionImpl_.qkv_linear_weight"): (BENIGN, "a weight (a note)"),
+    ("LF001", "deepspeed/sequence/fpdt_layer.py",
+     "_FPDTGPUOffloadingAttentionImpl_.qkv_linear_bias"): (BENIGN, "a parameter (a note)"),
+    ("LF001", "deepspeed/sequence/fpdt_layer.py", "FPDT_LogitsLoss.logit_weights"): (
+        BENIGN, "the output projection's weight (a note)"),
+    ("LF001", "fast_llm/functional/triton/sparse_linear.py", "OutputSparseLinear.sparse_map"): (
+        TRUE, "the batch's MoE SparseMap: sparse_rows is tokens x experts-per-token ints"),
+    ("LF001", "fast_llm/functional/triton/sparse_linear.py", "InputSparseLinear.sparse_map"): (
+        TRUE, "as OutputSparseLinear"),
 }  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from leakfree.scan._syntax import defined
+from leakfree.scan._syntax import defined, statements
 
 T = TypeVar("T")
 
@@ -88,6 +88,8 @@ FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
 #: ``def name(``: where a text may define ``name`` (a match inside a word, a comment or a
 #: string only costs a parse; anchors made the pattern ten to twenty times slower)
 _DEF = re.compile(r"def[ \t]+(\w+)[ \t]*\(")
+#: ``class Name``: where a text may define the class ``Name``
+_CLASS = re.compile(r"class[ \t]+(\w+)")
 
 
 def parse(path: str, text: str, module: str = "") -> Source:
@@ -119,6 +121,9 @@ class Project:
     errors: dict[str, str] = field(default_factory=dict)
     context: set[str] = field(default_factory=set)  #: paths read for helpers only
     _helpers: dict[str, list[tuple[Source, FunctionNode]]] = field(default_factory=dict)
+    _classes: dict[str, list[tuple[Source, ast.ClassDef]]] = field(default_factory=dict)
+    #: class name -> the paths whose text defines one (built on the first look-up)
+    _class_where: dict[str, list[str]] | None = None
     _defs: dict[str, dict[str, list[FunctionNode]]] = field(default_factory=dict)
     #: function name -> the paths whose text defines one (built on the first look-up)
     _where: dict[str, list[str]] | None = None
@@ -126,6 +131,8 @@ class Project:
     _modules: dict[str, str] | None = None
     #: path -> (what, id(node)) -> value: dropped with the file in one step
     _memo: dict[str, dict[tuple[str, int], object]] = field(default_factory=dict)
+    #: paths a class look-up parsed: kept, as helper files are
+    _kept: set[str] = field(default_factory=set)
 
     def add(self, source: Source) -> None:
         """Add an already parsed file."""
@@ -144,8 +151,10 @@ class Project:
     def _forget_lookups(self) -> None:
         # a new file may define a helper already looked up
         self._where = None
+        self._class_where = None
         self._modules = None
         self._helpers.clear()
+        self._classes.clear()
 
     def module(self, name: str) -> Source | None:
         """The parsed file of the scanned tree (or its context) whose dotted module name is
@@ -172,12 +181,14 @@ class Project:
         project (a cycle), and the collector would walk every tree left to find it."""
         for table in (self.parsed, self._memo, self._helpers, self._defs, self.texts):
             table.clear()
-        self._where = self._modules = None
+        self._classes.clear()
+        self._kept.clear()
+        self._where = self._modules = self._class_where = None
 
     def release(self, path: str) -> None:
         """Forget ``path``'s syntax tree, and what rules memoised about it, unless a helper
         look-up uses it."""
-        if path in self._defs:
+        if path in self._defs or path in self._kept:
             return
         self.parsed.pop(path, None)
         self._memo.pop(path, None)
@@ -216,6 +227,28 @@ class Project:
                     found += [(source, fn) for fn in self.defs(source).get(name, ())]
             self._helpers[name] = found
         yield from found
+
+    def classes(self, name: str) -> list[tuple[Source, ast.ClassDef]]:
+        """The classes named ``name`` defined anywhere in the project (nested ones too)."""
+        found = self._classes.get(name)
+        if found is None:
+            if self._class_where is None:  # one pass over every text, on the first look-up
+                self._class_where = {}
+                for path, (text, _) in self.texts.items():
+                    for defined_name in set(_CLASS.findall(text)):
+                        self._class_where.setdefault(defined_name, []).append(path)
+            found = []
+            for path in self._class_where.get(name, ()):
+                source = self.source(path)
+                if source is not None:
+                    self._kept.add(path)
+                    found += [
+                        (source, node)
+                        for node in statements(source.tree)
+                        if isinstance(node, ast.ClassDef) and node.name == name
+                    ]
+            self._classes[name] = found
+        return found
 
 
 Check = Callable[[Source, Project], Iterable[ScanFinding]]

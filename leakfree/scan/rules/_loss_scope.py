@@ -41,6 +41,7 @@ class Scope(Kinds):
     ) -> None:
         self.depth = depth  #: how many helpers deep this function is being read
         self.definitions = module.defined
+        self.modules = module.modules
         #: the loops around the statement being read, innermost last
         self.loops: list[ast.For | ast.AsyncFor | ast.While] = []
         #: kinds of what the function returns (collected when read as a helper)

@@ -66,7 +66,7 @@ scan cannot see; ``leakfree.testing.assert_no_leak`` around an evaluation step s
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from leakfree.scan._callables import Callables, Target
 from leakfree.scan._flow import Flow, Reason, Step
@@ -373,7 +373,22 @@ def _check_hook(
     if depth >= 2:
         return
     for value in returns:
-        yield from _follow(hook, value, tainted, project, files, depth, seen)
+        for call in _returned_calls(value, nodes):
+            yield from _follow(hook, call, tainted, project, files, depth, seen)
+
+
+def _returned_calls(value: ast.expr, nodes: Sequence[ast.AST]) -> list[ast.expr]:
+    """The calls whose result the hook returns: ``return self._pack(t)``, or through a
+    name (verl's ``tag = self.offload_handler.tensor_push(t); return tag``)."""
+    if not isinstance(value, ast.Name):
+        return [value]
+    return [
+        n.value
+        for n in nodes
+        if isinstance(n, ast.Assign)
+        and isinstance(n.value, ast.Call)
+        and any(isinstance(t, ast.Name) and t.id == value.id for t in n.targets)
+    ]
 
 
 def _follow(
@@ -432,6 +447,6 @@ RULES: tuple[ScanRule, ...] = (
         ),
         confirm=CONFIRM,
         check=check,
-        needs=("saved_tensors_hooks", "pack_hook", "register_hooks"),
+        needs=("saved_tensors_hooks", "saved_tensors_default_hooks", "pack_hook", "register_hooks"),
     ),
 )
