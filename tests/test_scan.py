@@ -173,12 +173,13 @@ def _result(tmp_path: Path) -> ScanResult:
     return scan([str(tmp_path / "m.py")], rules=RULES)
 
 
-def test_text_report_is_one_line_per_finding_then_how_to_confirm_and_suppress(
+def test_text_report_groups_by_file_and_holder_then_counts_and_how_to_confirm(
     tmp_path: Path,
 ) -> None:
     lines = render(_result(tmp_path), "text").splitlines()
-    assert lines[0] == f"{tmp_path.as_posix()}/m.py:1:1: LF900 x.parked: parked on x"
-    assert "LF900: confirm at run time with find_retained" in lines
+    assert lines[:3] == [f"{tmp_path.as_posix()}/m.py", "  x.parked", "    1:1 LF900 parked on x"]
+    assert "LF900 parked: 1 warning" in lines
+    assert "  confirm at run time with find_retained" in lines
     assert any("# leakfree: ignore[CODE]" in line for line in lines)
     assert lines[-1].startswith("1 finding in 1 file (")
 
@@ -195,6 +196,7 @@ def test_json_and_sarif_reports_carry_every_field(tmp_path: Path) -> None:
             "level": "warning",
             "symbol": "x.parked",
             "message": "parked on x",
+            "evidence": "parked on x",
         }
     ]
     assert data["files"] == 1 and data["rules"]["LF900"]["confirm"] == "find_retained"
@@ -374,7 +376,7 @@ def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
         text=True,
         timeout=60,
     )
-    assert reader.stdout.count("\n") == 1 and "LF003" in reader.stdout
+    assert reader.stdout.count("\n") == 1 and reader.stdout.strip().endswith(".py")
     assert reader.stderr == ""
 
 
@@ -435,7 +437,7 @@ def test_the_pre_commit_hook_runs_the_scanner_on_the_changed_files(tmp_path: Pat
     dirty = subprocess.run(
         [*command, str(fuser), str(leaky)], capture_output=True, text=True, timeout=60
     )
-    assert dirty.returncode == 1 and "train.py:5:5: LF003 total_loss" in dirty.stdout
+    assert dirty.returncode == 1 and "train.py\n  total_loss\n    5:5 LF003" in dirty.stdout
 
 
 def test_a_checked_file_s_tree_is_released_unless_a_helper_lives_in_it(tmp_path: Path) -> None:

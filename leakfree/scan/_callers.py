@@ -31,6 +31,7 @@ class Callers:
     def __init__(self, project: Project) -> None:
         self.project = project
         self._memo: dict[str, list[dict[int, str | None]]] = {}
+        self._files: dict[str, _FileCalls] = {}
 
     def verdict(self, cls: str, position: int) -> str | None:
         """:data:`SCALAR` or :data:`TENSOR` when every ``cls.apply(...)`` call of the
@@ -42,47 +43,56 @@ class Callers:
         return said.pop() if len(said) == 1 else None
 
     def _calls(self, cls: str) -> Iterator[dict[int, str | None]]:
-        needle = f"{cls}.apply"
-        for path, (text, _) in list(self.project.texts.items()):
-            if needle not in text:
+        for path in self.project.appliers(cls):
+            calls = self._files.get(path)
+            if calls is None:
+                source = self.project.source(path)
+                if source is None:
+                    continue
+                calls = self._files[path] = _FileCalls(source, self.project)
+            yield from calls.of(cls)
+
+
+class _FileCalls:
+    """The ``X.apply(...)`` calls of one file (and of names bound to ``X.apply``), found
+    in one walk, each judged by the function that makes it."""
+
+    def __init__(self, source: Source, project: Project) -> None:
+        self.names = imported_names(project, source)
+        scopes = Scopes(source.tree)
+        aliases: dict[str, str] = {}  # fn = Cls.apply
+        found: list[tuple[ast.Call, str | None]] = []
+        for n in ast.walk(source.tree):
+            if isinstance(n, ast.Assign) and (applied := _apply_of(n.value)) is not None:
+                aliases.update({t.id: applied for t in n.targets if isinstance(t, ast.Name)})
+            elif isinstance(n, ast.Call):
+                found.append((n, _apply_of(n.func)))
+        self.calls: dict[str, list[tuple[ast.Call, tuple[ast.AST, ...]]]] = {}
+        for call, cls in found:
+            if cls is None and isinstance(call.func, ast.Name):
+                cls = aliases.get(call.func.id)
+            if cls is not None:
+                self.calls.setdefault(cls, []).append((call, scopes.chain(call)))
+        self._judges: dict[int, _Judge] = {}
+
+    def of(self, cls: str) -> Iterator[dict[int, str | None]]:
+        for call, chain in self.calls.get(cls, ()):
+            fns = [s for s in chain if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            if not fns or any(isinstance(a, ast.Starred) for a in call.args):
+                yield {}
                 continue
-            source = self.project.source(path)
-            if source is not None:
-                yield from _file_calls(source, self.project, cls)
+            fn = fns[-1]
+            judge = self._judges.get(id(fn))
+            if judge is None:
+                judge = self._judges[id(fn)] = _Judge(fn, chain, self.names)
+            yield {i: judge.kind(a) for i, a in enumerate(call.args)}
 
 
-def _file_calls(source: Source, project: Project, cls: str) -> Iterator[dict[int, str | None]]:
-    """Each call of ``cls.apply`` (or of a name bound to it) in ``source``."""
-    tree = source.tree
-    aliases = {
-        t.id
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Assign) and _is_apply(n.value, cls)
-        for t in n.targets
-        if isinstance(t, ast.Name)
-    }
-    scopes = Scopes(tree)
-    names = imported_names(project, source)
-    judges: dict[int, _Judge] = {}
-    for n in ast.walk(tree):
-        if not isinstance(n, ast.Call):
-            continue
-        if not (_is_apply(n.func, cls) or (isinstance(n.func, ast.Name) and n.func.id in aliases)):
-            continue
-        chain = scopes.chain(n)
-        fns = [s for s in chain if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        if not fns or any(isinstance(a, ast.Starred) for a in n.args):
-            yield {}
-            continue
-        fn = fns[-1]
-        judge = judges.get(id(fn))
-        if judge is None:
-            judge = judges[id(fn)] = _Judge(fn, chain, names)
-        yield {i: judge.kind(a) for i, a in enumerate(n.args)}
-
-
-def _is_apply(e: ast.AST, cls: str) -> bool:
-    return isinstance(e, ast.Attribute) and e.attr == "apply" and tail(e.value) == cls
+def _apply_of(e: ast.AST) -> str | None:
+    """``Cls`` for ``Cls.apply`` (or ``mod.Cls.apply``)."""
+    if isinstance(e, ast.Attribute) and e.attr == "apply":
+        return tail(e.value) or None
+    return None
 
 
 class _Judge:

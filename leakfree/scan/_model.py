@@ -36,6 +36,8 @@ class ScanFinding:
     #: ``"warning"``: a leak; ``"note"``: memory held that lives anyway (a parameter, a
     #: weight, a small RNG state): worth knowing, not failing the scan for
     level: str = "warning"
+    #: why the rule believes it, in one line (the text report shows this, not the advice)
+    evidence: str = ""
 
     def __str__(self) -> str:
         note = " (note)" if self.level == NOTE else ""
@@ -56,11 +58,11 @@ class Source:
     text: str
     tree: ast.Module
     module: str = ""
-    lines: list[str] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        if not self.lines:
-            self.lines = self.text.splitlines()
+    @property
+    def lines(self) -> list[str]:
+        """The text's lines (split when asked: most files never are)."""
+        return self.text.splitlines()
 
     @property
     def package(self) -> str:
@@ -70,9 +72,16 @@ class Source:
         return self.module.rpartition(".")[0]
 
     def finding(
-        self, node: ast.AST, rule: str, symbol: str, message: str, level: str = "warning"
+        self,
+        node: ast.AST,
+        rule: str,
+        symbol: str,
+        message: str,
+        level: str = "warning",
+        evidence: str = "",
     ) -> ScanFinding:
-        """A finding at ``node``'s position in this file."""
+        """A finding at ``node``'s position in this file; ``evidence`` is its one line of
+        why (the message's first clause when not given)."""
         return ScanFinding(
             self.path,
             getattr(node, "lineno", 1),
@@ -81,15 +90,17 @@ class Source:
             symbol,
             message,
             level,
+            evidence or message.split("; ", 1)[0],
         )
 
 
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
-#: ``def name(``: where a text may define ``name`` (a match inside a word, a comment or a
-#: string only costs a parse; anchors made the pattern ten to twenty times slower)
-_DEF = re.compile(r"def[ \t]+(\w+)[ \t]*\(")
-#: ``class Name``: where a text may define the class ``Name``
-_CLASS = re.compile(r"class[ \t]+(\w+)")
+#: ``def name(`` / ``class Name``: where a text may define ``name`` (a match inside a word,
+#: a comment or a string only costs a parse; anchors made the pattern ten to twenty times
+#: slower)
+_DEF = re.compile(r"def[ \t]+(\w+)[ \t]*\(|class[ \t]+(\w+)")
+#: ``Name.apply``: where a text may call an autograd Function
+_APPLY = re.compile(r"(\w+)\.apply\b")
 
 
 def parse(path: str, text: str, module: str = "") -> Source:
@@ -124,6 +135,8 @@ class Project:
     _classes: dict[str, list[tuple[Source, ast.ClassDef]]] = field(default_factory=dict)
     #: class name -> the paths whose text defines one (built on the first look-up)
     _class_where: dict[str, list[str]] | None = None
+    #: class name -> the paths whose text calls its ``.apply`` (built on the first look-up)
+    _apply_where: dict[str, list[str]] | None = None
     _defs: dict[str, dict[str, list[FunctionNode]]] = field(default_factory=dict)
     #: function name -> the paths whose text defines one (built on the first look-up)
     _where: dict[str, list[str]] | None = None
@@ -152,6 +165,7 @@ class Project:
         # a new file may define a helper already looked up
         self._where = None
         self._class_where = None
+        self._apply_where = None
         self._modules = None
         self._helpers.clear()
         self._classes.clear()
@@ -183,7 +197,7 @@ class Project:
             table.clear()
         self._classes.clear()
         self._kept.clear()
-        self._where = self._modules = self._class_where = None
+        self._where = self._modules = self._class_where = self._apply_where = None
 
     def release(self, path: str) -> None:
         """Forget ``path``'s syntax tree, and what rules memoised about it, unless a helper
@@ -215,30 +229,42 @@ class Project:
         """The functions (and methods) named ``name`` defined anywhere in the project."""
         found = self._helpers.get(name)
         if found is None:
-            if self._where is None:  # one pass over every text, not one per name
-                self._where = {}
-                for path, (text, _) in self.texts.items():
-                    for defined in set(_DEF.findall(text)):
-                        self._where.setdefault(defined, []).append(path)
             found = []
-            for path in self._where.get(name, ()):
+            for path in self._index()[0].get(name, ()):
                 source = self.source(path)
                 if source is not None:
                     found += [(source, fn) for fn in self.defs(source).get(name, ())]
             self._helpers[name] = found
         yield from found
 
+    def appliers(self, cls: str) -> list[str]:
+        """The paths whose text calls ``cls.apply`` (an index built on the first look-up
+        from the texts that call any ``.apply``)."""
+        if self._apply_where is None:
+            self._apply_where = {}
+            for path, (text, _) in self.texts.items():
+                if ".apply" in text:
+                    for name in set(_APPLY.findall(text)):
+                        self._apply_where.setdefault(name, []).append(path)
+        return self._apply_where.get(cls, [])
+
+    def _index(self) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        """Function name -> the paths whose text defines one, and the same for classes:
+        one pass over every text, on the first look-up."""
+        if self._where is None or self._class_where is None:
+            self._where, self._class_where = {}, {}
+            for path, (text, _) in self.texts.items():
+                for fn, cls in set(_DEF.findall(text)):
+                    into = self._where if fn else self._class_where
+                    into.setdefault(fn or cls, []).append(path)
+        return self._where, self._class_where
+
     def classes(self, name: str) -> list[tuple[Source, ast.ClassDef]]:
         """The classes named ``name`` defined anywhere in the project (nested ones too)."""
         found = self._classes.get(name)
         if found is None:
-            if self._class_where is None:  # one pass over every text, on the first look-up
-                self._class_where = {}
-                for path, (text, _) in self.texts.items():
-                    for defined_name in set(_CLASS.findall(text)):
-                        self._class_where.setdefault(defined_name, []).append(path)
             found = []
-            for path in self._class_where.get(name, ()):
+            for path in self._index()[1].get(name, ()):
                 source = self.source(path)
                 if source is not None:
                     self._kept.add(path)
@@ -268,6 +294,8 @@ class ScanRule:
     #: the check runs only on files whose text contains one of these strings (a cheap
     #: filter before parsing; empty: every file)
     needs: tuple[str, ...] = ()
+    #: what to do about a finding, in one sentence (the text report's counts show it)
+    fix: str = ""
 
     def wants(self, text: str) -> bool:
         # substring tests beat one alternation pattern here (measured: 4x on transformers)

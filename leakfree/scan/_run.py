@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import leakfree._args as _args
+from leakfree.scan import _baseline
 from leakfree.scan._imports import add_imported, module_of
 from leakfree.scan._locate import Target, UsageError, python_files, resolve
 from leakfree.scan._model import WARNING, Project, ScanFinding, ScanRule, Source
@@ -89,6 +90,8 @@ class ScanResult:
     seconds: float = 0.0
     #: reported path -> the folder it is relative to (absolute; SARIF's uriBaseId)
     bases: dict[str, str] = field(default_factory=dict)
+    #: findings left out because the baseline lists them (``scan(baseline=...)``)
+    baselined: int = 0
 
     @property
     def files_per_second(self) -> float:
@@ -229,15 +232,18 @@ def scan(
     ignore: Iterable[str] = (),
     exclude: Iterable[str] = (),
     jobs: int | None = None,
+    baseline: str | os.PathLike[str] | None = None,
 ) -> ScanResult:
     """Scan files, folders and installed packages (by import name, never imported), in
-    ``jobs`` processes (default: one per CPU) when there are many files to parse.
+    ``jobs`` processes (default: one per CPU) when there are many files to parse. With a
+    ``baseline`` (a JSON report of an earlier scan), only the findings it does not list
+    are kept (:mod:`~leakfree.scan._baseline`: matched by rule, path and symbol).
 
     Raises :class:`UsageError` (before reading anything) for a path or package that does
-    not exist or a rule code that matches no rule. Every file is parsed: one that cannot be
-    read or parsed (bad encoding, a syntax error, syntax newer than this interpreter) is
-    listed in :attr:`ScanResult.unparsed` with the reason, not raised, and makes the
-    status 3 unless a leak was found.
+    not exist, a rule code that matches no rule, or a baseline that is not a scan's JSON
+    report. Every file is parsed: one that cannot be read or parsed (bad encoding, a syntax
+    error, syntax newer than this interpreter) is listed in :attr:`ScanResult.unparsed`
+    with the reason, not raised, and makes the status 3 unless a leak was found.
     """
     call = "scan"
     paths = _args.items(call, "paths", paths, (str, os.PathLike), "paths or package names")
@@ -246,11 +252,17 @@ def scan(
         for name, value in (("select", select), ("ignore", ignore), ("exclude", exclude))
     )
     _args.count(call, "jobs", jobs, 1, none=True, unit="processes")
+    if baseline is not None and not isinstance(baseline, (str, os.PathLike)):
+        raise TypeError(
+            f"scan(baseline={baseline!r}): expected a path to a JSON report of an earlier "
+            "scan; write one with `leakfree scan PATH --format json -o FILE`"
+        )
     if rules is None:
         from leakfree.scan.rules import RULES
 
         rules = RULES
     chosen = choose_rules(rules, select, ignore)
+    known = _baseline.load(baseline) if baseline is not None else None
     targets = resolve(paths)
     started = time.perf_counter()
     result = ScanResult(rules=chosen)
@@ -286,5 +298,7 @@ def scan(
         # transformers)
         project.close()
     result.unparsed = sorted([*result.unparsed, *unparsed])
+    if known is not None:
+        result.findings, result.baselined = _baseline.new_only(result.findings, known)
     result.seconds = time.perf_counter() - started
     return result

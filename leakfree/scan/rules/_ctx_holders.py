@@ -44,7 +44,14 @@ from leakfree.scan._syntax import (
     tail,
     tensor_annotation,
 )
-from leakfree.scan._tensors import TensorEvidence, handle_named, metadata_named
+from leakfree.scan._tensors import (
+    META_ATTRS,
+    META_BUILTINS,
+    META_METHODS,
+    TensorEvidence,
+    handle_named,
+    metadata_named,
+)
 from leakfree.scan.rules._ctx_releases import ALL, Part, Releases
 from leakfree.scan.rules._ctx_stores import (
     BACKWARD,
@@ -52,7 +59,6 @@ from leakfree.scan.rules._ctx_stores import (
     Store,
     ctx_param,
     kept_parameter,
-    partners,
     stores,
 )
 from leakfree.scan.rules._ctx_uses import (
@@ -77,7 +83,8 @@ class Verdict:
 
 @dataclass
 class Tools:
-    """What every Function of one file is judged with (built once per file)."""
+    """What every Function of one file is judged with (built once per file), and what is
+    read once per file: each method's stores, each Function's decision, who keeps what."""
 
     source: Source
     project: Project
@@ -87,6 +94,44 @@ class Tools:
     classes: list[FunctionClass]
     fields: Fields
     callers: Callers
+    _stores: dict[int, list[Store]] = field(default_factory=dict)
+    _holders: dict[int, Holders | None] = field(default_factory=dict)
+    _keepers: dict[tuple[str, str], list[FunctionClass]] | None = None
+    #: id(function) -> (the function, its flow): the function is kept so its id stays its
+    _flows: dict[int, tuple[FunctionNode, Flow]] = field(default_factory=dict)
+
+    def flow(self, fn: FunctionNode) -> Flow:
+        """The :class:`~leakfree.scan._flow.Flow` of ``fn``, made once."""
+        found = self._flows.get(id(fn))
+        if found is None:
+            found = self._flows[id(fn)] = (fn, Flow(fn))
+        return found[1]
+
+    def stores(self, fn: FunctionNode, param: str, half: str) -> list[Store]:
+        """:func:`~leakfree.scan.rules._ctx_stores.stores`, once per method."""
+        found = self._stores.get(id(fn))
+        if found is None:
+            found = self._stores[id(fn)] = list(
+                stores(fn, param, half, self.project, self.source, flow=self.flow(fn))
+            )
+        return found
+
+    def holders(self, fc: FunctionClass) -> Holders | None:
+        """:meth:`Holders.of`, once per Function."""
+        if id(fc) not in self._holders:
+            self._holders[id(fc)] = Holders.of(fc, self)
+        return self._holders[id(fc)]
+
+    def partners(self, fc: FunctionClass, attr: str, param: str) -> list[FunctionClass]:
+        """The other Functions of the file that keep a parameter named ``param`` in
+        ``ctx.attr`` too (:func:`~leakfree.scan.rules._ctx_stores.partners`, indexed once
+        per file)."""
+        if self._keepers is None:
+            self._keepers = {}
+            for other in self.classes:
+                for key in _kept(other, self):
+                    self._keepers.setdefault(key, []).append(other)
+        return [o for o in self._keepers.get((attr, param), []) if o is not fc]
 
 
 @dataclass
@@ -111,8 +156,8 @@ class Holders:
         if ALL in released:
             return
         own = [
-            *stores(self.entry, entry_ctx, FORWARD, t.project, t.source),
-            *stores(self.back, back_ctx, BACKWARD, t.project, t.source),
+            *t.stores(self.entry, entry_ctx, FORWARD),
+            *t.stores(self.back, back_ctx, BACKWARD),
         ]
         done = set(skip) | set(released)
         for s in own:
@@ -130,12 +175,15 @@ class Holders:
             because = self._because(s)
             if because is not None:
                 return Verdict(s, because, by=s.half)
-        kept = kept_parameter(self.entry, Flow(self.entry).aliases(entry_ctx), attr)
-        pair = partners(self.fc, attr, kept, self.tools.classes) if kept else []
-        fwd_clear, back_clear = self._cleared(attr, pair)
+        kept = kept_parameter(self.entry, self.tools.flow(self.entry).aliases(entry_ctx), attr)
+        pair = self.tools.partners(self.fc, attr, kept) if kept else []
+        judges = [j for j in map(self.tools.holders, pair) if j is not None]
         at = whole[0] if whole else own[0]
+        if all(s.part is None for s in own) and not any(any(j.parts(attr)) for j in judges):
+            return self._class_fields(attr, at, kept, set(), set())  # no part anywhere
+        fwd_clear, back_clear = self._cleared(attr, pair)
         candidates = [(s, self, s.half) for s in own]
-        for judge in (Holders.of(fc, self.tools) for fc in pair):
+        for judge in judges:
             if judge is not None:
                 by = judge.fc.node.name
                 candidates += [(s, judge, f"{by}'s {s.half}") for s in judge.parts(attr)]
@@ -212,7 +260,7 @@ class Holders:
         for fn, half in ((self.entry, FORWARD), (self.back, BACKWARD)):
             param = ctx_param(fn)
             if param is not None:
-                for s in stores(fn, param, half, t.project, t.source):
+                for s in t.stores(fn, param, half):
                     if s.attr == attr and s.part is not None:
                         yield s
 
@@ -223,6 +271,8 @@ class Holders:
             return None
         if isinstance(s.value, ast.Name) and handle_named(s.value.id):
             return None  # a communication handle, an event, a stream: not a tensor
+        if _plain_value(s.value):
+            return None  # what the evidence would say, without building it
         evidence = self._evidence_of(s.fn, s.ctx)
         if evidence.holds(s.value, excluded=s.not_tensors):
             if (
@@ -251,7 +301,7 @@ class Holders:
 
     def _build(self, fn: FunctionNode, ctx: set[str]) -> TensorEvidence:
         t = self.tools
-        flow = Flow(fn)
+        flow = t.flow(fn)
         if fn is not self.entry:
             grads: list[str] = []
             if fn is self.back:
@@ -264,8 +314,10 @@ class Holders:
             )  # fmt: skip
         reasons = gradient_inputs(self.entry, self.back, self.setup)
         scalars: set[str] = set()
+        kept = {param for _, param in _kept(self.fc, t)}  # the callers matter only for these
         for i, p in enumerate(parameters(fn)[0 if self.setup else 1 :]):
-            if not (plain_annotation(p.annotation) or tensor_annotation(p.annotation)):
+            annotated = plain_annotation(p.annotation) or tensor_annotation(p.annotation)
+            if p.arg not in kept or not annotated:
                 continue
             said = t.callers.verdict(self.fc.node.name, i)
             if said == SCALAR:
@@ -310,18 +362,33 @@ class Holders:
     def _backward_uses(self) -> Uses:
         if self._uses is None:
             param = ctx_param(self.back)
-            made = _made(self.entry, ctx_param(self.entry) or "")
+            made = _made(self.entry, ctx_param(self.entry) or "", self.tools.flow(self.entry))
             uses = BackwardUses(self.tools.source, self.tools.project, self.tools.names, made)
             self._uses = uses.of(self.back, param) if param else {}
         return self._uses
 
 
-def _made(fn: FunctionNode, param: str) -> dict[str, tuple[str, ...]]:
+def _kept(fc: FunctionClass, tools: Tools) -> Iterator[tuple[str, str]]:
+    """(attribute, parameter) for each forward parameter ``fc`` keeps whole on ctx."""
+    entry = fc.method("setup_context") or fc.method("forward")
+    name = ctx_param(entry) if entry is not None else None
+    if entry is None or name is None:
+        return
+    ctx = tools.flow(entry).aliases(name)
+    params = {p.arg for p in parameters(entry)}
+    for n in own_nodes(entry):
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name) and n.value.id in params:
+            for t in n.targets:
+                attr = attr_of(t, ctx)
+                if attr is not None:
+                    yield attr, n.value.id
+
+
+def _made(fn: FunctionNode, param: str, flow: Flow) -> dict[str, tuple[str, ...]]:
     """Attribute -> the compiled op whose result forward keeps in it (``out, n = fw(x);
     ctx.n = n``). A result whose siblings forward hands to ``ctx.save_for_backward`` while
     keeping it apart is not one: save_for_backward takes tensors, and the author sorted
     them (Liger's ``chosen_tile_m``, an int beside six saved tensors)."""
-    flow = Flow(fn)
     ctx = flow.aliases(param)
     saved: set[str] = set()
     for n in own_nodes(fn):
@@ -349,6 +416,23 @@ def _made(fn: FunctionNode, param: str) -> dict[str, tuple[str, ...]]:
             if key:
                 out[attr] = key
     return out
+
+
+def _plain_value(value: ast.AST) -> bool:
+    """A value no evidence makes a tensor: a literal, ``int(...)`` / ``len(...)``, a
+    tensor's metadata (``x.shape``, ``x.size(0)``, ``x.shape[1]``)."""
+    if isinstance(value, ast.Constant):
+        return True
+    if isinstance(value, ast.Subscript):
+        return _plain_value(value.value)
+    if isinstance(value, ast.Attribute):
+        return value.attr in META_ATTRS
+    if isinstance(value, ast.Call):
+        func = value.func
+        if isinstance(func, ast.Name):
+            return func.id in META_BUILTINS
+        return isinstance(func, ast.Attribute) and func.attr in META_METHODS
+    return False
 
 
 def _passed_through(value: ast.AST, evidence: TensorEvidence) -> bool:

@@ -80,10 +80,12 @@ def stores(
     depth: int = 0,
     *,
     follow: bool = True,
+    flow: Flow | None = None,
 ) -> Iterator[Store]:
     """Every value ``fn`` (whose ctx is ``param``) and, with ``follow``, the helpers it
-    hands ctx to put on ctx, in source order within each function."""
-    flow = Flow(fn)
+    hands ctx to put on ctx, in source order within each function (``flow``: ``fn``'s,
+    when made already)."""
+    flow = flow or Flow(fn)
     ctx = flow.aliases(param)
     held = _held(flow, ctx)
     for step in flow.steps:

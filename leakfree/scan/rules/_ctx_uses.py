@@ -36,7 +36,6 @@ from leakfree.scan._syntax import (
     own_nodes,
     parameters,
     resolve,
-    tail,
     tensor_annotation,
     words,
 )
@@ -272,9 +271,9 @@ class BackwardUses:
     def _annotated_tensor(self, call: ast.Call, where: int | str) -> bool:
         """Is the parameter ``where`` of every function (or class) the call may reach in
         the scanned tree annotated as a tensor?"""
-        name = tail(call.func)
-        if not name:
-            return False
+        if not isinstance(call.func, ast.Name):
+            return False  # a method of an object the scan cannot name: not followed
+        name = call.func.id
         targets: list[tuple[FunctionNode, int]] = []
         local = self.project.defs(self.source).get(name, [])
         for fn in local or [f for _, f in self.project.helpers(name)]:
@@ -291,8 +290,6 @@ class BackwardUses:
             return False
         for fn, shift in targets:
             params = parameters(fn)
-            if isinstance(call.func, ast.Attribute) and params and params[0].arg in ("self", "cls"):
-                shift = max(shift, 1)
             if isinstance(where, int):
                 positional_count = len(fn.args.posonlyargs) + len(fn.args.args)
                 if where + shift >= positional_count:

@@ -219,7 +219,7 @@ class Scope(Kinds):
                 f"ctx its custom Functions hold, for as long as {held} lives"
             )
             fix = f"store {value}.detach() (.item() when you log) or use leakfree.LossLog"
-        self.findings.append(self.source.finding(node, CODE, held, f"{why}; {fix}"))
+        self.findings.append(self.source.finding(node, CODE, held, f"{why}; {fix}", evidence=why))
 
     def follow_helper(self, call: ast.Call) -> None:
         name = tail(call.func)

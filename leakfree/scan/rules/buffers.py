@@ -214,5 +214,9 @@ RULES: tuple[ScanRule, ...] = (
         confirm=CONFIRM,
         check=check,
         needs=("requires_grad",),
+        fix=(
+            "receive as a non-leaf with leakfree.pipeline.as_nonleaf(buf, slot) and take "
+            "the gradient with slot.take()"
+        ),
     ),
 )

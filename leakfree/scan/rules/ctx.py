@@ -118,10 +118,12 @@ def _lf001(source: Source, fc: FunctionClass, v: Verdict, names: dict[str, str])
             f"ctx.{s.attr} is never released by backward, but it holds {anyway}: "
             "the graph keeps it a little longer, no activations",
             NOTE,
+            f"ctx.{s.attr} holds {anyway}",
         )
     if v.part is not None:
         what = f"ctx.{s.attr} keeps an object whose {v.part} holds tensors"
         where = "" if v.by == FORWARD else f" (stored by {v.by})"
+        evidence = f"{what}{where}, because {v.because}; nothing clears it"
         return source.finding(
             s.node,
             "LF001",
@@ -129,6 +131,7 @@ def _lf001(source: Source, fc: FunctionClass, v: Verdict, names: dict[str, str])
             f"{what}{where} (because {v.because}) and nothing clears it, so they stay alive "
             "as long as the graph does; set it to None (or pop it) in backward after its "
             "last use, or subclass leakfree.Function",
+            evidence=evidence,
         )
     if v.by == BACKWARD:
         return source.finding(
@@ -138,6 +141,7 @@ def _lf001(source: Source, fc: FunctionClass, v: Verdict, names: dict[str, str])
             f"backward stores tensors on ctx.{s.attr} (because {v.because}) and nothing "
             "releases them, so they stay alive as long as the graph does; set it to None "
             "once used (or keep them elsewhere), or subclass leakfree.Function",
+            evidence=f"backward stores tensors on ctx.{s.attr}, because {v.because}",
         )
     return source.finding(
         s.node,
@@ -147,6 +151,7 @@ def _lf001(source: Source, fc: FunctionClass, v: Verdict, names: dict[str, str])
         "releases it, so they stay alive as long as the graph does; set it to "
         "None in backward after its last use (or save tensors with "
         "ctx.save_for_backward), or subclass leakfree.Function",
+        evidence=f"ctx.{s.attr} holds tensors because {v.because}; backward never releases it",
     )
 
 
@@ -220,12 +225,18 @@ def _cached(source: Source, project: Project) -> tuple[list[ScanFinding], list[S
     return project.memo("ctx rules", source, source.tree, lambda: _findings(source, project))
 
 
+def _may_define(text: str) -> bool:
+    """Can this file define a Function with a forward (or setup_context) to judge? Both
+    rules read the forward's stores, and a Function's forward is a static method."""
+    return ("def forward" in text or "def setup_context" in text) and "staticmethod" in text
+
+
 def _check_lf001(source: Source, project: Project) -> Iterable[ScanFinding]:
-    return list(_cached(source, project)[0])
+    return list(_cached(source, project)[0]) if _may_define(source.text) else []
 
 
 def _check_lf002(source: Source, project: Project) -> Iterable[ScanFinding]:
-    return list(_cached(source, project)[1])
+    return list(_cached(source, project)[1]) if _may_define(source.text) else []
 
 
 #: a file that can define a Function names one or defines its backward (the runner's text
@@ -241,6 +252,8 @@ RULES: tuple[ScanRule, ...] = (
         _CONFIRM_LF001,
         _check_lf001,
         _NEEDS,
+        "set the attribute to None in backward after its last use (or save tensors with "
+        "ctx.save_for_backward), or subclass leakfree.Function",
     ),
     ScanRule(
         "LF002",
@@ -250,5 +263,6 @@ RULES: tuple[ScanRule, ...] = (
         _CONFIRM_LF002,
         _check_lf002,
         _NEEDS,
+        "save the output with ctx.save_for_backward(...) and read ctx.saved_tensors in backward",
     ),
 )

@@ -368,7 +368,12 @@ def _check_hook(
             else "for the manager's life"
         )
         yield hook.source.finding(
-            node, CODE, symbol, MESSAGE.format(table=symbol, how_long=how_long)
+            node,
+            CODE,
+            symbol,
+            MESSAGE.format(table=symbol, how_long=how_long),
+            evidence=f"the pack hook parks the saved tensor in {symbol} and returns a key; a "
+            f"graph freed without backward leaves it there {how_long}",
         )
     if depth >= 2:
         return
@@ -448,5 +453,6 @@ RULES: tuple[ScanRule, ...] = (
         confirm=CONFIRM,
         check=check,
         needs=("saved_tensors_hooks", "saved_tensors_default_hooks", "pack_hook", "register_hooks"),
+        fix="return an object that owns the payload (leakfree.OffloadActivations does)",
     ),
 )

@@ -368,10 +368,13 @@ _SINK_TEXT = (".append", ".extend", ".insert", ".add", ".update", "+", "]=", "] 
 
 
 _NEWLINE = re.compile("\n")
-#: the words of a function's text (identifiers split at underscores)
-_WORDS = re.compile(r"[a-z0-9]+")
 #: a forward result (not a loss) is reported only into a container named like a log
 _FORWARD_LOG_WORDS = LOG_WORDS - {"loss", "losses"}
+#: one of them as a word of a function's text (identifiers split at underscores): one
+#: search, stopping at the first, instead of listing every word
+_FORWARD_LOG = re.compile(
+    r"(?<![a-z0-9])(?:" + "|".join(sorted(_FORWARD_LOG_WORDS, reverse=True)) + r")(?![a-z0-9])"
+)
 
 
 def _may_flag(text: str) -> bool:
@@ -383,7 +386,7 @@ def _may_flag(text: str) -> bool:
     return (
         any(t in text for t in _FORWARD_TEXT)
         and any(t in text for t in _SINK_TEXT)
-        and not _FORWARD_LOG_WORDS.isdisjoint(_WORDS.findall(text))
+        and _FORWARD_LOG.search(text) is not None
     )
 
 
@@ -404,20 +407,23 @@ def check(source: Source, project: Project) -> Iterator[ScanFinding]:
     if any(t in text for t in _LOSS_TEXT):
         yield from _FunctionScan(source, project, facts, _module_function(source.tree), None).run()
     # inside an autograd Function, ctx is LF001's business (a file without a static
-    # method defines none: the look-up is skipped)
-    autograd = (
-        {id(fc.node) for fc in autograd_classes(project, source)}
-        if "staticmethod" in source.text
-        else set()
-    )
+    # method defines none; the look-up waits for the first method worth reading)
+    autograd: set[int] | None = None if "staticmethod" in source.text else set()
     # where each line starts (ast counts lines by "\n"): a function's text is one slice
     starts = [0, *(m.end() for m in _NEWLINE.finditer(source.text)), len(source.text)]
+    # the lower-cased text is sliced where lower-casing kept every offset (ASCII does)
+    same = len(text) == len(source.text)
     for func, cls in functions(source.tree):
         if cls is not None and DATA_CLASSES.search(cls.name):
             continue  # a data set builds its features once, never with grad
         end = min(func.end_lineno or func.lineno, len(starts) - 1)
-        body = source.text[starts[func.lineno - 1] : starts[end]].lower()
-        if (cls is None or id(cls) not in autograd) and _may_flag(body):
+        begin, stop = starts[func.lineno - 1], starts[end]
+        body = text[begin:stop] if same else source.text[begin:stop].lower()
+        if not _may_flag(body):
+            continue
+        if cls is not None and autograd is None:
+            autograd = {id(fc.node) for fc in autograd_classes(project, source)}
+        if cls is None or id(cls) not in autograd:  # type: ignore[operator]
             yield from _FunctionScan(source, project, facts, func, cls).run()
 
 
@@ -437,5 +443,6 @@ RULES: tuple[ScanRule, ...] = (
         check=check,
         # a loss-like name, a loss function, or a container word of LOG_WORDS must appear
         needs=_NEEDS,
+        fix="store .detach() (or .item() where you log), or log into leakfree.LossLog",
     ),
 )
