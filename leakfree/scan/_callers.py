@@ -17,7 +17,14 @@ from collections.abc import Iterator
 
 from leakfree.scan._callables import imported_names
 from leakfree.scan._model import FunctionNode, Project, Source
-from leakfree.scan._syntax import Scopes, plain_annotation, positional, tail
+from leakfree.scan._syntax import (
+    functions,
+    own_nodes,
+    plain_annotation,
+    positional,
+    statements,
+    tail,
+)
 from leakfree.scan._tensors import TensorEvidence
 
 SCALAR, TENSOR = "scalar", "tensor"
@@ -59,32 +66,39 @@ class _FileCalls:
 
     def __init__(self, source: Source, project: Project) -> None:
         self.names = imported_names(project, source)
-        scopes = Scopes(source.tree)
-        aliases: dict[str, str] = {}  # fn = Cls.apply
-        found: list[tuple[ast.Call, str | None]] = []
-        for n in ast.walk(source.tree):
-            if isinstance(n, ast.Assign) and (applied := _apply_of(n.value)) is not None:
-                aliases.update({t.id: applied for t in n.targets if isinstance(t, ast.Name)})
-            elif isinstance(n, ast.Call):
-                found.append((n, _apply_of(n.func)))
-        self.calls: dict[str, list[tuple[ast.Call, tuple[ast.AST, ...]]]] = {}
-        for call, cls in found:
-            if cls is None and isinstance(call.func, ast.Name):
-                cls = aliases.get(call.func.id)
-            if cls is not None:
-                self.calls.setdefault(cls, []).append((call, scopes.chain(call)))
+        tree = source.tree
+        aliases = {  # fn = Cls.apply
+            t.id: applied
+            for n in statements(tree)
+            if isinstance(n, ast.Assign) and (applied := _apply_of(n.value)) is not None
+            for t in n.targets
+            if isinstance(t, ast.Name)
+        }
+        #: class name -> (the call, the function making it, the class that is a method of)
+        self.calls: dict[str, list[tuple[ast.Call, FunctionNode, ast.ClassDef | None]]] = {}
+        for fn, cls in functions(tree):
+            for n in own_nodes(fn):
+                if not isinstance(n, ast.Call):
+                    continue
+                name = _apply_of(n.func)
+                if name is None and isinstance(n.func, ast.Name):
+                    name = aliases.get(n.func.id)
+                if name is not None:
+                    self.calls.setdefault(name, []).append((n, fn, cls))
         self._judges: dict[int, _Judge] = {}
 
     def of(self, cls: str) -> Iterator[dict[int, str | None]]:
-        for call, chain in self.calls.get(cls, ()):
-            fns = [s for s in chain if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))]
-            if not fns or any(isinstance(a, ast.Starred) for a in call.args):
+        """What each call of ``cls.apply`` in this file hands it (a call at module level,
+        or with ``*args``, cannot be read: an empty verdict). A nested function's calls are
+        judged by the nested function, whose class is not known: its ``self.x`` are not
+        read."""
+        for call, fn, owner in self.calls.get(cls, ()):
+            if any(isinstance(a, ast.Starred) for a in call.args):
                 yield {}
                 continue
-            fn = fns[-1]
             judge = self._judges.get(id(fn))
             if judge is None:
-                judge = self._judges[id(fn)] = _Judge(fn, chain, self.names)
+                judge = self._judges[id(fn)] = _Judge(fn, owner, self.names)
             yield {i: judge.kind(a) for i, a in enumerate(call.args)}
 
 
@@ -98,17 +112,22 @@ def _apply_of(e: ast.AST) -> str | None:
 class _Judge:
     """What a caller hands a Function, on the caller's own evidence."""
 
-    def __init__(self, fn: FunctionNode, chain: tuple[ast.AST, ...], names: dict[str, str]):
+    def __init__(self, fn: FunctionNode, cls: ast.ClassDef | None, names: dict[str, str]):
         self.fn = fn
         self.names = names
-        self.evidence = TensorEvidence(fn, names, set(), inputs=False, returned=False)
-        classes = [s for s in chain if isinstance(s, ast.ClassDef)]
-        self.cls = classes[-1] if classes else None
+        self.cls = cls
+        self._evidence: TensorEvidence | None = None
 
     def kind(self, arg: ast.expr) -> str | None:
         if self._scalar(arg, self.fn, depth=0):
             return SCALAR
-        if self.evidence.holds(arg, weak=False):
+        if isinstance(arg, ast.Constant):
+            return None
+        if self._evidence is None:  # read only for an argument a number it is not
+            self._evidence = TensorEvidence(
+                self.fn, self.names, set(), inputs=False, returned=False
+            )
+        if self._evidence.holds(arg, weak=False):
             return TENSOR
         return None
 

@@ -26,7 +26,7 @@ import ast
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from leakfree.scan._callables import ReturnReader
+from leakfree.scan._callables import ReturnReader, imported_names
 from leakfree.scan._callers import SCALAR, TENSOR, Callers
 from leakfree.scan._fields import Fields
 from leakfree.scan._flow import Flow
@@ -36,11 +36,13 @@ from leakfree.scan._syntax import (
     FunctionNode,
     annotated_class,
     attr_of,
+    bindings,
     class_named,
     elements,
     own_nodes,
     parameters,
     plain_annotation,
+    resolve,
     tail,
     tensor_annotation,
 )
@@ -99,6 +101,24 @@ class Tools:
     _keepers: dict[tuple[str, str], list[FunctionClass]] | None = None
     #: id(function) -> (the function, its flow): the function is kept so its id stays its
     _flows: dict[int, tuple[FunctionNode, Flow]] = field(default_factory=dict)
+    _bound: dict[str, list[str]] | None = None
+
+    def script_class(self, full: str) -> bool:
+        """Does the dotted name ``full`` (an annotation, resolved through the file's
+        imports) name a TorchScript class: ``torch.classes.*``, or a module-level name
+        bound to one here or in the module of the scanned tree it is imported from?"""
+        if full.startswith("torch.classes."):
+            return True
+        if self._bound is None:
+            self._bound = bindings(self.source.tree, self.names)
+        if any(b.startswith("torch.classes.") for b in self._bound.get(full, ())):
+            return True
+        module, _, name = full.rpartition(".")
+        other = self.project.module(module) if module else None
+        if other is None:
+            return False
+        there = bindings(other.tree, imported_names(self.project, other)).get(name, ())
+        return any(b.startswith("torch.classes.") for b in there)
 
     def flow(self, fn: FunctionNode) -> Flow:
         """The :class:`~leakfree.scan._flow.Flow` of ``fn``, made once."""
@@ -271,7 +291,7 @@ class Holders:
             return None
         if isinstance(s.value, ast.Name) and handle_named(s.value.id):
             return None  # a communication handle, an event, a stream: not a tensor
-        if _plain_value(s.value):
+        if _plain_value(s.value) or self._script_object(s):
             return None  # what the evidence would say, without building it
         evidence = self._evidence_of(s.fn, s.ctx)
         if evidence.holds(s.value, excluded=s.not_tensors):
@@ -292,6 +312,19 @@ class Holders:
             if why is not None:
                 return why
         return None
+
+    def _script_object(self, s: Store) -> bool:
+        """Is the kept value a forward parameter annotated as a TorchScript class
+        (``projection: PinholeProjection`` with ``PinholeProjection =
+        torch.classes.gsplat_sensors.OpenCVPinholeProjection``)? Opaque: no tensor, no
+        gradient, nothing backward can use as one."""
+        if not (isinstance(s.value, ast.Name) and s.fn is self.entry):
+            return False
+        ann = next((p.annotation for p in parameters(self.entry) if p.arg == s.value.id), None)
+        if ann is None:
+            return False
+        full = resolve(ann, self.tools.names) or ""
+        return self.tools.script_class(full)
 
     def _evidence_of(self, fn: FunctionNode, ctx: frozenset[str]) -> TensorEvidence:
         found = self._evidence.get(id(fn))

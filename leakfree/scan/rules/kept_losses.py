@@ -377,14 +377,16 @@ _FORWARD_LOG = re.compile(
 )
 
 
-def _may_flag(text: str) -> bool:
-    """Can this function's text (lower-cased) hold a finding?"""
-    if any(t in text for t in _LOSS_TEXT):
+def _may_flag(text: str, losses: bool = True, forwards: bool = True) -> bool:
+    """Can this function's text (lower-cased) hold a finding? ``losses`` / ``forwards``
+    off: the file's text already rules that branch out."""
+    if losses and any(t in text for t in _LOSS_TEXT):
         return True  # a loss: stored here, or handed to a storing helper
     # else only a forward result into a log-named container can be reported: that name
     # is in the text (three in four functions of a model zoo stop here)
     return (
-        any(t in text for t in _FORWARD_TEXT)
+        forwards
+        and any(t in text for t in _FORWARD_TEXT)
         and any(t in text for t in _SINK_TEXT)
         and _FORWARD_LOG.search(text) is not None
     )
@@ -401,10 +403,13 @@ def _module_function(tree: ast.Module) -> ast.FunctionDef:
 def check(source: Source, project: Project) -> Iterator[ScanFinding]:
     """LF003 over one file: each function, and the module's own statements."""
     text = source.text.lower()
-    if not any(t in text for t in (*_LOSS_TEXT, *_FORWARD_TEXT)):
+    losses = any(t in text for t in _LOSS_TEXT)
+    # a forward result can be reported only where a log-named container is written
+    forwards = _may_flag(text, losses=False)
+    if not (losses or forwards):
         return
     facts = module_facts_cached(project, source)
-    if any(t in text for t in _LOSS_TEXT):
+    if losses:
         yield from _FunctionScan(source, project, facts, _module_function(source.tree), None).run()
     # inside an autograd Function, ctx is LF001's business (a file without a static
     # method defines none; the look-up waits for the first method worth reading)
@@ -419,7 +424,7 @@ def check(source: Source, project: Project) -> Iterator[ScanFinding]:
         end = min(func.end_lineno or func.lineno, len(starts) - 1)
         begin, stop = starts[func.lineno - 1], starts[end]
         body = text[begin:stop] if same else source.text[begin:stop].lower()
-        if not _may_flag(body):
+        if not _may_flag(body, losses, forwards):
             continue
         if cls is not None and autograd is None:
             autograd = {id(fc.node) for fc in autograd_classes(project, source)}
