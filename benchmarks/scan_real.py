@@ -672,11 +672,6 @@ LABELS: dict[tuple[str, str, str], tuple[str, str]] = {
     ): (TRUE, "position ids as int32, one per token (tiny)"),
     # --- found by the rules of the round that labelled eight more stacks store by store
     # (the evidence from use, objects that carry tensors, notes for a few numbers) ---------
-    ("LF001", "torch/nn/utils/_expanded_weights/layer_norm_expanded_weights.py",
-     "LayerNormPerSampleGrad.mean"): (
-        TRUE, "per-row mean of the layer norm (one per token), kept on ctx, never released"),
-    ("LF001", "torch/nn/utils/_expanded_weights/layer_norm_expanded_weights.py",
-     "LayerNormPerSampleGrad.rstd"): (TRUE, "per-row reciprocal std, as mean"),
     ("LF001", "bitsandbytes/autograd/_functions.py", "MatMul8bitLt.state"): (
         BENIGN, "the layer's MatmulLtState (int8 weight, its scales): lives with the module"),
     ("LF001", "bitsandbytes/autograd/_functions.py", "MatMul8bitLt.tensor_states"): (
@@ -1079,12 +1074,10 @@ def main(argv: list[str] | None = None) -> int:
     for line in map(_speed_line, timing.values()):
         print("\n" + line)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    together = Measured()
-    for name, m in measured.items():
-        together.add(name, m)
+    sums = {name: asdict(m) for name, m in _subtotals(measured).items()}
     report = {"rules": codes, "python": sys.version.split()[0], "results": out,
               "totals": totals, "held_out": {n: asdict(m) for n, m in measured.items()},
-              "held_out_together": asdict(together), "speed": timing}  # fmt: skip
+              "held_out_sums": sums, "speed": timing}  # fmt: skip
     Path(args.json).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
     if args.write_docs:
@@ -1113,11 +1106,9 @@ def _print_held(measured: dict[str, Measured]) -> str:
     the table (markdown)."""
     if not measured:
         return ""
-    together = Measured()
-    for name, m in measured.items():
-        together.add(name, m)
     lines = [m.row(name) for name, m in measured.items()]
-    lines.append(together.row("**together**"))
+    for name, m in _subtotals(measured).items():
+        lines.append(m.row(f"**{name}**"))
     table = format_table(HELD_HEAD, lines, markdown=True)
     print("\nlabelled ctx stores (benchmarks/labels/):\n" + table)
     for name, m in measured.items():
@@ -1127,6 +1118,16 @@ def _print_held(measured: dict[str, Measured]) -> str:
             for item in getattr(m, key):
                 print(f"{what}: {name}: {item}")
     return table
+
+
+def _subtotals(measured: dict[str, Measured]) -> dict[str, Measured]:
+    """The stacks labelled in earlier rounds, those labelled in this one, and all."""
+    parts = {"labelled earlier": Measured(), "labelled in this round": Measured()}
+    together = Measured()
+    for name, m in measured.items():
+        parts["labelled in this round" if name in NEW_STACKS else "labelled earlier"].add(name, m)
+        together.add(name, m)
+    return {**{k: v for k, v in parts.items() if v.holders}, "together": together}
 
 
 def _speeds(corpora: Path, rounds: int) -> dict[str, dict[str, object]]:

@@ -9,6 +9,7 @@ of that round has one here, seen failing on the rules before it.
 
 from __future__ import annotations
 
+import ast
 import textwrap
 
 from leakfree.scan._model import ScanFinding, Source
@@ -318,6 +319,41 @@ def test_a_stored_tuple_unpacked_in_backward_and_gradients_returned_for_inputs()
     no_grad = DGL_MM.replace("return A_grad, None, None, None", "return None, None, None, None")
     found = {f.symbol: f for f in check(code("sparse.py", no_grad)) if f.level == "warning"}
     assert "B.transpose" in found["GATHERMM.backward_cache"].message
+
+
+# torch 2.13 nn/utils/_expanded_weights/layer_norm_expanded_weights.py: a tuple of inputs
+# split off by a helper the scan cannot read, kept whole on ctx; backward unpacks it and
+# uses its first element as a tensor (found by the rules before this round, lost by a
+# change of it, found again)
+EXPANDED_ARGS = """
+import torch
+
+from .utils import standard_kwargs  # not in the scanned tree: its return is not read
+
+
+class LayerNormPerSampleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kwarg_names, _, *expanded_args_and_kwargs):
+        expanded_args, expanded_kwargs = standard_kwargs(kwarg_names, expanded_args_and_kwargs)
+        ctx.args = expanded_args
+        ctx.eps = expanded_kwargs["eps"]
+        return expanded_args[0] * 2
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, normalized_shape = ctx.args
+        if input.requires_grad:
+            return None, None, grad_output * 2
+        return None, None, None
+"""
+
+
+def test_a_tuple_kept_whole_whose_element_backward_uses_as_a_tensor() -> None:
+    # inside torch, the helper's name resolves to a torch function: no evidence either way
+    text = textwrap.dedent(EXPANDED_ARGS)
+    module = "torch.nn.utils._expanded_weights.layer_norm_expanded_weights"
+    found = warned(Source("layer_norm_expanded_weights.py", text, ast.parse(text), module))
+    assert found == ["LayerNormPerSampleGrad.args"]
 
 
 def test_matmul_and_arithmetic_whose_result_is_a_tensor_show_their_operands() -> None:

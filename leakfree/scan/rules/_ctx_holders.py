@@ -308,7 +308,11 @@ class Holders:
         for index, leaf in kept_elements(s.value):
             if not _passed_through(leaf, evidence):
                 continue
-            why = uses.get((s.attr, index)) or (uses.get((s.attr, None)) if index is None else None)
+            why = uses.get((s.attr, index))
+            if why is None and index is None:
+                # a name kept whole (``ctx.args = expanded_args``): an element backward
+                # unpacks and uses as a tensor is one it holds
+                why = next((w for (a, _), w in uses.items() if a == s.attr), None)
             if why is not None:
                 return why
         return None

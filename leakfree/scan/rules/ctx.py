@@ -35,30 +35,39 @@ What counts, decided from the code only (see :mod:`leakfree.scan._syntax` and
   time: LF001 is quiet for them, LF002 is not (the cycle forms before any backward).
 - **The ctx**: the first parameter of ``setup_context`` when the class defines one, else
   of ``forward``, whatever its spelling (``ctx``, ``func_ctx``, ``context``), and plain
-  names assigned from it (``c = ctx``). Stores counted: ``ctx.a = v`` (also in tuple
-  targets, annotated and augmented), ``setattr(ctx, "a", v)``, ``ctx.a[k] = v`` and
-  ``ctx.a.append(v)`` / ``extend`` / ``add`` / ``insert``.
-- **A tensor, a scalar or unknown** (LF001), on evidence a reader can see
+  names assigned from it (``c = ctx``); ``backward``'s first parameter. Stores counted
+  wherever they are made (forward, setup_context, backward, helpers handed ctx) and
+  whatever part they fill (the attribute, a key, an item, a field of the object kept):
+  :mod:`~leakfree.scan.rules._ctx_stores`.
+- **A tensor, a scalar, opaque or unknown** (LF001), on evidence a reader can see
   (:class:`~leakfree.scan._tensors.TensorEvidence`); only a tensor is reported. A tensor:
   made by a ``torch`` function or a tensor method, arithmetic or comparison of tensors, a
   name used as one or passed to ``save_for_backward``, a forward input (its first, its
-  ``*args``, one named ``...mask``/``...states``/``...logits``/``...probs``), a
-  tensor-named field of a call's result, a call handed one whose callee (read where it is
-  defined, element by element for ``a, b = helper(x)``) does not show otherwise, and a
-  parameter passed straight to ctx that backward uses as a tensor. A scalar: literals,
-  metadata (``.shape``, ``len()``), plain annotations, number defaults, the
-  ``isinstance(x, int)`` branch, names that say metadata (``grad_shape``). Unknown:
-  everything else (parameters only passed through, ``self.`` attributes, constructors
-  without tensor arguments).
-- **Released on the backward path** (LF001): ``backward`` or ``vjp`` (the class's or a
+  ``*args``, one named ``...mask``/``...states``/``...logits``/``...probs``, one backward
+  returns a gradient for), a tensor-named field of a call's result, a field of a class
+  of the tree that holds tensors (:mod:`~leakfree.scan._fields`), a call handed one whose
+  callee (read where it is defined, element by element for ``a, b = helper(x)``) does
+  not show otherwise, and a value backward uses as one
+  (:mod:`~leakfree.scan.rules._ctx_uses`). A scalar: literals, metadata (``.shape``,
+  ``len()``), plain annotations (unless every caller of the tree hands the other kind:
+  :mod:`~leakfree.scan._callers`), number defaults, the ``isinstance(x, int)`` branch,
+  names that say metadata (``grad_shape``). Opaque: what is handed to ``torch.ops`` /
+  ``torch.classes``, a parameter annotated as a TorchScript class, names that say a
+  handle, a request, an event or a stream. Unknown: everything else (parameters only
+  passed through, ``self.`` attributes, constructors without tensor arguments).
+- **Released, where it happens** (LF001): ``backward`` or ``vjp`` (the class's or a
   same-file base's) sets the attribute to ``None`` or another constant or empty container,
-  deletes it (``del ctx.a``, ``delattr``), clears it (``ctx.a.clear()``), clears the whole
-  ctx (``ctx.__dict__.clear()``, ``setattr``/``delattr`` with a computed name), or passes
+  deletes it (``del ctx.a``, ``delattr``), clears or pops it, clears the whole ctx
+  (``ctx.__dict__.clear()``, ``setattr``/``delattr`` with a computed name), or passes
   ctx to a function of the scanned tree that does one of these to its parameter, or
   passes ``ctx.a`` to a plain-named one that clears it (followed by name through
   :meth:`Project.helpers`, four calls deep; any same-named function that releases
-  counts; ``torch.matmul(g, ctx.w)`` and methods are not followed for ``ctx.a``). A
-  release on any branch counts: the rule does not judge control flow.
+  counts). A part of the attribute (a field, a key, the items) is released by a clear of
+  that part in the Functions that share the object
+  (:mod:`~leakfree.scan.rules._ctx_holders`). A release on any branch counts: the rule
+  does not judge control flow.
+- **Notes**: what lives anyway or costs a few numbers whatever the data
+  (:mod:`~leakfree.scan.rules._ctx_notes`).
 - **An output** (LF002): a name ``forward`` returns (not a parameter passed back through,
   which autograd wraps in a new view, unless it was ``mark_dirty``-ed; not a name passed to
   ``mark_non_differentiable``, nor one named as an index, id map or mask, ``row_id_map``:

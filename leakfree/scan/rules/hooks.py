@@ -51,8 +51,9 @@ What counts, decided from the code only:
   hook returning the tensor itself or a handle object is silent, whatever else it records.
 
 When the hook's return value is a call (``return self._pack(t)``, ``return
-manager.offload(t)``) that receives the tensor, the called function is checked the same
-way (two levels deep), by name in the scanned tree.
+manager.offload(t)``) that receives the tensor, or a name bound to one (verl's ``tag =
+self.offload_handler.tensor_push(t); return tag``), the called function is checked the
+same way (two levels deep), by name in the scanned tree.
 
 **What it can and cannot tell.** Clearing the table in ``unpack`` or ``__enter__`` does
 not silence the rule: neither runs for a graph freed without backward. It does change
