@@ -99,8 +99,24 @@ FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
 #: a comment or a string only costs a parse; anchors made the pattern ten to twenty times
 #: slower)
 _DEF = re.compile(r"def[ \t]+(\w+)[ \t]*\(|class[ \t]+(\w+)")
-#: ``Name.apply``: where a text may call an autograd Function
-_APPLY = re.compile(r"(\w+)\.apply\b")
+
+
+def _applied(text: str) -> set[str]:
+    """The names ``X`` of every ``X.apply`` in ``text``: where a text may call an autograd
+    Function. Found from each ``.apply`` backwards (a pattern starting with ``\\w+``
+    tries every letter of the text: twenty times slower)."""
+    found: set[str] = set()
+    i = text.find(".apply")
+    while i != -1:
+        end = i + 6
+        if end == len(text) or not (text[end].isalnum() or text[end] == "_"):
+            j = i
+            while j and (text[j - 1].isalnum() or text[j - 1] == "_"):
+                j -= 1
+            if j < i:
+                found.add(text[j:i])
+        i = text.find(".apply", end)
+    return found
 
 
 def parse(path: str, text: str, module: str = "") -> Source:
@@ -244,7 +260,7 @@ class Project:
             self._apply_where = {}
             for path, (text, _) in self.texts.items():
                 if ".apply" in text:
-                    for name in set(_APPLY.findall(text)):
+                    for name in _applied(text):
                         self._apply_where.setdefault(name, []).append(path)
         return self._apply_where.get(cls, [])
 

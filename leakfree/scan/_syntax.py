@@ -193,7 +193,19 @@ def walk(node: ast.AST) -> Iterator[ast.AST]:
 def own_nodes(node: ast.AST) -> Iterator[ast.AST]:
     """Every node under ``node`` (a function's body, a lambda's expression, a loop, a
     module), not entering nested functions, lambdas or classes: they run at another
-    time, with other names. A function's decorators and defaults are not its body."""
+    time, with other names. A function's decorators and defaults are not its body.
+
+    A function's list is kept on its node (``_own_nodes``) once walked: LF001 reads an
+    autograd Function's methods a dozen times, and the list goes with the tree."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        found = node.__dict__.get("_own_nodes")
+        if found is None:
+            found = node.__dict__["_own_nodes"] = list(_own_nodes(node))
+        return iter(found)
+    return _own_nodes(node)
+
+
+def _own_nodes(node: ast.AST) -> Iterator[ast.AST]:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         stack: list[ast.AST] = list(reversed(node.body))
     elif isinstance(node, ast.Lambda):
