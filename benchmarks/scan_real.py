@@ -1181,7 +1181,7 @@ def _write_docs(
             "",
             "Every ctx store of every autograd Function in the labelled stacks (and verl's",
             "pack-hook tables), labelled by reading (`benchmarks/labels/`), against the",
-            "warnings at the defaults (precision and recall as defined below):",
+            "warnings at the defaults (precision and recall as defined above):",
             "",
             held_table,
         ]

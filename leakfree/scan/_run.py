@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import leakfree._args as _args
-from leakfree.scan import _baseline
+from leakfree.scan._baseline import load as load_baseline
+from leakfree.scan._baseline import new_only
 from leakfree.scan._imports import add_imported, module_of
 from leakfree.scan._locate import Target, UsageError, python_files, resolve
 from leakfree.scan._model import WARNING, Project, ScanFinding, ScanRule, Source
@@ -262,7 +263,7 @@ def scan(
 
         rules = RULES
     chosen = choose_rules(rules, select, ignore)
-    known = _baseline.load(baseline) if baseline is not None else None
+    known = load_baseline(baseline) if baseline is not None else None
     targets = resolve(paths)
     started = time.perf_counter()
     result = ScanResult(rules=chosen)
@@ -299,6 +300,6 @@ def scan(
         project.close()
     result.unparsed = sorted([*result.unparsed, *unparsed])
     if known is not None:
-        result.findings, result.baselined = _baseline.new_only(result.findings, known)
+        result.findings, result.baselined = new_only(result.findings, known)
     result.seconds = time.perf_counter() - started
     return result
