@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from leakfree.__main__ import main
-from leakfree.scan import Finding, ScanResult, render, scan
+from leakfree.scan import ScanFinding, ScanResult, render, scan
 from leakfree.scan._locate import UsageError
-from leakfree.scan._model import Project, Rule, Source
+from leakfree.scan._model import Project, ScanRule, Source
 from leakfree.scan._run import choose_rules, suppressions
 from tests._scan import CASES
 
 
-def _flag_parked(source: Source, project: Project) -> Iterator[Finding]:
+def _flag_parked(source: Source, project: Project) -> Iterator[ScanFinding]:
     """A rule for the machinery's tests: every ``<name>.parked = ...`` assignment."""
     for node in ast.walk(source.tree):
         if isinstance(node, ast.Assign):
@@ -30,7 +30,7 @@ def _flag_parked(source: Source, project: Project) -> Iterator[Finding]:
                     yield source.finding(target, "LF900", "x.parked", "parked on x")
 
 
-def _flag_helper_calls(source: Source, project: Project) -> Iterator[Finding]:
+def _flag_helper_calls(source: Source, project: Project) -> Iterator[ScanFinding]:
     """Flags a call whose helper, defined in any scanned file, assigns ``.parked``."""
     for node in ast.walk(source.tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
@@ -40,8 +40,10 @@ def _flag_helper_calls(source: Source, project: Project) -> Iterator[Finding]:
                     yield source.finding(node, "LF901", node.func.id, f"parks ({where.path})")
 
 
-PARKED = Rule("LF900", "parked", "x.parked =", "find_retained", _flag_parked, needs=(".parked",))
-HELPED = Rule(
+PARKED = ScanRule(
+    "LF900", "parked", "x.parked =", "find_retained", _flag_parked, needs=(".parked",)
+)
+HELPED = ScanRule(
     "LF901",
     "helped",
     "calls a parking helper",
@@ -171,12 +173,13 @@ def _result(tmp_path: Path) -> ScanResult:
     return scan([str(tmp_path / "m.py")], rules=RULES)
 
 
-def test_text_report_is_one_line_per_finding_then_how_to_confirm_and_suppress(
+def test_text_report_groups_by_file_and_holder_then_counts_and_how_to_confirm(
     tmp_path: Path,
 ) -> None:
     lines = render(_result(tmp_path), "text").splitlines()
-    assert lines[0] == f"{tmp_path.as_posix()}/m.py:1:1: LF900 x.parked: parked on x"
-    assert "LF900: confirm at run time with find_retained" in lines
+    assert lines[:3] == [f"{tmp_path.as_posix()}/m.py", "  x.parked", "    1:1 LF900 parked on x"]
+    assert "LF900 parked: 1 warning" in lines
+    assert "  confirm at run time with find_retained" in lines
     assert any("# leakfree: ignore[CODE]" in line for line in lines)
     assert lines[-1].startswith("1 finding in 1 file (")
 
@@ -193,6 +196,7 @@ def test_json_and_sarif_reports_carry_every_field(tmp_path: Path) -> None:
             "level": "warning",
             "symbol": "x.parked",
             "message": "parked on x",
+            "evidence": "parked on x",
         }
     ]
     assert data["files"] == 1 and data["rules"]["LF900"]["confirm"] == "find_retained"
@@ -312,10 +316,10 @@ def test_a_syntax_error_makes_status_3_on_any_python(tmp_path: Path) -> None:
 
 
 def test_notes_do_not_fail_the_scan(tmp_path: Path) -> None:
-    def note(source: Source, project: Project) -> Iterator[Finding]:
+    def note(source: Source, project: Project) -> Iterator[ScanFinding]:
         yield source.finding(source.tree, "LF902", "w", "a weight", level="note")
 
-    noted = Rule("LF902", "noted", "a note", "find_retained", note)
+    noted = ScanRule("LF902", "noted", "a note", "find_retained", note)
     write(tmp_path, {"m.py": "w = 1\n"})
     result = scan([str(tmp_path / "m.py")], rules=[noted])
     assert [f.level for f in result.findings] == ["note"] and result.status == 0
@@ -372,7 +376,7 @@ def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
         text=True,
         timeout=60,
     )
-    assert reader.stdout.count("\n") == 1 and "LF003" in reader.stdout
+    assert reader.stdout.count("\n") == 1 and reader.stdout.strip().endswith(".py")
     assert reader.stderr == ""
 
 
@@ -397,13 +401,13 @@ def test_the_collector_is_paused_only_while_rules_run(tmp_path: Path) -> None:
 
     seen: list[bool] = []
 
-    def probe(source: Source, project: Project) -> Iterator[Finding]:
+    def probe(source: Source, project: Project) -> Iterator[ScanFinding]:
         seen.append(gc.isenabled())
         return iter(())
 
     write(tmp_path, {"m.py": "x = 1\n"})
     assert gc.isenabled()
-    scan([str(tmp_path)], rules=[Rule("LF903", "probe", "", "", probe)])
+    scan([str(tmp_path)], rules=[ScanRule("LF903", "probe", "", "", probe)])
     assert seen == [False] and gc.isenabled()
 
 
@@ -433,7 +437,7 @@ def test_the_pre_commit_hook_runs_the_scanner_on_the_changed_files(tmp_path: Pat
     dirty = subprocess.run(
         [*command, str(fuser), str(leaky)], capture_output=True, text=True, timeout=60
     )
-    assert dirty.returncode == 1 and "train.py:5:5: LF003 total_loss" in dirty.stdout
+    assert dirty.returncode == 1 and "train.py\n  total_loss\n    5:5 LF003" in dirty.stdout
 
 
 def test_a_checked_file_s_tree_is_released_unless_a_helper_lives_in_it(tmp_path: Path) -> None:

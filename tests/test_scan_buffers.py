@@ -6,14 +6,14 @@ import textwrap
 
 import pytest
 
-from leakfree.scan._model import Finding
+from leakfree.scan._model import ScanFinding
 from leakfree.scan.rules.buffers import RULES
 from tests._scan import CASES, line_of, project_of, source
 
 (RULE,) = RULES
 
 
-def scan(text: str, *others: tuple[str, str]) -> list[Finding]:
+def scan(text: str, *others: tuple[str, str]) -> list[ScanFinding]:
     src = source("case.py", text)
     return list(RULE.check(src, project_of(src, *(source(p, t) for p, t in others))))
 

@@ -11,14 +11,14 @@ import textwrap
 
 import pytest
 
-from leakfree.scan._model import Finding, Source
+from leakfree.scan._model import ScanFinding, Source
 from leakfree.scan.rules.ctx import RULES
 from tests._scan import CASES, project_of, source
 
 LF001, LF002 = RULES
 
 
-def scan(*sources: Source) -> list[Finding]:
+def scan(*sources: Source) -> list[ScanFinding]:
     """Both rules on the first source, with every source in the project (for helpers)."""
     project = project_of(*sources)
     return [f for rule in RULES for f in rule.check(sources[0], project)]
@@ -37,7 +37,7 @@ def line_of(source: Source, needle: str) -> int:
     return hit
 
 
-def brief(findings: list[Finding]) -> list[tuple[str, str]]:
+def brief(findings: list[ScanFinding]) -> list[tuple[str, str]]:
     return [(f.rule, f.symbol) for f in findings]
 
 

@@ -15,12 +15,12 @@ import pytest
 
 from leakfree.__main__ import main
 from leakfree.scan import scan
-from leakfree.scan._model import Finding, Source
+from leakfree.scan._model import ScanFinding, Source
 from leakfree.scan.rules import RULES
 from tests._scan import project_of, source
 
 
-def check(*sources: Source) -> list[Finding]:
+def check(*sources: Source) -> list[ScanFinding]:
     """Every rule on the first source, the others in the project (helpers, bases)."""
     project = project_of(*sources)
     return sorted(

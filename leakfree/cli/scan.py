@@ -29,7 +29,7 @@ def add_parser(
         metavar="PATH_OR_PACKAGE",
         help="files, folders, or installed packages by import name (located, never imported)",
     )
-    scan.add_argument("--format", choices=("text", "json", "sarif"), default="text")
+    scan.add_argument("--format", choices=("text", "json", "sarif", "github"), default="text")
     scan.add_argument("--select", default="", help="rule codes or prefixes, comma-separated")
     scan.add_argument("--ignore", default="", help="rule codes or prefixes to skip")
     scan.add_argument(
@@ -38,6 +38,12 @@ def add_parser(
     scan.add_argument("--output", "-o", default=None, help="write the report here")
     scan.add_argument(
         "--jobs", "-j", type=int, default=None, help="processes (default: one per CPU)"
+    )
+    scan.add_argument(
+        "--baseline",
+        default=None,
+        metavar="FILE",
+        help="a JSON report of an earlier scan: report only findings it does not list",
     )
     scan.add_argument("--list-rules", action="store_true", help="print the rules and exit")
     return scan
@@ -62,6 +68,7 @@ def run_scan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             ignore=args.ignore.split(","),
             exclude=args.exclude,
             jobs=args.jobs,
+            baseline=args.baseline,
         )
     except UsageError as e:
         parser.error(str(e))  # exit status 2

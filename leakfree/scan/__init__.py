@@ -13,12 +13,12 @@ docs/scan.md.
 
 from __future__ import annotations
 
-from leakfree.scan._model import Finding
+from leakfree.scan._model import ScanFinding
 from leakfree.scan._report import render
 from leakfree.scan._run import ScanResult, scan
 
 __all__ = [
-    "Finding",
+    "ScanFinding",
     "ScanResult",
     "render",
     "scan",

@@ -28,6 +28,7 @@ from leakfree.scan._syntax import (
     plain_annotation,
     positional,
     tail,
+    tensor_annotation,
 )
 from leakfree.scan._tensors import TensorEvidence
 
@@ -251,6 +252,12 @@ class ReturnReader:
                     # ``return args, dict(zip(names, values))``: a dict that may hold the
                     # inputs says nothing of what each key holds (``kwargs["eps"]``)
                     verdict = None
+            if verdict is None:
+                # the body cannot say (it returns other helpers' results): the return
+                # annotation may (Liger's ``-> tuple[torch.Tensor, torch.Tensor, ...]``);
+                # read after the body, which wins where they disagree (fla's ``->
+                # torch.Tensor`` over a four-tuple)
+                verdict = _annotated(fn.returns, element)
             self._verdicts[key] = verdict
         return self._verdicts[key]
 
@@ -287,3 +294,27 @@ def _element(value: ast.expr, i: int) -> ast.expr | None:
     ):
         return value.elts[i] if i < len(value.elts) else None
     return None
+
+
+def _annotated(ann: ast.expr | None, element: int | None) -> bool | None:
+    """What a return annotation says of the result (at ``element`` of a ``tuple[...]``):
+    False a plain type, True a tensor, None nothing."""
+    if ann is None:
+        return None
+    if (
+        element is not None
+        and isinstance(ann, ast.Subscript)
+        and tail(ann.value)
+        in (
+            "tuple",
+            "Tuple",
+        )
+    ):
+        parts = ann.slice.elts if isinstance(ann.slice, ast.Tuple) else [ann.slice]
+        if any(isinstance(p, ast.Constant) and p.value is Ellipsis for p in parts):
+            parts = parts[:1] * (element + 1)  # tuple[Tensor, ...]
+        if element < len(parts):
+            ann = parts[element]
+    if plain_annotation(ann):
+        return False
+    return True if tensor_annotation(ann) else None

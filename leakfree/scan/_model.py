@@ -14,13 +14,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from leakfree.scan._syntax import defined
+from leakfree.scan._syntax import defined, statements
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True, order=True)
-class Finding:
+class ScanFinding:
     """One place a rule flags: ``path:line:col: RULE symbol: message``.
 
     ``symbol`` names what holds the memory (``Class.attr``, ``self.history``,
@@ -36,6 +36,8 @@ class Finding:
     #: ``"warning"``: a leak; ``"note"``: memory held that lives anyway (a parameter, a
     #: weight, a small RNG state): worth knowing, not failing the scan for
     level: str = "warning"
+    #: why the rule believes it, in one line (the text report shows this, not the advice)
+    evidence: str = ""
 
     def __str__(self) -> str:
         note = " (note)" if self.level == NOTE else ""
@@ -56,11 +58,11 @@ class Source:
     text: str
     tree: ast.Module
     module: str = ""
-    lines: list[str] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        if not self.lines:
-            self.lines = self.text.splitlines()
+    @property
+    def lines(self) -> list[str]:
+        """The text's lines (split when asked: most files never are)."""
+        return self.text.splitlines()
 
     @property
     def package(self) -> str:
@@ -70,10 +72,17 @@ class Source:
         return self.module.rpartition(".")[0]
 
     def finding(
-        self, node: ast.AST, rule: str, symbol: str, message: str, level: str = "warning"
-    ) -> Finding:
-        """A finding at ``node``'s position in this file."""
-        return Finding(
+        self,
+        node: ast.AST,
+        rule: str,
+        symbol: str,
+        message: str,
+        level: str = "warning",
+        evidence: str = "",
+    ) -> ScanFinding:
+        """A finding at ``node``'s position in this file; ``evidence`` is its one line of
+        why (the message's first clause when not given)."""
+        return ScanFinding(
             self.path,
             getattr(node, "lineno", 1),
             getattr(node, "col_offset", 0) + 1,
@@ -81,13 +90,33 @@ class Source:
             symbol,
             message,
             level,
+            evidence or message.split("; ", 1)[0],
         )
 
 
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
-#: ``def name(``: where a text may define ``name`` (a match inside a word, a comment or a
-#: string only costs a parse; anchors made the pattern ten to twenty times slower)
-_DEF = re.compile(r"def[ \t]+(\w+)[ \t]*\(")
+#: ``def name(`` / ``class Name``: where a text may define ``name`` (a match inside a word,
+#: a comment or a string only costs a parse; anchors made the pattern ten to twenty times
+#: slower)
+_DEF = re.compile(r"def[ \t]+(\w+)[ \t]*\(|class[ \t]+(\w+)")
+
+
+def _applied(text: str) -> set[str]:
+    """The names ``X`` of every ``X.apply`` in ``text``: where a text may call an autograd
+    Function. Found from each ``.apply`` backwards (a pattern starting with ``\\w+``
+    tries every letter of the text: twenty times slower)."""
+    found: set[str] = set()
+    i = text.find(".apply")
+    while i != -1:
+        end = i + 6
+        if end == len(text) or not (text[end].isalnum() or text[end] == "_"):
+            j = i
+            while j and (text[j - 1].isalnum() or text[j - 1] == "_"):
+                j -= 1
+            if j < i:
+                found.add(text[j:i])
+        i = text.find(".apply", end)
+    return found
 
 
 def parse(path: str, text: str, module: str = "") -> Source:
@@ -119,6 +148,11 @@ class Project:
     errors: dict[str, str] = field(default_factory=dict)
     context: set[str] = field(default_factory=set)  #: paths read for helpers only
     _helpers: dict[str, list[tuple[Source, FunctionNode]]] = field(default_factory=dict)
+    _classes: dict[str, list[tuple[Source, ast.ClassDef]]] = field(default_factory=dict)
+    #: class name -> the paths whose text defines one (built on the first look-up)
+    _class_where: dict[str, list[str]] | None = None
+    #: class name -> the paths whose text calls its ``.apply`` (built on the first look-up)
+    _apply_where: dict[str, list[str]] | None = None
     _defs: dict[str, dict[str, list[FunctionNode]]] = field(default_factory=dict)
     #: function name -> the paths whose text defines one (built on the first look-up)
     _where: dict[str, list[str]] | None = None
@@ -126,6 +160,8 @@ class Project:
     _modules: dict[str, str] | None = None
     #: path -> (what, id(node)) -> value: dropped with the file in one step
     _memo: dict[str, dict[tuple[str, int], object]] = field(default_factory=dict)
+    #: paths a class look-up parsed: kept, as helper files are
+    _kept: set[str] = field(default_factory=set)
 
     def add(self, source: Source) -> None:
         """Add an already parsed file."""
@@ -144,8 +180,11 @@ class Project:
     def _forget_lookups(self) -> None:
         # a new file may define a helper already looked up
         self._where = None
+        self._class_where = None
+        self._apply_where = None
         self._modules = None
         self._helpers.clear()
+        self._classes.clear()
 
     def module(self, name: str) -> Source | None:
         """The parsed file of the scanned tree (or its context) whose dotted module name is
@@ -172,12 +211,14 @@ class Project:
         project (a cycle), and the collector would walk every tree left to find it."""
         for table in (self.parsed, self._memo, self._helpers, self._defs, self.texts):
             table.clear()
-        self._where = self._modules = None
+        self._classes.clear()
+        self._kept.clear()
+        self._where = self._modules = self._class_where = self._apply_where = None
 
     def release(self, path: str) -> None:
         """Forget ``path``'s syntax tree, and what rules memoised about it, unless a helper
         look-up uses it."""
-        if path in self._defs:
+        if path in self._defs or path in self._kept:
             return
         self.parsed.pop(path, None)
         self._memo.pop(path, None)
@@ -204,25 +245,59 @@ class Project:
         """The functions (and methods) named ``name`` defined anywhere in the project."""
         found = self._helpers.get(name)
         if found is None:
-            if self._where is None:  # one pass over every text, not one per name
-                self._where = {}
-                for path, (text, _) in self.texts.items():
-                    for defined in set(_DEF.findall(text)):
-                        self._where.setdefault(defined, []).append(path)
             found = []
-            for path in self._where.get(name, ()):
+            for path in self._index()[0].get(name, ()):
                 source = self.source(path)
                 if source is not None:
                     found += [(source, fn) for fn in self.defs(source).get(name, ())]
             self._helpers[name] = found
         yield from found
 
+    def appliers(self, cls: str) -> list[str]:
+        """The paths whose text calls ``cls.apply`` (an index built on the first look-up
+        from the texts that call any ``.apply``)."""
+        if self._apply_where is None:
+            self._apply_where = {}
+            for path, (text, _) in self.texts.items():
+                if ".apply" in text:
+                    for name in _applied(text):
+                        self._apply_where.setdefault(name, []).append(path)
+        return self._apply_where.get(cls, [])
 
-Check = Callable[[Source, Project], Iterable[Finding]]
+    def _index(self) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        """Function name -> the paths whose text defines one, and the same for classes:
+        one pass over every text, on the first look-up."""
+        if self._where is None or self._class_where is None:
+            self._where, self._class_where = {}, {}
+            for path, (text, _) in self.texts.items():
+                for fn, cls in set(_DEF.findall(text)):
+                    into = self._where if fn else self._class_where
+                    into.setdefault(fn or cls, []).append(path)
+        return self._where, self._class_where
+
+    def classes(self, name: str) -> list[tuple[Source, ast.ClassDef]]:
+        """The classes named ``name`` defined anywhere in the project (nested ones too)."""
+        found = self._classes.get(name)
+        if found is None:
+            found = []
+            for path in self._index()[1].get(name, ()):
+                source = self.source(path)
+                if source is not None:
+                    self._kept.add(path)
+                    found += [
+                        (source, node)
+                        for node in statements(source.tree)
+                        if isinstance(node, ast.ClassDef) and node.name == name
+                    ]
+            self._classes[name] = found
+        return found
+
+
+Check = Callable[[Source, Project], Iterable[ScanFinding]]
 
 
 @dataclass(frozen=True)
-class Rule:
+class ScanRule:
     """A rule: its code (``LF001``), a short name, what it finds, the runtime tool that
     confirms a finding, and its check (one call per file; the project is for following
     calls)."""
@@ -235,6 +310,8 @@ class Rule:
     #: the check runs only on files whose text contains one of these strings (a cheap
     #: filter before parsing; empty: every file)
     needs: tuple[str, ...] = ()
+    #: what to do about a finding, in one sentence (the text report's counts show it)
+    fix: str = ""
 
     def wants(self, text: str) -> bool:
         # substring tests beat one alternation pattern here (measured: 4x on transformers)

@@ -1,18 +1,23 @@
-"""The scan's output formats: text (one line per finding), JSON, and SARIF 2.1.0 for
-code-scanning UIs (GitHub code scanning and other SARIF viewers)."""
+"""The scan's output formats: text (findings grouped by file and by the Function or
+container that holds the memory, one line of evidence each, then counts by rule), JSON,
+SARIF 2.1.0 for code-scanning UIs, and GitHub Actions workflow commands (``::warning
+file=...``), which a workflow step turns into annotations on a pull request."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from leakfree.scan._model import Rule
+from leakfree.scan._model import NOTE, ScanFinding, ScanRule
 from leakfree.scan._run import ScanResult
 
-FORMATS = ("text", "json", "sarif")
+FORMATS = ("text", "json", "sarif", "github")
 DOCS = "docs/scan.md"
 _SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
+#: rules whose symbol is ``Owner.attr``: grouped under the owner (a Function, a manager)
+_OWNED = ("LF001", "LF002", "LF004")
 
 
 def summary(result: ScanResult) -> str:
@@ -24,6 +29,8 @@ def summary(result: ScanResult) -> str:
     if notes:
         head += f" and {notes} note{'s' if notes != 1 else ''}"
     head += f" in {files} ({speed})"
+    if result.baselined:
+        head += f"; {result.baselined} more listed in the baseline, left out"
     if result.unparsed:
         head += (
             f"; {len(result.unparsed)} file(s) could not be parsed and were not checked "
@@ -32,20 +39,64 @@ def summary(result: ScanResult) -> str:
     return head
 
 
+def _holder(f: ScanFinding) -> tuple[str, str]:
+    """(what holds the memory, the item of it): ``("Gather", "for_backwards")`` for
+    ``Gather.for_backwards``; a container (``self.history``) is its own holder."""
+    owner, _, item = f.symbol.rpartition(".")
+    if f.rule in _OWNED and owner:
+        return owner, item
+    return f.symbol, ""
+
+
 def _text(result: ScanResult) -> str:
-    lines = [str(f) for f in result.findings]
+    lines: list[str] = []
+    by_file: dict[str, list[ScanFinding]] = {}
+    for f in result.findings:
+        by_file.setdefault(f.path, []).append(f)
+    for path, found in by_file.items():
+        lines.append(path)
+        groups: dict[str, list[ScanFinding]] = {}
+        for f in found:
+            groups.setdefault(_holder(f)[0], []).append(f)
+        for holder, members in groups.items():
+            lines.append(f"  {holder}")
+            for f in members:
+                item = _holder(f)[1]
+                level = " (note)" if f.level == NOTE else ""
+                what = f"{item}: " if item else ""
+                lines.append(
+                    f"    {f.line}:{f.col} {f.rule}{level} {what}{f.evidence or f.message}"
+                )
     lines += [f"not parsed: {u}" for u in result.unparsed]
-    codes = sorted({f.rule for f in result.findings})
-    if codes:
-        confirm = {r.code: r.confirm for r in result.rules}
-        lines.append("")
-        lines += [f"{c}: confirm at run time with {confirm[c]}" for c in codes if c in confirm]
+    if result.findings:
+        lines += ["", *_counts(result)]
         lines.append(
             "suppress one finding with `# leakfree: ignore[CODE]` on its line; "
             f"rules and fixes: {DOCS}"
         )
     lines.append(summary(result))
     return "\n".join(lines)
+
+
+def _counts(result: ScanResult) -> list[str]:
+    """Per rule found: how many warnings and notes, the fix, how to confirm at run time."""
+    rules = {r.code: r for r in result.rules}
+    warnings = Counter(f.rule for f in result.findings if f.level != NOTE)
+    notes = Counter(f.rule for f in result.findings if f.level == NOTE)
+    out = []
+    for code in sorted(warnings.keys() | notes.keys()):
+        rule = rules.get(code)
+        name = f" {rule.name}" if rule is not None else ""
+        n, m = warnings[code], notes[code]
+        counts = f"{n} warning{'s' if n != 1 else ''}" + (
+            f", {m} note{'s' if m != 1 else ''}" if m else ""
+        )
+        out.append(f"{code}{name}: {counts}")
+        if rule is not None and rule.fix:
+            out.append(f"  fix: {rule.fix}")
+        if rule is not None:
+            out.append(f"  confirm at run time with {rule.confirm}")
+    return out
 
 
 def _json(result: ScanResult) -> dict[str, Any]:
@@ -59,10 +110,12 @@ def _json(result: ScanResult) -> dict[str, Any]:
                 "level": f.level,
                 "symbol": f.symbol,
                 "message": f.message,
+                "evidence": f.evidence,
             }
             for f in result.findings
         ],
         "files": result.files,
+        "baselined": result.baselined,
         "unparsed": result.unparsed,
         "status": result.status,
         "seconds": round(result.seconds, 4),
@@ -78,7 +131,7 @@ def _json(result: ScanResult) -> dict[str, Any]:
     }
 
 
-def help_uri(rule: Rule) -> str:
+def help_uri(rule: ScanRule) -> str:
     """Where a rule is documented: docs/scan.md's section on it, as a file URI of the docs
     beside the package (a source checkout or an editable install), else the path in the
     project's repository (``docs/scan.md#lf001-...``)."""
@@ -186,6 +239,33 @@ def _sarif(result: ScanResult) -> dict[str, Any]:
     }
 
 
+def _github(result: ScanResult) -> str:
+    """GitHub Actions workflow commands: one annotation per finding (``::warning`` for a
+    leak, ``::notice`` for a note) and per file not parsed (``::error``), then the summary."""
+    lines = []
+    for f in result.findings:
+        kind = "notice" if f.level == NOTE else "warning"
+        props = (
+            f"file={_prop(f.path)},line={f.line},col={f.col},title={_prop(f'{f.rule} {f.symbol}')}"
+        )
+        lines.append(f"::{kind} {props}::{_data(f.message)}")
+    for u in result.unparsed:
+        path, _, why = u.partition(": ")
+        lines.append(f"::error file={_prop(path)},title=not parsed::{_data(why)}")
+    lines.append(summary(result))
+    return "\n".join(lines)
+
+
+def _data(text: str) -> str:
+    """A workflow command's message, escaped as the runner reads it."""
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _prop(text: str) -> str:
+    """A workflow command's property value, escaped as the runner reads it."""
+    return _data(text).replace(":", "%3A").replace(",", "%2C")
+
+
 def render(result: ScanResult, fmt: str) -> str:
     """``result`` in ``fmt`` (one of :data:`FORMATS`)."""
     if not isinstance(result, ScanResult):
@@ -196,4 +276,6 @@ def render(result: ScanResult, fmt: str) -> str:
         return json.dumps(_json(result), indent=2)
     if fmt == "sarif":
         return json.dumps(_sarif(result), indent=2)
+    if fmt == "github":
+        return _github(result)
     raise ValueError(f"render(fmt={fmt!r}): expected one of {', '.join(FORMATS)}")

@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import leakfree._args as _args
+from leakfree.scan._baseline import load as load_baseline
+from leakfree.scan._baseline import new_only
 from leakfree.scan._imports import add_imported, module_of
 from leakfree.scan._locate import Target, UsageError, python_files, resolve
-from leakfree.scan._model import WARNING, Finding, Project, Rule, Source
+from leakfree.scan._model import WARNING, Project, ScanFinding, ScanRule, Source
 
 _SUPPRESS = re.compile(r"#\s*leakfree:\s*ignore\b(?:\[([^\]]*)\])?")
 #: in a suppression's set of codes: every rule
@@ -53,8 +55,8 @@ def suppressions(text: str) -> dict[int, set[str]]:
 
 
 def choose_rules(
-    rules: Sequence[Rule], select: Iterable[str] = (), ignore: Iterable[str] = ()
-) -> list[Rule]:
+    rules: Sequence[ScanRule], select: Iterable[str] = (), ignore: Iterable[str] = ()
+) -> list[ScanRule]:
     """The rules chosen by ``select`` (default: all) minus ``ignore``; a code may be a
     prefix (``LF00``). Raises :class:`UsageError` naming a code that matches no rule."""
     known = [r.code for r in rules]
@@ -82,20 +84,22 @@ class ScanResult:
     files were read, those that could not be parsed (``path: reason``), the rules run and
     the seconds it took."""
 
-    findings: list[Finding] = field(default_factory=list)
+    findings: list[ScanFinding] = field(default_factory=list)
     files: int = 0
     unparsed: list[str] = field(default_factory=list)
-    rules: list[Rule] = field(default_factory=list)
+    rules: list[ScanRule] = field(default_factory=list)
     seconds: float = 0.0
     #: reported path -> the folder it is relative to (absolute; SARIF's uriBaseId)
     bases: dict[str, str] = field(default_factory=dict)
+    #: findings left out because the baseline lists them (``scan(baseline=...)``)
+    baselined: int = 0
 
     @property
     def files_per_second(self) -> float:
         return self.files / self.seconds if self.seconds > 0 else float("inf")
 
     @property
-    def leaks(self) -> list[Finding]:
+    def leaks(self) -> list[ScanFinding]:
         """The findings that are leaks (``warning``), not notes."""
         return [f for f in self.findings if f.level == WARNING]
 
@@ -152,16 +156,16 @@ def _module_name(path: Path, target: Target) -> str:
 
 #: below this many files to parse, one process (a pool costs more than it saves)
 PARALLEL_FROM = 64
-_WORK: tuple[Project, Sequence[Rule]] | None = None  #: what forked workers inherit
+_WORK: tuple[Project, Sequence[ScanRule]] | None = None  #: what forked workers inherit
 
 
 def _check(
-    project: Project, paths: Iterable[str], rules: Sequence[Rule]
-) -> tuple[list[Finding], list[str]]:
+    project: Project, paths: Iterable[str], rules: Sequence[ScanRule]
+) -> tuple[list[ScanFinding], list[str]]:
     """Findings in ``paths`` (suppressed ones dropped), and the paths that did not parse
     with the reason (``path: SyntaxError: ...``). Every file is parsed, whether or not a
     rule wants it: a file the scanner cannot read is never passed over in silence."""
-    findings: set[Finding] = set()
+    findings: set[ScanFinding] = set()
     unparsed = []
     for path in paths:
         source = project.source(path)
@@ -183,7 +187,7 @@ def _check(
     return sorted(findings), unparsed
 
 
-def _check_part(paths: list[str]) -> tuple[list[Finding], list[str]]:
+def _check_part(paths: list[str]) -> tuple[list[ScanFinding], list[str]]:
     work = _WORK
     if work is None:  # only _check_all's forked workers call this, with _WORK set
         raise RuntimeError("leakfree scan: a worker started without the project to check")
@@ -191,8 +195,8 @@ def _check_part(paths: list[str]) -> tuple[list[Finding], list[str]]:
 
 
 def _check_all(
-    project: Project, rules: Sequence[Rule], jobs: int
-) -> tuple[list[Finding], list[str]]:
+    project: Project, rules: Sequence[ScanRule], jobs: int
+) -> tuple[list[ScanFinding], list[str]]:
     """:func:`_check` over every file, in ``jobs`` forked processes when there is enough
     to parse (``ast.parse`` is most of the time: torch's tree is 46 MB of source). Each
     worker inherits the project's texts and parses on demand, helpers included."""
@@ -213,7 +217,7 @@ def _check_all(
     )
 
 
-def scan_sources(sources: Sequence[Source], rules: Sequence[Rule]) -> list[Finding]:
+def scan_sources(sources: Sequence[Source], rules: Sequence[ScanRule]) -> list[ScanFinding]:
     """Check ``sources`` (already parsed) with ``rules``; suppressed findings dropped."""
     project = Project()
     for source in sources:
@@ -224,20 +228,23 @@ def scan_sources(sources: Sequence[Source], rules: Sequence[Rule]) -> list[Findi
 def scan(
     paths: Iterable[str],
     *,
-    rules: Sequence[Rule] | None = None,
+    rules: Sequence[ScanRule] | None = None,
     select: Iterable[str] = (),
     ignore: Iterable[str] = (),
     exclude: Iterable[str] = (),
     jobs: int | None = None,
+    baseline: str | os.PathLike[str] | None = None,
 ) -> ScanResult:
     """Scan files, folders and installed packages (by import name, never imported), in
-    ``jobs`` processes (default: one per CPU) when there are many files to parse.
+    ``jobs`` processes (default: one per CPU) when there are many files to parse. With a
+    ``baseline`` (a JSON report of an earlier scan), only the findings it does not list
+    are kept (:mod:`~leakfree.scan._baseline`: matched by rule, path and symbol).
 
     Raises :class:`UsageError` (before reading anything) for a path or package that does
-    not exist or a rule code that matches no rule. Every file is parsed: one that cannot be
-    read or parsed (bad encoding, a syntax error, syntax newer than this interpreter) is
-    listed in :attr:`ScanResult.unparsed` with the reason, not raised, and makes the
-    status 3 unless a leak was found.
+    not exist, a rule code that matches no rule, or a baseline that is not a scan's JSON
+    report. Every file is parsed: one that cannot be read or parsed (bad encoding, a syntax
+    error, syntax newer than this interpreter) is listed in :attr:`ScanResult.unparsed`
+    with the reason, not raised, and makes the status 3 unless a leak was found.
     """
     call = "scan"
     paths = _args.items(call, "paths", paths, (str, os.PathLike), "paths or package names")
@@ -246,11 +253,17 @@ def scan(
         for name, value in (("select", select), ("ignore", ignore), ("exclude", exclude))
     )
     _args.count(call, "jobs", jobs, 1, none=True, unit="processes")
+    if baseline is not None and not isinstance(baseline, (str, os.PathLike)):
+        raise TypeError(
+            f"scan(baseline={baseline!r}): expected a path to a JSON report of an earlier "
+            "scan; write one with `leakfree scan PATH --format json -o FILE`"
+        )
     if rules is None:
         from leakfree.scan.rules import RULES
 
         rules = RULES
     chosen = choose_rules(rules, select, ignore)
+    known = load_baseline(baseline) if baseline is not None else None
     targets = resolve(paths)
     started = time.perf_counter()
     result = ScanResult(rules=chosen)
@@ -286,5 +299,7 @@ def scan(
         # transformers)
         project.close()
     result.unparsed = sorted([*result.unparsed, *unparsed])
+    if known is not None:
+        result.findings, result.baselined = new_only(result.findings, known)
     result.seconds = time.perf_counter() - started
     return result

@@ -193,7 +193,19 @@ def walk(node: ast.AST) -> Iterator[ast.AST]:
 def own_nodes(node: ast.AST) -> Iterator[ast.AST]:
     """Every node under ``node`` (a function's body, a lambda's expression, a loop, a
     module), not entering nested functions, lambdas or classes: they run at another
-    time, with other names. A function's decorators and defaults are not its body."""
+    time, with other names. A function's decorators and defaults are not its body.
+
+    A function's list is kept on its node (``_own_nodes``) once walked: LF001 reads an
+    autograd Function's methods a dozen times, and the list goes with the tree."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        found = node.__dict__.get("_own_nodes")
+        if found is None:
+            found = node.__dict__["_own_nodes"] = list(_own_nodes(node))
+        return iter(found)
+    return _own_nodes(node)
+
+
+def _own_nodes(node: ast.AST) -> Iterator[ast.AST]:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         stack: list[ast.AST] = list(reversed(node.body))
     elif isinstance(node, ast.Lambda):
@@ -415,6 +427,77 @@ def plain_annotation(ann: ast.AST | None) -> bool:
         parts = inner.elts if isinstance(inner, ast.Tuple) else [inner]
         return all(plain_annotation(p) for p in parts)
     return False
+
+
+#: generic containers whose arguments say what they hold (``List[Tensor]`` holds tensors)
+_CONTAINERS = _WRAPPERS | words("Dict dict Mapping MutableMapping Deque deque Set set")
+
+
+def tensor_annotation(ann: ast.AST | None) -> bool:
+    """Does the annotation say the value is (or holds) tensors? ``Tensor``, a subclass
+    named so (``LongTensor``, ``Sparse24Tensor``), a string of one, a union with one,
+    and the standard containers of them (``Optional[Tensor]``, ``List[Tensor]``); not a
+    class parametrized by a tensor type (``Request[Tensor]`` is a Request, whose fields
+    say what it holds)."""
+    if ann is None:
+        return False
+    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+        try:
+            return tensor_annotation(ast.parse(ann.value, mode="eval").body)
+        except SyntaxError:
+            return False
+    if isinstance(ann, (ast.Name, ast.Attribute)):
+        return tail(ann).endswith("Tensor")
+    if isinstance(ann, ast.BinOp) and isinstance(ann.op, ast.BitOr):
+        return tensor_annotation(ann.left) or tensor_annotation(ann.right)
+    if isinstance(ann, ast.Subscript) and tail(ann.value) in _CONTAINERS:
+        inner = ann.slice
+        parts = inner.elts if isinstance(inner, ast.Tuple) else [inner]
+        return any(tensor_annotation(p) for p in parts)
+    return False
+
+
+def annotated_class(ann: ast.AST | None) -> str | None:
+    """The class an annotation names when it is neither a plain type nor a tensor nor a
+    standard container: ``Request`` for ``Request[Tensor]``, ``All2AllInfo``,
+    ``Optional[All2AllInfo]``; None otherwise."""
+    if ann is None or plain_annotation(ann) or tensor_annotation(ann):
+        return None
+    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+        try:
+            return annotated_class(ast.parse(ann.value, mode="eval").body)
+        except SyntaxError:
+            return None
+    if isinstance(ann, ast.Subscript):
+        if tail(ann.value) in ("Optional",):
+            return annotated_class(ann.slice)
+        return None if tail(ann.value) in _CONTAINERS else annotated_class(ann.value)
+    if isinstance(ann, (ast.Name, ast.Attribute)):
+        name = tail(ann)
+        return name if name[:1].isupper() and name not in ("Any", "object") else None
+    return None
+
+
+def class_named(ann: ast.AST | None) -> str | None:
+    """The class an annotation names, a tensor subclass included: ``Sparse24Tensor``,
+    ``Optional[Request]``, ``Request[Tensor]``; None for plain types, ``torch.Tensor``
+    itself and the standard containers."""
+    if ann is None or plain_annotation(ann):
+        return None
+    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+        try:
+            return class_named(ast.parse(ann.value, mode="eval").body)
+        except SyntaxError:
+            return None
+    if isinstance(ann, ast.Subscript):
+        if tail(ann.value) == "Optional":
+            return class_named(ann.slice)
+        return None if tail(ann.value) in _CONTAINERS else class_named(ann.value)
+    if isinstance(ann, (ast.Name, ast.Attribute)):
+        name = tail(ann)
+        plain_tensor = name in ("Tensor", "LongTensor", "FloatTensor", "BoolTensor")
+        return name if name[:1].isupper() and not plain_tensor and name != "Any" else None
+    return None
 
 
 # --- autograd Function classes -------------------------------------------------------

@@ -10,7 +10,7 @@ tensors keeps its reason, so a finding can say why.
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from leakfree.scan._flow import Flow, Reason, Step, said, short, tensor_test
 from leakfree.scan._syntax import (
@@ -22,6 +22,7 @@ from leakfree.scan._syntax import (
     parameters,
     plain_annotation,
     resolve,
+    tensor_annotation,
     walk,
     words,
 )
@@ -73,13 +74,15 @@ _TORCH_META = words(
 #: attributes of a tensor (or of a storage object) that are tensors
 TENSOR_ATTRS = frozenset({"T", "mT", "H", "mH", "data", "grad", "real", "imag", "_base"})
 #: torch functions whose positional arguments are sizes or data, not tensors
-_FACTORIES = words(
+FACTORIES = words(
     "zeros ones empty full arange range tensor as_tensor rand randn randint randperm "
     "linspace logspace eye from_numpy empty_strided scalar_tensor frombuffer asarray "
     "normal bernoulli"
 )
 #: ctx methods whose arguments are tensors
 _SAVES = ("save_for_backward", "mark_dirty", "save_for_forward")
+#: ctx attributes that give back what save_for_backward kept
+_SAVED = ("saved_tensors", "saved_variables")
 #: words that name metadata (``ctx.grad_shape``, ``s_dtype``, ``index_strides``)
 META_WORDS = words(
     "dtype dtypes shape shapes size sizes stride strides layout layouts spec specs ndim "
@@ -215,6 +218,10 @@ def _through_views(e: ast.AST) -> ast.Name | None:
             return None
 
 
+#: custom ops and TorchScript classes: what they are handed is opaque (a ScriptObject, a
+#: handle), not evidence of a tensor; what a custom op returns is a tensor
+OPAQUE_CALLS = ("torch.ops.", "torch.classes.")
+
 #: comparisons a tensor makes element by element (``is`` and ``in`` give a bool)
 _ELEMENTWISE = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 
@@ -285,9 +292,14 @@ class TensorEvidence:
         inputs: bool = True,
         returned: bool = True,
         seed: Iterable[str] = (),
+        reasons: Mapping[str, str] | None = None,
+        scalars: Iterable[str] = (),
+        fields: Mapping[str, frozenset[str]] | None = None,
         callee: Callable[[ast.Call, TensorEvidence, int | None], bool | None] | None = None,
     ) -> None:
         self.names = names
+        #: names whose class (read where it is defined) has these fields holding tensors
+        self.fields = fields or {}
         #: what a call's callee, read where it is defined, returns (at a position of its
         #: tuple): True a tensor, False none, None unknown
         self.callee = callee
@@ -295,7 +307,8 @@ class TensorEvidence:
         self.flow = flow or Flow(fn)
         va = fn.args.vararg
         every = parameters(fn) + ([va] if va else [])
-        self.plain = _scalars(fn, every)
+        # what callers show wins over an annotation (the caller reads the other way round)
+        self.plain = (_scalars(fn, every) | set(scalars)) - set(reasons or ())
         why: dict[str, Reason] = {name: f"{name} is handed a tensor" for name in seed}
         self._from_parameters(fn, every, inputs, why)
         # each name's values: names only ever bound to literals (``info = {"scale": 2}``)
@@ -329,6 +342,11 @@ class TensorEvidence:
         if unsure:
             for name, call in unsure:
                 why.setdefault(name, f"{name} is passed to {short(call)} at L{call.lineno}")
+        # what the function's other code shows (backward's gradients, the callers) comes
+        # last: it adds tensors, it does not settle which name of arithmetic is one
+        for name, reason in (reasons or {}).items():
+            why.setdefault(name, reason)
+        if unsure or reasons:
             self.why = self.flow.spread(why, self._carries, self._may_hold)
         self.tensors = set(self.why)
 
@@ -338,9 +356,10 @@ class TensorEvidence:
         """Parameters that are tensors by their annotation, or as ``forward``'s inputs
         (its first, its ``*args``, those named for a tensor)."""
         for p in every:
-            ann = ast.unparse(p.annotation) if p.annotation is not None else ""
-            if p.arg not in self.ctx and "Tensor" in ann and p.arg not in self.plain:
-                why[p.arg] = f"{p.arg} is annotated {ann}"
+            ann = p.annotation
+            skip = p.arg in self.ctx or p.arg in self.plain
+            if ann is not None and not skip and tensor_annotation(ann):
+                why.setdefault(p.arg, f"{p.arg} is annotated {ast.unparse(ann)}")
         if not (inputs and fn.name == "forward"):
             return
         va = fn.args.vararg
@@ -420,8 +439,9 @@ class TensorEvidence:
         if not (
             full is not None
             and full.startswith("torch.")
+            and not full.startswith(OPAQUE_CALLS)
             and torch_makes_tensor(full)
-            and full.rsplit(".", 1)[-1] not in _FACTORIES
+            and full.rsplit(".", 1)[-1] not in FACTORIES
             and n.args
         ):
             return []
@@ -513,7 +533,11 @@ class TensorEvidence:
             # of an object a call returned is one (``layer_outputs.buckets``,
             # ``out.threads_masks``)
             if _tensor_attr(e.attr):
+                if e.attr in _SAVED and isinstance(e.value, ast.Name) and e.value.id in self.ctx:
+                    return True  # ctx.saved_tensors: what save_for_backward kept
                 return h(e.value)
+            if isinstance(e.value, ast.Name) and e.attr in self.fields.get(e.value.id, ()):
+                return e.value.id not in excluded  # a field the class holds a tensor in
             return (
                 isinstance(e.value, ast.Name)
                 and e.value.id in self.records
@@ -591,3 +615,73 @@ class TensorEvidence:
                 and self.callee(e, self, None) is True
             )
         return self.callee is None or self.callee(e, self, None) is not False
+
+
+# --- a tensor of a few numbers ----------------------------------------------------------
+
+#: reductions over every element: a 0-d tensor when called without a dim
+_FULL_REDUCTIONS = words(
+    "sum mean max min prod norm amax amin all any std var median nansum count_nonzero"
+)
+#: factories whose first arguments are sizes (``arange`` and friends take a range)
+_SIZED = words("zeros ones empty full rand randn randint empty_strided")
+_LIKE = words("zeros_like ones_like empty_like full_like rand_like randn_like")
+_NEW = words("new_empty new_zeros new_ones new_full")
+_CASTS = _SAME_DATA | words("long int bool float double half bfloat16 to clone detach cpu cuda")
+
+
+def _constant_sizes(args: list[ast.expr]) -> bool:
+    return bool(args) and all(
+        (isinstance(a, ast.Constant) and isinstance(a.value, int))
+        or (isinstance(a, (ast.Tuple, ast.List)) and _constant_sizes(list(a.elts)))
+        for a in args
+    )
+
+
+def few(
+    e: ast.AST,
+    names: dict[str, str],
+    bound: Mapping[str, list[ast.AST]],
+    seen: frozenset[str] = frozenset(),
+) -> bool:
+    """Is ``e`` a tensor of a few numbers, whatever the data: a factory with constant
+    sizes (``torch.empty(1)``, ``x.new_empty(0)``, ``torch.tensor(2.0)``), a ``*_like``
+    of one, a reduction over every element (``x.sum()``, ``torch.sum(x)``), casts and
+    copies of those, arithmetic of them with numbers, displays of them, and names
+    ``bound`` only to them."""
+
+    def f(x: ast.AST) -> bool:
+        return few(x, names, bound, seen)
+
+    if isinstance(e, ast.Name):
+        values = bound.get(e.id, ())
+        if e.id in seen or not values:
+            return False  # ``x = x.contiguous()``: what x was first decides
+        inner = seen | {e.id}
+        return all(few(v, names, bound, inner) for v in values)
+    if isinstance(e, (ast.Tuple, ast.List)):
+        return bool(e.elts) and all(f(x) for x in e.elts)
+    if isinstance(e, ast.UnaryOp):
+        return f(e.operand)
+    if isinstance(e, ast.BinOp):
+        sides = [e.left, e.right]
+        return any(f(x) for x in sides) and all(f(x) or _literal(x) for x in sides)
+    if not isinstance(e, ast.Call):
+        return False
+    dims = any(k.arg in ("dim", "axis") for k in e.keywords)
+    full = resolve(e.func, names) or ""
+    fn = full.rpartition(".")[2] if full.startswith("torch.") else ""
+    if isinstance(e.func, ast.Attribute) and not fn:
+        attr = e.func.attr
+        if attr in _FULL_REDUCTIONS:
+            return not e.args and not dims
+        if attr in _NEW:
+            return _constant_sizes(e.args[:1])
+        return attr in _CASTS and f(e.func.value)
+    if fn in _FULL_REDUCTIONS:
+        return len(e.args) == 1 and not dims
+    if fn in _SIZED:
+        return _constant_sizes(list(e.args))
+    if fn == "tensor":
+        return bool(e.args) and _literal(e.args[0])
+    return fn in _LIKE and bool(e.args) and f(e.args[0])

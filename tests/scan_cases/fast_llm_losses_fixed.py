@@ -3,7 +3,7 @@
 # own words. It imitates ServiceNow/Fast-LLM at commit d1652fbb (#486):
 # fast_llm/layers/language_model/head.py and fast_llm/layers/language_model/loss/loss.py now
 # append ``value.detach()`` / ``total_loss.detach()``; fast_llm/engine/schedule/runner.py as before.
-# A data file for tests/test_scan_losses.py: never imported.
+# A data file for tests/test_scan_kept_losses.py: never imported.
 import dataclasses
 
 import torch

@@ -5,7 +5,7 @@
 # (LanguageModelHead._logits_loss_forward_backward), fast_llm/layers/language_model/loss/loss.py
 # (LanguageModelLoss._register_loss) and fast_llm/engine/schedule/runner.py (BatchContext.losses,
 # a dict of lists passed to every layer as ``losses=``, reduced once per step).
-# A data file for tests/test_scan_losses.py: never imported.
+# A data file for tests/test_scan_kept_losses.py: never imported.
 import dataclasses
 
 import torch

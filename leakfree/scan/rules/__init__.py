@@ -2,7 +2,7 @@
 
 * :mod:`~leakfree.scan.rules.ctx`: LF001 ctx state that outlives backward, LF002 an output
   stored on ctx;
-* :mod:`~leakfree.scan.rules.losses`: LF003 a loss logged with its graph into a
+* :mod:`~leakfree.scan.rules.kept_losses`: LF003 a loss logged with its graph into a
   long-lived container;
 * :mod:`~leakfree.scan.rules.hooks`: LF004 a saved-tensor pack hook that parks payloads in
   a table its manager owns;
@@ -19,12 +19,12 @@ imports, autograd Functions, annotations), :mod:`leakfree.scan._flow` (where val
 
 from __future__ import annotations
 
-from leakfree.scan._model import Rule
-from leakfree.scan.rules import buffers, ctx, hooks, losses
+from leakfree.scan._model import ScanRule
+from leakfree.scan.rules import buffers, ctx, hooks, kept_losses
 
 __all__ = ["RULES"]
 
 #: every rule, in code order
-RULES: tuple[Rule, ...] = tuple(
-    sorted((*ctx.RULES, *losses.RULES, *hooks.RULES, *buffers.RULES), key=lambda r: r.code)
+RULES: tuple[ScanRule, ...] = tuple(
+    sorted((*ctx.RULES, *kept_losses.RULES, *hooks.RULES, *buffers.RULES), key=lambda r: r.code)
 )

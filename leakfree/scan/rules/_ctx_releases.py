@@ -20,6 +20,10 @@ _MAX_DEPTH = 4
 
 ALL = "*"  # the whole ctx is released
 
+#: part of what a ctx attribute holds: ("key", "fw") of a dict, ("field", "tensor") of an
+#: object, ("item", None) of a list or a dict filled with computed keys
+Part = tuple[str, str | None]
+
 
 def _is_empty(v: ast.AST) -> bool:
     if isinstance(v, ast.Constant):
@@ -45,6 +49,8 @@ class Releases:
         self.names = names  # the scanned file's imports
         self.memo: dict[tuple[int, str], frozenset[str]] = {}
         self.clears: dict[tuple[int, str], bool] = {}
+        self.part_memo: dict[tuple[int, str], dict[str, set[Part]]] = {}
+        self.method_memo: dict[str, set[Part]] = {}
 
     def of(self, fn: FunctionNode, param: str, depth: int = 0) -> frozenset[str]:
         """Attributes of ``param`` that ``fn`` releases (``"*"`` for all of them)."""
@@ -94,6 +100,10 @@ class Releases:
             return out
         if isinstance(f, ast.Attribute):
             recv = f.value
+            if f.attr in ("pop", "popleft") and not n.args and attr_of(recv, ctx) is not None:
+                # ``inputs = ctx.inputs.pop()``: the one thing kept is taken back
+                out.add(attr_of(recv, ctx))  # type: ignore[arg-type]
+                return out
             if f.attr in ("clear", "pop", "popitem"):
                 held = attr_of(recv, ctx)
                 if held == "__dict__" or (
@@ -183,3 +193,93 @@ class Releases:
                 for n in own_nodes(fn)
             )
         return self.clears[key]
+
+    def parts(self, fn: FunctionNode, param: str) -> dict[str, set[Part]]:
+        """Attribute -> the parts of what it holds that ``fn`` (with ctx ``param``)
+        empties: a field set to ``None`` or an empty container or deleted
+        (``ctx.req.tensor = None``, or through a name read from it: ``req = ctx.req;
+        req.tensor = None``), or by a method of the object that does so to its ``self``
+        (fairscale's ``ctx.portal.use_grad()``; same-named methods of the scanned tree,
+        any that clears counts), a key popped or deleted (``ctx.side.pop("bw")``), every
+        item (``.clear()``, ``.pop()`` / ``.popleft()`` of a list)."""
+        key = (id(fn), "parts:" + param)
+        if key in self.part_memo:
+            return self.part_memo[key]
+        flow = Flow(fn)
+        ctx = flow.aliases(param)
+        held: dict[str, str] = {}  # local name -> the attribute whose object it reads
+        for st in flow.steps:
+            attr = attr_of(st.value, ctx)
+            if st.how == "=" and not st.split and isinstance(st.target, ast.Name) and attr:
+                held[st.target.id] = attr
+
+        def owner(e: ast.AST) -> str | None:
+            """The ctx attribute whose object ``e`` is (``ctx.a`` or a name read from it)."""
+            attr = attr_of(e, ctx)
+            if attr is None and isinstance(e, ast.Name):
+                attr = held.get(e.id)
+            return attr
+
+        out: dict[str, set[Part]] = {}
+        for n in own_nodes(fn):
+            for t in _emptied(n):
+                if isinstance(t, ast.Attribute) and (a := owner(t.value)) is not None:
+                    out.setdefault(a, set()).add(("field", t.attr))
+                elif isinstance(t, ast.Subscript) and (a := owner(t.value)) is not None:
+                    out.setdefault(a, set()).add(_keyed(t.slice))
+            if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+                continue
+            a = owner(n.func.value)
+            if a is None:
+                continue
+            if n.func.attr == "pop" and n.args:
+                out.setdefault(a, set()).add(_keyed(n.args[0]))
+            elif n.func.attr in ("clear", "pop", "popleft", "popitem"):
+                out.setdefault(a, set()).add(("item", None))
+            else:
+                out.setdefault(a, set()).update(self._method_clears(n.func.attr))
+        self.part_memo[key] = out
+        return out
+
+    def _method_clears(self, name: str) -> set[Part]:
+        """Fields the methods named ``name`` of the scanned tree empty on their ``self``."""
+        found = self.method_memo.get(name)
+        if found is None:
+            found = set()
+            for _, method in self.project.helpers(name):
+                params = parameters(method)
+                if not params or params[0].arg != "self":
+                    continue
+                for n in own_nodes(method):
+                    for t in _emptied(n):
+                        if (
+                            isinstance(t, ast.Attribute)
+                            and isinstance(t.value, ast.Name)
+                            and t.value.id == "self"
+                        ):
+                            found.add(("field", t.attr))
+            self.method_memo[name] = found
+        return found
+
+
+def _emptied(n: ast.AST) -> list[ast.AST]:
+    """The targets ``n`` sets to ``None`` / an empty container, or deletes (``x.f = None``,
+    ``del x[k]``, ``grad, self.grad = self.grad, None``)."""
+    if isinstance(n, ast.Delete):
+        return list(n.targets)
+    if not isinstance(n, ast.Assign):
+        return []
+    if _is_empty(n.value):
+        return [e for t in n.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+    out: list[ast.AST] = []
+    if isinstance(n.value, ast.Tuple):
+        for t in n.targets:
+            if isinstance(t, ast.Tuple) and len(t.elts) == len(n.value.elts):
+                out += [e for e, v in zip(t.elts, n.value.elts) if _is_empty(v)]
+    return out
+
+
+def _keyed(key: ast.AST) -> Part:
+    if isinstance(key, ast.Constant) and isinstance(key.value, (str, int)):
+        return ("key", str(key.value))
+    return ("item", None)

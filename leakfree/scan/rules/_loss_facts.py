@@ -36,6 +36,8 @@ class Module:
     #: functions and classes the module defines: a name bound to one holds no graph
     #: (unsloth's ``RL_FUNCTIONS[k].append(sft_trainer_compute_loss)``, a function)
     defined: frozenset[str] = frozenset()
+    #: names ``import`` binds to modules: ``ltorch.nll_loss`` is a function, not a loss
+    modules: frozenset[str] = frozenset()
 
 
 def module_facts(tree: ast.Module, text: str) -> Module:
@@ -60,7 +62,13 @@ def module_facts(tree: ast.Module, text: str) -> Module:
         for n in tree.body
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
     )
-    return Module(globals_ - defined, losslog, {}, defined)
+    modules = frozenset(
+        (a.asname or a.name).split(".")[0]
+        for n in tree.body
+        if isinstance(n, ast.Import)
+        for a in n.names
+    )
+    return Module(globals_ - defined, losslog, {}, defined, modules)
 
 
 def class_backward_attrs(module: Module, cls: ast.ClassDef) -> set[str]:

@@ -2,7 +2,7 @@
 
 The vocabulary (names spelled like losses, loss functions, graph-keeping and detaching
 methods, log-like containers) and :class:`Kinds`, the expression judge the statement walker
-in :mod:`~leakfree.scan.rules.losses` inherits. Unknown is never flagged.
+in :mod:`~leakfree.scan.rules.kept_losses` inherits. Unknown is never flagged.
 """
 
 from __future__ import annotations
@@ -191,6 +191,8 @@ class Kinds:
     self_name: str | None
     #: names the module binds to its functions and classes (no graph in them)
     definitions: frozenset[str] = frozenset()
+    #: names bound to imported modules (an attribute of one, not called, is a function)
+    modules: frozenset[str] = frozenset()
 
     def helper_kind(self, call: ast.Call) -> Kind | bool | None:
         """The kind ``call``'s callee returns, read from its definition; False when no
@@ -211,6 +213,8 @@ class Kinds:
         if isinstance(e, ast.Attribute):
             if e.attr in DETACH or e.attr in METADATA:
                 return Kind.CLEAN
+            if isinstance(e.value, ast.Name) and e.value.id in self.modules:
+                return Kind.CLEAN  # ``ltorch.nll_loss`` handed on: the function itself
             if isinstance(e.value, ast.Name) and e.value.id == self.self_name:
                 # self.loss / self.losses is as often a loss module or a container of
                 # floats as a tensor: the attribute's name alone decides nothing

@@ -1,7 +1,7 @@
 """Where LF003 stands inside one function: its parameters, instance, locals and loops,
 which containers outlive the step, and how a finding is worded and reported.
 
-:class:`Scope` is what the statement walker of :mod:`~leakfree.scan.rules.losses` knows;
+:class:`Scope` is what the statement walker of :mod:`~leakfree.scan.rules.kept_losses` knows;
 it also follows a loss handed to a helper that stores it (Fast-LLM's
 ``self._register_loss(name, loss, losses)``)."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import functools
 
-from leakfree.scan._model import Finding, Project, Source
+from leakfree.scan._model import Project, ScanFinding, Source
 from leakfree.scan._syntax import FunctionNode, name_words, root, symbol, tail, walk
 from leakfree.scan.rules._loss_facts import Env, Module, class_backward_attrs, stored_params
 from leakfree.scan.rules._loss_kinds import (
@@ -41,6 +41,7 @@ class Scope(Kinds):
     ) -> None:
         self.depth = depth  #: how many helpers deep this function is being read
         self.definitions = module.defined
+        self.modules = module.modules
         #: the loops around the statement being read, innermost last
         self.loops: list[ast.For | ast.AsyncFor | ast.While] = []
         #: kinds of what the function returns (collected when read as a helper)
@@ -63,7 +64,7 @@ class Scope(Kinds):
         self.module_scope = func.name == MODULE_SCOPE
         self.env = Env()
         self.known = self.env.kinds
-        self.findings: list[Finding] = []
+        self.findings: list[ScanFinding] = []
         #: local fresh containers that received a graph value: name -> (node, kind, value text)
         self.pending: dict[str, list[tuple[ast.AST, str]]] = {}
 
@@ -218,7 +219,7 @@ class Scope(Kinds):
                 f"ctx its custom Functions hold, for as long as {held} lives"
             )
             fix = f"store {value}.detach() (.item() when you log) or use leakfree.LossLog"
-        self.findings.append(self.source.finding(node, CODE, held, f"{why}; {fix}"))
+        self.findings.append(self.source.finding(node, CODE, held, f"{why}; {fix}", evidence=why))
 
     def follow_helper(self, call: ast.Call) -> None:
         name = tail(call.func)

@@ -56,7 +56,7 @@ import ast
 from collections.abc import Iterable
 
 from leakfree.scan._flow import Flow
-from leakfree.scan._model import Finding, Project, Rule, Source
+from leakfree.scan._model import Project, ScanFinding, ScanRule, Source
 from leakfree.scan._syntax import functions, own_nodes, tail, walk
 from leakfree.scan.rules._buffer_reads import (
     FACTORIES,
@@ -170,14 +170,14 @@ def _leaf_sites(
     return sites
 
 
-def check(source: Source, project: Project) -> Iterable[Finding]:
+def check(source: Source, project: Project) -> Iterable[ScanFinding]:
     # a receive happens in this file (the leaf may be made by a helper elsewhere): a
     # cheap prefilter on the text
     text = source.text
     if "recv" not in text and "receive" not in text:
         return []
     reads = Helpers(source, project)
-    found: dict[tuple[int, int], Finding] = {}
+    found: dict[tuple[int, int], ScanFinding] = {}
     for fn, cls in functions(source.tree):
         own = list(own_nodes(fn))
         if not any(isinstance(n, ast.Call) and _receive_call(n) for n in own):
@@ -203,8 +203,8 @@ def check(source: Source, project: Project) -> Iterable[Finding]:
     return sorted(found.values())
 
 
-RULES: tuple[Rule, ...] = (
-    Rule(
+RULES: tuple[ScanRule, ...] = (
+    ScanRule(
         code=CODE,
         name="leaf-receive-buffer",
         summary=(
@@ -214,5 +214,9 @@ RULES: tuple[Rule, ...] = (
         confirm=CONFIRM,
         check=check,
         needs=("requires_grad",),
+        fix=(
+            "receive as a non-leaf with leakfree.pipeline.as_nonleaf(buf, slot) and take "
+            "the gradient with slot.take()"
+        ),
     ),
 )

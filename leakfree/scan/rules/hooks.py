@@ -51,8 +51,9 @@ What counts, decided from the code only:
   hook returning the tensor itself or a handle object is silent, whatever else it records.
 
 When the hook's return value is a call (``return self._pack(t)``, ``return
-manager.offload(t)``) that receives the tensor, the called function is checked the same
-way (two levels deep), by name in the scanned tree.
+manager.offload(t)``) that receives the tensor, or a name bound to one (verl's ``tag =
+self.offload_handler.tensor_push(t); return tag``), the called function is checked the
+same way (two levels deep), by name in the scanned tree.
 
 **What it can and cannot tell.** Clearing the table in ``unpack`` or ``__enter__`` does
 not silence the rule: neither runs for a graph freed without backward. It does change
@@ -66,11 +67,11 @@ scan cannot see; ``leakfree.testing.assert_no_leak`` around an evaluation step s
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from leakfree.scan._callables import Callables, Target
 from leakfree.scan._flow import Flow, Reason, Step
-from leakfree.scan._model import Finding, Project, Rule, Source
+from leakfree.scan._model import Project, ScanFinding, ScanRule, Source
 from leakfree.scan._syntax import (
     Scope,
     Scopes,
@@ -343,7 +344,7 @@ def _cleared_per_block(hook: Target, attrs: list[str]) -> str | None:
 
 def _check_hook(
     hook: Target, project: Project, files: Callables, depth: int, seen: set[int]
-) -> Iterator[Finding]:
+) -> Iterator[ScanFinding]:
     if id(hook.fn) in seen:
         return
     seen.add(id(hook.fn))
@@ -368,12 +369,32 @@ def _check_hook(
             else "for the manager's life"
         )
         yield hook.source.finding(
-            node, CODE, symbol, MESSAGE.format(table=symbol, how_long=how_long)
+            node,
+            CODE,
+            symbol,
+            MESSAGE.format(table=symbol, how_long=how_long),
+            evidence=f"the pack hook parks the saved tensor in {symbol} and returns a key; a "
+            f"graph freed without backward leaves it there {how_long}",
         )
     if depth >= 2:
         return
     for value in returns:
-        yield from _follow(hook, value, tainted, project, files, depth, seen)
+        for call in _returned_calls(value, nodes):
+            yield from _follow(hook, call, tainted, project, files, depth, seen)
+
+
+def _returned_calls(value: ast.expr, nodes: Sequence[ast.AST]) -> list[ast.expr]:
+    """The calls whose result the hook returns: ``return self._pack(t)``, or through a
+    name (verl's ``tag = self.offload_handler.tensor_push(t); return tag``)."""
+    if not isinstance(value, ast.Name):
+        return [value]
+    return [
+        n.value
+        for n in nodes
+        if isinstance(n, ast.Assign)
+        and isinstance(n.value, ast.Call)
+        and any(isinstance(t, ast.Name) and t.id == value.id for t in n.targets)
+    ]
 
 
 def _follow(
@@ -384,7 +405,7 @@ def _follow(
     files: Callables,
     depth: int,
     seen: set[int],
-) -> Iterator[Finding]:
+) -> Iterator[ScanFinding]:
     """``return self._pack(t)``: check the called function with the tensor's parameter."""
     if not isinstance(value, ast.Call):
         return
@@ -410,20 +431,20 @@ def _follow(
 _MARKERS = ("saved_tensors_hooks", "saved_tensors_default_hooks", "pack_hook", "_raw_saved_")
 
 
-def check(source: Source, project: Project) -> Iterable[Finding]:
+def check(source: Source, project: Project) -> Iterable[ScanFinding]:
     if not any(m in source.text for m in _MARKERS):
         return []
     resolver = Callables(source, project)
     seen: set[int] = set()
-    found: dict[tuple[str, int, str], Finding] = {}
+    found: dict[tuple[str, int, str], ScanFinding] = {}
     for hook in _registrations(source, resolver):
         for f in _check_hook(hook, project, resolver, 0, seen):
             found.setdefault((f.path, f.line, f.symbol), f)
     return sorted(found.values())
 
 
-RULES: tuple[Rule, ...] = (
-    Rule(
+RULES: tuple[ScanRule, ...] = (
+    ScanRule(
         code=CODE,
         name="pack-hook-key-table",
         summary=(
@@ -432,6 +453,7 @@ RULES: tuple[Rule, ...] = (
         ),
         confirm=CONFIRM,
         check=check,
-        needs=("saved_tensors_hooks", "pack_hook", "register_hooks"),
+        needs=("saved_tensors_hooks", "saved_tensors_default_hooks", "pack_hook", "register_hooks"),
+        fix="return an object that owns the payload (leakfree.OffloadActivations does)",
     ),
 )

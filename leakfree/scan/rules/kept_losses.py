@@ -76,7 +76,7 @@ import re
 from collections.abc import Iterator
 
 from leakfree.scan._callables import autograd_classes
-from leakfree.scan._model import Finding, Project, Rule, Source
+from leakfree.scan._model import Project, ScanFinding, ScanRule, Source
 from leakfree.scan._syntax import (
     FunctionNode,
     defined,
@@ -116,7 +116,7 @@ CONFIRM = "leakfree.diagnostics.find_retained"
 class _FunctionScan(Scope):
     """One function's statements in source order, tracking local kinds and aliases."""
 
-    def run(self) -> list[Finding]:
+    def run(self) -> list[ScanFinding]:
         if is_no_grad_decorated(self.func) or NO_GRAD_STEPS.match(self.func.name):
             return []
         if self.in_metric_update():
@@ -368,22 +368,27 @@ _SINK_TEXT = (".append", ".extend", ".insert", ".add", ".update", "+", "]=", "] 
 
 
 _NEWLINE = re.compile("\n")
-#: the words of a function's text (identifiers split at underscores)
-_WORDS = re.compile(r"[a-z0-9]+")
 #: a forward result (not a loss) is reported only into a container named like a log
 _FORWARD_LOG_WORDS = LOG_WORDS - {"loss", "losses"}
+#: one of them as a word of a function's text (identifiers split at underscores): one
+#: search, stopping at the first, instead of listing every word
+_FORWARD_LOG = re.compile(
+    r"(?<![a-z0-9])(?:" + "|".join(sorted(_FORWARD_LOG_WORDS, reverse=True)) + r")(?![a-z0-9])"
+)
 
 
-def _may_flag(text: str) -> bool:
-    """Can this function's text (lower-cased) hold a finding?"""
-    if any(t in text for t in _LOSS_TEXT):
+def _may_flag(text: str, losses: bool = True, forwards: bool = True) -> bool:
+    """Can this function's text (lower-cased) hold a finding? ``losses`` / ``forwards``
+    off: the file's text already rules that branch out."""
+    if losses and any(t in text for t in _LOSS_TEXT):
         return True  # a loss: stored here, or handed to a storing helper
     # else only a forward result into a log-named container can be reported: that name
     # is in the text (three in four functions of a model zoo stop here)
     return (
-        any(t in text for t in _FORWARD_TEXT)
+        forwards
+        and any(t in text for t in _FORWARD_TEXT)
         and any(t in text for t in _SINK_TEXT)
-        and not _FORWARD_LOG_WORDS.isdisjoint(_WORDS.findall(text))
+        and _FORWARD_LOG.search(text) is not None
     )
 
 
@@ -395,29 +400,35 @@ def _module_function(tree: ast.Module) -> ast.FunctionDef:
     return func
 
 
-def check(source: Source, project: Project) -> Iterator[Finding]:
+def check(source: Source, project: Project) -> Iterator[ScanFinding]:
     """LF003 over one file: each function, and the module's own statements."""
     text = source.text.lower()
-    if not any(t in text for t in (*_LOSS_TEXT, *_FORWARD_TEXT)):
+    losses = any(t in text for t in _LOSS_TEXT)
+    # a forward result can be reported only where a log-named container is written
+    forwards = _may_flag(text, losses=False)
+    if not (losses or forwards):
         return
     facts = module_facts_cached(project, source)
-    if any(t in text for t in _LOSS_TEXT):
+    if losses:
         yield from _FunctionScan(source, project, facts, _module_function(source.tree), None).run()
     # inside an autograd Function, ctx is LF001's business (a file without a static
-    # method defines none: the look-up is skipped)
-    autograd = (
-        {id(fc.node) for fc in autograd_classes(project, source)}
-        if "staticmethod" in source.text
-        else set()
-    )
+    # method defines none; the look-up waits for the first method worth reading)
+    autograd: set[int] | None = None if "staticmethod" in source.text else set()
     # where each line starts (ast counts lines by "\n"): a function's text is one slice
     starts = [0, *(m.end() for m in _NEWLINE.finditer(source.text)), len(source.text)]
+    # the lower-cased text is sliced where lower-casing kept every offset (ASCII does)
+    same = len(text) == len(source.text)
     for func, cls in functions(source.tree):
         if cls is not None and DATA_CLASSES.search(cls.name):
             continue  # a data set builds its features once, never with grad
         end = min(func.end_lineno or func.lineno, len(starts) - 1)
-        body = source.text[starts[func.lineno - 1] : starts[end]].lower()
-        if (cls is None or id(cls) not in autograd) and _may_flag(body):
+        begin, stop = starts[func.lineno - 1], starts[end]
+        body = text[begin:stop] if same else source.text[begin:stop].lower()
+        if not _may_flag(body, losses, forwards):
+            continue
+        if cls is not None and autograd is None:
+            autograd = {id(fc.node) for fc in autograd_classes(project, source)}
+        if cls is None or id(cls) not in autograd:  # type: ignore[operator]
             yield from _FunctionScan(source, project, facts, func, cls).run()
 
 
@@ -425,8 +436,8 @@ def check(source: Source, project: Project) -> Iterator[Finding]:
 #: container ("log" itself is left out: every file that logs anything says it)
 _NEEDS = ("Loss", "criterion", *sorted(LOG_WORDS - {"log"}))
 
-RULES: tuple[Rule, ...] = (
-    Rule(
+RULES: tuple[ScanRule, ...] = (
+    ScanRule(
         code=CODE,
         name="loss-kept-with-graph",
         summary=(
@@ -437,5 +448,6 @@ RULES: tuple[Rule, ...] = (
         check=check,
         # a loss-like name, a loss function, or a container word of LOG_WORDS must appear
         needs=_NEEDS,
+        fix="store .detach() (or .item() where you log), or log into leakfree.LossLog",
     ),
 )

@@ -12,23 +12,23 @@ import textwrap
 
 import pytest
 
-from leakfree.scan._model import Finding, Source
-from leakfree.scan.rules.losses import RULES
+from leakfree.scan._model import ScanFinding, Source
+from leakfree.scan.rules.kept_losses import RULES
 from tests._scan import CASES, project_of, source
 
 RULE = RULES[0]
 
 
-def scan(*sources: Source) -> list[Finding]:
+def scan(*sources: Source) -> list[ScanFinding]:
     project = project_of(*sources)
     return [f for src in sources for f in RULE.check(src, project)]
 
 
-def scan_text(text: str) -> list[Finding]:
+def scan_text(text: str) -> list[ScanFinding]:
     return scan(source("case.py", textwrap.dedent(text)))
 
 
-def scan_case(name: str) -> list[Finding]:
+def scan_case(name: str) -> list[ScanFinding]:
     path = CASES / name
     return scan(source(str(path), path.read_text()))
 
@@ -367,7 +367,7 @@ def test_an_enum_member_named_like_a_loss_is_not_a_loss() -> None:
     # found by scanning leakfree itself: `kind = Kind.LOSS; self.env.kinds[name] = kind`
 
     from leakfree.scan._model import Project, Source
-    from leakfree.scan.rules.losses import RULES
+    from leakfree.scan.rules.kept_losses import RULES
 
     text = (
         "class A:\n    def f(self, name):\n        kind = Kind.LOSS\n"
