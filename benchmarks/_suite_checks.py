@@ -36,7 +36,7 @@ FRONTIER = {
 #: the cycling lengths: mean step vs none, the most held (GiB)
 CYCLING = {"default": (2.57, 5.67), "max_overhead": (1.03, 11.05), "device_limit": (1.86, 7.15)}
 #: "What trains under a cap", at none's need (10.55 GiB): the longest sequence
-FIT = {"none": 4096, "default": 6656, "device_limit=cap": 9728, "checkpoint": 10752}
+FIT = {"none": 4096, "default": 6656, "device_limit=cap": 7680, "checkpoint": 10752}
 #: the H100 run's pinned copies, GB/s (the model takes the link as full duplex)
 LINK = {"to_host": 55.0, "to_device": 54.3}
 
