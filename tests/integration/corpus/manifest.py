@@ -42,7 +42,7 @@ class Case:
     quiet), ``control`` (no leak: must be quiet). ``holder``: what a good report must contain,
     as groups of alternatives (every group must be met by one of its texts). ``made_in``: the
     function the ``# MADE`` line is in, as a creation site names it. ``flat_after``: for a
-    control that fills a bounded store, the step from which its memory is flat.
+    control that fills a bounded store, the last step (counted from 1) that adds to it.
     """
 
     name: str
@@ -275,7 +275,7 @@ CASES: tuple[Case, ...] = (
         "(16 KiB each) with their graph across steps",
         twin="trainer_logits_fixed",
         holder=(("epoch_logits[*]",),),
-        made_in="compute_loss",
+        made_in="AccuracyTrainer.compute_loss",
         steps=(4, *STEPS),
     ),
     Case(
@@ -308,8 +308,8 @@ CASES: tuple[Case, ...] = (
         "control",
         "f",
         (RSLEARN,),
-        "gradual unfreezing, one block every 4 steps: AdamW state made lazily up to step 20",
-        flat_after=20,
+        "gradual unfreezing, one block every 4 steps: AdamW state made lazily up to step 21",
+        flat_after=21,
     ),
     Case(
         "control_tokenizer_cache",
