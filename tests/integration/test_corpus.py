@@ -30,7 +30,6 @@ tests/integration/test_run.py makes its own; a test waits only for its own run.
 
 from __future__ import annotations
 
-import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +39,7 @@ import pytest
 
 from leakfree._run import EXIT_NOT_JUDGED
 from leakfree.diagnostics.rule import Rule
+from tests.integration.corpus import reading
 from tests.integration.corpus.manifest import BY_NAME, CASES, Case
 from tests.integration.test_run import EXIT_LEAK, Run, leakfree_run
 
@@ -47,7 +47,6 @@ pytestmark = pytest.mark.integration
 
 #: steps a verdict needs at leakfree run's defaults (the warm-up, then a window)
 NEEDED = Rule.default("warmup", "watching") + Rule.default("window", "watching")
-GREW_THEN_FLAT = re.compile(r"grew by (.+?) over steps (\d+)-(\d+), then flat for (\d+) steps")
 #: how far from the step where filling stops the report may place it (steps)
 SLACK = 4
 
@@ -98,7 +97,7 @@ def corpus(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def _messages(run: Run) -> str:
-    return "\n".join(str(f["message"]) for f in run.report.get("findings", []))
+    return "\n".join(str(f["message"]) for f in reading.findings(run.report))
 
 
 def _ids(params: list[tuple[str, int]]) -> list[str]:
@@ -113,11 +112,9 @@ def test_a_leak_is_found_with_its_holder_and_the_line_that_made_it(
     run = corpus(name, steps)
     assert run.status == EXIT_LEAK, run.stderr[-3000:]
     assert run.report["verdict"] == "leak", run.report
-    text = _messages(run)
-    for group in case.holder:  # every group, by one of its texts
-        assert any(alt in text for alt in group), (group, text[-3000:])
-    made = f"{name}.py:{case.made_line()} in {case.made_in}"
-    assert made in text, (made, text[-3000:])
+    # named as a holder (its path, its cycle, the message outside the creation sites)
+    assert reading.holder_named(case, run.report), (case.holder, case.says, _messages(run))
+    assert reading.line_cited(case, run.report), (reading.made_site(case), _messages(run))
 
 
 @pytest.mark.parametrize(("name", "steps"), QUIET, ids=_ids(QUIET))
@@ -143,8 +140,8 @@ def test_a_bounded_store_that_filled_is_reported_as_grown_then_flat(
     case = BY_NAME[name]
     assert case.flat_after is not None
     run = corpus(name, steps)
-    said = GREW_THEN_FLAT.search(run.stderr)
-    assert said, run.stderr[-3000:]
-    _, first, last, flat = said.groups()
-    assert int(first) <= int(last) and abs(int(last) - case.flat_after) <= SLACK, said.group(0)
-    assert int(flat) >= steps - case.flat_after - SLACK, said.group(0)
+    said = reading.grew_then_flat(run.stderr)
+    assert said is not None, run.stderr[-3000:]
+    _, first, last, flat = said
+    assert first <= last and abs(last - case.flat_after) <= SLACK, said
+    assert flat >= steps - case.flat_after - SLACK, said

@@ -11,11 +11,11 @@ one-off cost of the watch included), as ``benchmarks/run_overhead.py`` does. The
 the holder and the creating line are read from the first round's JSON report, and every
 round's exit status is kept, so a verdict that changes between rounds shows.
 
-What is read from a report: ``holder named`` is whether every group of the case's holder
-texts (manifest.py) is met by a finding's message; ``as`` is what leakfree named (the holders'
-paths, or "no holder found"); ``line cited`` is whether ``SCRIPT.py:LINE`` of the ``# MADE``
-line is in a finding's message; ``grew-then-flat`` is whether a plateau control's report says
-``grew by ... then flat for N steps``.
+What is read from a report (reading.py, as the tests read it): ``holder named`` is whether a
+holder the report names matches the case's (manifest.py); ``named as`` is what leakfree named
+(the holders' paths, a cycle, or "no holder found"); ``line cited`` is whether the creation
+site of the ``# MADE`` line (file, line, function) is in a finding; ``grew-then-flat`` is
+whether a plateau control's report says ``grew by ... then flat for N steps``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -38,9 +37,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 sys.path.insert(0, str(ROOT))
 
+from tests.integration.corpus import reading  # noqa: E402
 from tests.integration.corpus.manifest import BY_NAME, CASES, Case  # noqa: E402
-
-GREW_THEN_FLAT = re.compile(r"grew by .+? over steps \d+-\d+, then flat for \d+ steps")
 
 
 def _env() -> dict[str, str]:
@@ -68,19 +66,11 @@ def once(case: Case, steps: int, watched: bool, cwd: str) -> dict[str, Any]:
     return result
 
 
-def _messages(report: dict[str, Any]) -> list[str]:
-    found = list(report.get("findings", []))
-    for child in report.get("children", []):
-        found += child.get("findings", [])
-    return [str(f.get("message", "")) for f in found]
-
-
 def judge(case: Case, steps: int, report: dict[str, Any], stderr: str) -> dict[str, Any]:
     """What a report says about one run, as the table reports it."""
-    messages = _messages(report)
-    text = "\n".join(messages)
-    findings = report.get("findings", [])
+    findings = reading.findings(report)
     holders = [str(h["where"]) for f in findings for h in f.get("holders", [])]
+    holders += [f"cycle: {f['cycle']}" for f in findings if f.get("cycle")]
     first = findings[0] if findings else {}
     row: dict[str, Any] = {
         "verdict": report.get("verdict"),
@@ -93,13 +83,10 @@ def judge(case: Case, steps: int, report: dict[str, Any], stderr: str) -> dict[s
         "named_as": holders[:4] or (["no holder found"] if findings else []),
     }
     if case.role == "leak":
-        row["holder_named"] = bool(messages) and all(
-            any(alt in text for alt in group) for group in case.holder
-        )
-        line = case.made_line()
-        row["line_cited"] = re.search(rf"\b{case.name}\.py:{line}\b", text) is not None
+        row["holder_named"] = reading.holder_named(case, report)
+        row["line_cited"] = reading.line_cited(case, report)
     if case.flat_after is not None:
-        row["grew_then_flat"] = GREW_THEN_FLAT.search(stderr + text) is not None
+        row["grew_then_flat"] = reading.grew_then_flat(stderr) is not None
     return row
 
 
