@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from leakfree._run import EXIT_NOT_JUDGED
+from leakfree.cli.run import EXIT_NOT_JUDGED
 from leakfree.diagnostics.rule import Rule
 from tests.integration.corpus import reading
 from tests.integration.corpus.manifest import BY_NAME, CASES, Case
