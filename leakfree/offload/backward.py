@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from leakfree.offload.allocator import Counts
+from leakfree._allocator import Counts
 from leakfree.offload.handles import Arrival, _Group, _HostCopy, _Offloaded
 from leakfree.offload.measure import StepMeasure
 from leakfree.offload.plan import Planner

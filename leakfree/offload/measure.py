@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from leakfree.offload.allocator import Counts, Span
+from leakfree._allocator import Counts, Span
 from leakfree.offload.link import Link
 from leakfree.offload.plan import Measurement
 
@@ -59,7 +59,7 @@ class StepMeasure:
     The hooks call :meth:`saved` for each storage saved, :meth:`forward_done` at the
     forward's end, :meth:`backward_begins` at backward's first unpack, :meth:`sample` at
     each first unpack (what the device allocates now, and the most since the sample
-    before: :class:`~leakfree.offload.allocator.Span`, which never resets the user's peak
+    before: :class:`~leakfree._allocator.Span`, which never resets the user's peak
     statistics), :meth:`wait` where the compute stream waits for a copy (the time it
     waits is not compute), and :meth:`finish` when backward is over. What the device held
     (its allocator's reserved bytes) is read beside what it allocated: the most beyond the

@@ -11,7 +11,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from leakfree.offload.allocator import Counts, Span
+from leakfree._allocator import Counts, Span
 from leakfree.offload.link import Link
 from leakfree.offload.measure import Marks, StepMeasure
 from leakfree.offload.options import Mode
@@ -40,7 +40,7 @@ class Measurer:
     (:attr:`measuring`: until its backward ends); the step that checks a new plan (what
     the device allocated and held over it, and its time: one host wait at its end); and,
     under a limit, every other step's held memory. Events and numbers only; the user's
-    peak statistics are never reset (:class:`~leakfree.offload.allocator.Span`). Called
+    peak statistics are never reset (:class:`~leakfree._allocator.Span`). Called
     under the manager's lock."""
 
     def __init__(self, planner: Planner, transfers: Copies, stats: OffloadStats) -> None:

@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from leakfree.offload.allocator import Counts
+from leakfree._allocator import Counts
 from leakfree.offload.options import Mode, Options
 
 __all__ = [

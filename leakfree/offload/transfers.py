@@ -19,8 +19,8 @@ from typing import Any, cast
 
 import torch
 
+from leakfree._allocator import reader
 from leakfree._device import device_index
-from leakfree.offload.allocator import reader
 from leakfree.offload.handles import Arrival, _Group, _HostCopy
 from leakfree.offload.link import Link, probe
 from leakfree.offload.pool import HostBlock, HostBlockPool

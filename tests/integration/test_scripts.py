@@ -145,7 +145,7 @@ def test_sdist_and_wheel_ship_the_licence_and_no_partial_test_tree(tmp_path: Pat
         files = whl.namelist()
         metadata = whl.read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
     assert any(f.endswith("LICENSE") for f in files)
-    assert "leakfree/_child/sitecustomize.py" in files  # `leakfree run` watches children
+    assert "leakfree/cli/_child/sitecustomize.py" in files  # `leakfree run` watches children
     assert "Apache License" in (ROOT / "LICENSE").read_text()
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     assert any(r.split()[1].startswith("numpy") for r in requires), requires

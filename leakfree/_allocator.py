@@ -1,10 +1,12 @@
 """The device's caching allocator, read without disturbing it or the user.
 
 The offloader reads what a device allocates and holds to measure a step for a goal's plan
-and to check a limit. It must not change what the user reads: it never resets the peak
-statistics (a trainer that resets them at a step's start and logs ``max_memory_allocated``
-at its end would log leakfree's window instead), and it reads the counts it needs without
-building the flat statistics dictionary ``torch.cuda.memory_stats()`` sorts on every call.
+and to check a limit; the finders read what a step leaves allocated, reserved, and in
+blocks a live tensor splits, to tell a leak from the allocator's cache. Neither may change
+what the user reads: nothing here resets the peak statistics (a trainer that resets them
+at a step's start and logs ``max_memory_allocated`` at its end would log leakfree's
+window instead), and the counts are read without building the flat statistics dictionary
+``torch.cuda.memory_stats()`` sorts on every call.
 
 :class:`Counts` is one reading: what is allocated and reserved now, and their peaks since
 the process began (or since the user last reset them). A step's own peak is seen as a
@@ -25,8 +27,6 @@ import torch
 
 from leakfree._device import device_index
 
-__all__ = ["Counts", "Span", "reader"]
-
 
 class Counts(NamedTuple):
     """One reading of a device's allocator, in bytes: allocated and reserved now, the peak
@@ -38,6 +38,9 @@ class Counts(NamedTuple):
     peak_allocated: int
     peak_reserved: int
     total_allocated: int = 0
+    #: free bytes in segments a live block splits: held, and not given back by
+    #: ``empty_cache`` (fragmentation)
+    inactive_split: int = 0
 
 
 def reader(device: torch.device, module: Any) -> Callable[[], Counts] | None:
@@ -63,6 +66,7 @@ def reader(device: torch.device, module: Any) -> Callable[[], Counts] | None:
                 int(allocated["peak"]),
                 int(reserved["peak"]),
                 int(allocated.get("allocated", 0)),
+                int(d.get("inactive_split_bytes", {}).get("all", {}).get("current", 0)),
             )
 
         return read_nested
@@ -77,6 +81,7 @@ def reader(device: torch.device, module: Any) -> Callable[[], Counts] | None:
                 int(d.get("allocated_bytes.all.peak", 0)),
                 int(d.get("reserved_bytes.all.peak", 0)),
                 int(d.get("allocated_bytes.all.allocated", 0)),
+                int(d.get("inactive_split_bytes.all.current", 0)),
             )
 
         return read_flat
