@@ -228,7 +228,10 @@ def _execute(args: argparse.Namespace, rest: list[str], watch: Any) -> tuple[int
         _report(e)
         return 130, True
     except BaseException as e:
+        oom = watch.out_of_memory(e)  # read before the watch stops, the frames still here
         _report(e)
+        if oom is not None:
+            print(oom.text, file=sys.stderr, flush=True)
         return 1, False
     finally:
         watch.stop()

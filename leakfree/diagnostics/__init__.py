@@ -9,6 +9,8 @@
 * :func:`find_retained`: containers (class attributes included) holding backpropagated
   graphs, with the leaves and gradients they pin; ctx attributes kept after their backward;
   growable containers of tensors without a graph;
+* :mod:`leakfree.diagnostics.oom`: the report so far at an out-of-memory error;
+  :mod:`leakfree.diagnostics.cache`: a leak told from the allocator's cache and fragmentation;
 * :mod:`leakfree.diagnostics.snapshot`: analysis of ``torch.cuda.memory._snapshot()`` files;
 * :func:`count_host_syncs`: device-to-host synchronisations at the aten level.
 """

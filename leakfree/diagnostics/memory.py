@@ -50,6 +50,7 @@ import leakfree._args as _args
 from leakfree._device import accelerator, device_index, device_module
 from leakfree._text import format_bytes, format_table
 from leakfree.diagnostics.boundaries import on_backward
+from leakfree.diagnostics.cache import AllocatorGrowth, CacheVerdict
 from leakfree.diagnostics.detector import Detector, Finding, Rule, whole
 from leakfree.diagnostics.growth import Growth, fit_growth
 from leakfree.diagnostics.heap import heap_counter
@@ -346,6 +347,15 @@ class MemoryTracker:
         for d in self.devices:
             self.series.setdefault(str(d), [])
             self.steps.setdefault(str(d), [])
+        #: per accelerator read from its allocator: what it allocates and reserves, step
+        #: after step, to tell a leak from the allocator's cache (:meth:`allocator_verdicts`)
+        self.allocators: dict[str, AllocatorGrowth] = {}
+        for d in self.devices:
+            if self.use_allocator and d.type not in ("cpu", "meta"):
+                growth = AllocatorGrowth(d)
+                if growth.available:
+                    self.allocators[str(d)] = growth
+        self._warmup = rule.warmup
         self._step = 0
         self._next = 0  #: the next step index to track
         self._rng = random.Random(self.seed)
@@ -497,6 +507,8 @@ class MemoryTracker:
                     now[str(device)] = allocator
         for key, value in now.items():
             self._record(key, index, value)
+        for growth in self.allocators.values():
+            growth.step()
         if self._storages is not None:
             self._storages.epoch = index + 1  # storages made from now on: the next step's
         signal = self._heap() if self._heap is not None else None
@@ -569,6 +581,19 @@ class MemoryTracker:
             raise KeyError(f"device {key!r} is not tracked; tracked: {', '.join(self.series)}")
         return key
 
+    def allocator_verdicts(self) -> dict[str, CacheVerdict]:
+        """Per accelerator read from its allocator, from the end of the warm-up to the last
+        step: whether what tensors hold grew (a leak), what the allocator keeps reserved
+        beyond it (its cache, fragmentation), both or neither, with the knob that helps
+        (:class:`~leakfree.diagnostics.cache.CacheVerdict`). Devices with fewer than two
+        steps after the warm-up are left out."""
+        verdicts = {}
+        for key, allocator in self.allocators.items():
+            verdict = allocator.verdict(self._warmup)
+            if verdict is not None:
+                verdicts[key] = verdict
+        return verdicts
+
     def report(self, *, skip: int = 1, findings: bool = True) -> str:
         """A table: per device, steps, first and last live bytes, growth per step; then
         each finding (with ``findings``)."""
@@ -591,6 +616,13 @@ class MemoryTracker:
                 )
             )
         table = format_table(("device", "steps", "first", "last", "growth per step"), rows)
+        cache = [
+            f"{key}: {v.message}"
+            for key, v in self.allocator_verdicts().items()
+            if v.kind != "none"
+        ]
+        if cache:
+            table += "\n\n" + "\n".join(cache)
         if not findings or not self.findings:
             return table
         return table + "\n\n" + "\n\n".join(f.message for f in self.findings)

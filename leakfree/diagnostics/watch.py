@@ -24,6 +24,7 @@ byte counts, no tensors) stay.
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -34,8 +35,11 @@ import torch
 import leakfree._args as _args
 from leakfree._text import format_bytes
 from leakfree.diagnostics.boundaries import on_backward
+from leakfree.diagnostics.cache import CacheVerdict
 from leakfree.diagnostics.detector import Finding, Rule, whole
 from leakfree.diagnostics.memory import MemoryTracker, weak_method
+from leakfree.diagnostics.oom import OutOfMemoryReport, is_out_of_memory
+from leakfree.diagnostics.oom import report as oom_report
 from leakfree.diagnostics.roots import judged_device, named_roots
 from leakfree.errors import MemoryGrowthWarning
 
@@ -104,6 +108,10 @@ class Watch:
         self._thread = 0
         #: the verdict when the watch last stopped: (verdict, judged steps, needed, why not)
         self._verdict: tuple[str, int, int, str] = ("not judged", 0, rule.window, "")
+        #: per device, the allocator's verdict when the watch stopped (cache or leak)
+        self.allocator: dict[str, CacheVerdict] = {}
+        #: the report made at an out-of-memory error, if one ended the watch
+        self.oom: OutOfMemoryReport | None = None
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -146,12 +154,33 @@ class Watch:
                 tracker.detector.finish()  # growth being confirmed: judged on what is in
             finally:
                 self._verdict = _verdict_of(tracker.detector)
+                self.allocator = tracker.allocator_verdicts()
                 tracker.__exit__(None, None, None)
+
+    def out_of_memory(self, error: BaseException) -> OutOfMemoryReport | None:
+        """The report so far at ``error``, an out-of-memory error raised while watching
+        (:mod:`~leakfree.diagnostics.oom`), kept as :attr:`oom`; None when the watch is
+        not active or ``error`` is another error. Call it before :meth:`stop`, where the
+        error is caught; the error is the caller's to re-raise."""
+        tracker = self._tracker
+        if tracker is None or not is_out_of_memory(error):
+            return None
+        try:
+            self.oom = oom_report(tracker, error, owner=self.owner)
+        except Exception as e:  # the user's error comes first: say ours, never raise it
+            self.notes.append(f"the out-of-memory report failed ({type(e).__name__}: {e})")
+            return None
+        return self.oom
 
     def __enter__(self) -> Watch:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
+        # An out-of-memory error leaves the block with the report so far on stderr; it is
+        # re-raised unchanged (this returns None).
+        if error is not None and self.out_of_memory(error) is not None:
+            assert self.oom is not None
+            print(self.oom.text, file=sys.stderr, flush=True)
         self.stop()
 
     # -- boundaries --------------------------------------------------------------------
@@ -238,6 +267,9 @@ class Watch:
         else:
             lines.append(f"leakfree: {len(self._findings)} leak(s) found:")
             lines.extend(f.message for f in self._findings)
+        for device, cache in self.allocator.items():
+            if cache.kind != "none":
+                lines.append(f"leakfree: on {device}, {cache.message}")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -255,6 +287,18 @@ class Watch:
             "per_backward": self.per_backward,
             "notes": list(self.notes),
             "findings": [_finding_dict(f) for f in self._findings],
+            "allocator": {
+                device: {
+                    "kind": v.kind,
+                    "steps": v.steps,
+                    "allocated": v.allocated,
+                    "cached": v.cached,
+                    "split": v.split,
+                    "message": v.message,
+                }
+                for device, v in self.allocator.items()
+            },
+            "out_of_memory": self.oom.as_dict() if self.oom is not None else None,
         }
 
 

@@ -482,3 +482,63 @@ def test_a_module_that_cannot_be_imported_gets_python_s_error_and_status_and_no_
         assert run.status == 1, run.stderr
         assert f"No module named {args[-1]}" in run.stderr
         assert "leakfree:" not in run.stderr and "judged" not in run.stderr  # nothing ran
+
+
+#: The PyTorch FAQ's "don't accumulate history across your training loop", in its
+#: validation form: each validation loss kept with its graph (no ``torch.no_grad()``), its
+#: activations alive, until the allocator refuses. The CPU's allocator refuses for real
+#: under an address-space cap set after the first step (threads and optimizer state made).
+OUT_OF_MEMORY = """
+import resource, sys
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def train_step():
+    loss = model(torch.randn(64, 256)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def validate():
+    return model(torch.randn(512, 256)).pow(2).mean()  # MADE
+
+
+train_step()
+pages = int(open("/proc/self/statm").read().split()[0])
+cap = pages * resource.getpagesize() + (int(sys.argv[1]) << 20)
+resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
+val_losses = []
+for step in range(10_000):
+    train_step()
+    val_losses.append(validate())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux's /proc")
+def test_an_out_of_memory_error_ends_with_the_report_so_far_and_the_error_unchanged(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "val_oom.py").write_text(OUT_OF_MEMORY)
+    made = next(i for i, line in enumerate(OUT_OF_MEMORY.splitlines(), 1) if "# MADE" in line)
+    run = leakfree_run(tmp_path, "--fail", "val_oom.py", "160", fork=True)
+    assert run.status == 1, run.stderr[-3000:]  # python's status for the uncaught error
+    error = "DefaultCPUAllocator: can't allocate memory"
+    # python's traceback first, from the script's frames, then the report so far
+    traceback, report = run.stderr.split("leakfree run: out of memory after ", 1)
+    assert (
+        "Traceback (most recent call last)" in traceback and "RuntimeError: [enforce" in traceback
+    )
+    assert error in traceback.splitlines()[-1]
+    oom = run.report["out_of_memory"]
+    assert error in oom["error"] and oom["step"] == run.report["optimizer_steps"] > 8
+    assert oom["holders"][0]["where"] == "val_losses[*]" and oom["holders"][0]["kind"] == "graph"
+    assert oom["holders"][0]["bytes"] > 100 << 20  # what a 160 MiB cap let it keep
+    assert oom["lines"][0]["line"] == f"val_oom.py:{made} in validate"
+    assert "who holds the most now:\n    val_losses[*]  graph" in report
+    assert f"val_oom.py:{made} in validate" in report and run.report["verdict"] == "leak"
