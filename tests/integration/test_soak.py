@@ -22,7 +22,7 @@ from leakfree import OffloadActivations
 from leakfree.diagnostics import MemoryTracker
 from tests._soak import Soak
 
-STEPS = 10_000
+STEPS = 4_000
 #: what leakfree may allocate and still hold after step 100, beyond the most it held by
 #: the middle of the run (containers rebuilt as they sweep their dead)
 GROWTH = 16 << 10
