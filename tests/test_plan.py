@@ -624,3 +624,28 @@ def test_microbatches_of_varying_count_follow_one_plan(sim: Any) -> None:
             model(x).square().mean().backward()
         assert all(torch.equal(a, b) for a, b in zip(got, _grads(model)))
     assert ctx.plan is not None and ctx.plan.replans == 0 and ctx.plan.moved > 0
+
+
+@pytest.mark.parametrize("duplex", [1.0, 0.44])
+def test_the_link_is_measured_after_the_copies_already_queued(sim: Any, duplex: float) -> None:
+    """The probe's copies wait for what the compute stream already queued (a batch's
+    non-blocking copy to the device, in the same copy engine), so what it measures is the
+    link, not the link behind a copy of the user's: the same rates and share as on an idle
+    device. (Without the waits the copy back queues behind the batch's copy: both
+    directions at once look 3x slower than either alone, and the copy back beside compute
+    half as fast.)"""
+    from leakfree.offload.link import probe
+
+    rates = dataclasses.replace(SMALL, duplex=duplex)
+    nbytes = 4 << 20
+    streams = (sim.module.Stream(), sim.module.Stream())
+    with attach(rates):
+        idle = probe(sim.device, sim.module, streams, nbytes)
+        batch = torch.empty(8 * nbytes, dtype=torch.uint8, pin_memory=True)
+        on_device = torch.empty(8 * nbytes, dtype=torch.uint8, device=sim.device)
+        on_device.copy_(batch, non_blocking=True)  # queued on the compute stream
+        busy = probe(sim.device, sim.module, streams, nbytes)
+        sim.module.synchronize()
+    assert busy.duplex == pytest.approx(idle.duplex, rel=0.05), (busy, idle)
+    assert busy.to_device == pytest.approx(idle.to_device, rel=0.05), (busy, idle)
+    assert busy.to_host == pytest.approx(idle.to_host, rel=0.05), (busy, idle)

@@ -63,6 +63,10 @@ def probe(device: torch.device, module: Any, streams: tuple[Any, Any], nbytes: i
         rate = nbytes / seconds if seconds > 0 else float("inf")
         return Link(rate, rate, 1.0, (rate, rate))
     out_stream, back_stream = streams
+    # Measured on an idle device: a copy queued before (a batch's, in the same copy
+    # engines) would be timed with ours, and a direction that runs beside it as the share
+    # the other leaves it. The probe waits for its copies anyway; this is one wait more.
+    module.synchronize(device)
     host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     with module.stream(out_stream):
@@ -106,13 +110,11 @@ def _timed(module: Any, stream: Any, copy: Callable[[], None]) -> float:
 
 
 def _both(device: torch.device, module: Any, *copies: tuple[Any, Callable[[], None]]) -> float:
-    """Seconds from the start of the first of ``copies`` (each on its stream, all released
-    by one event) to the end of the last."""
-    go = module.current_stream(device).record_event()
+    """Seconds from the start of the first of ``copies`` (each on its stream, issued one
+    after the other on an idle device) to the end of the last."""
     ends = []
     begin = module.Event(enable_timing=True)
     for i, (stream, copy) in enumerate(copies):
-        stream.wait_event(go)
         with module.stream(stream):
             if i == 0:
                 begin.record(stream)
@@ -146,15 +148,10 @@ def _beside(
             break
         side *= 2
     count = 1 if one <= 0 else min(256, max(1, math.ceil(_COMPUTE_SPAN * alone / one)))
-    go = module.Event()
-    _product(a)  # the copies start once compute runs
-    go.record(compute)
-    for _ in range(count - 1):
+    for _ in range(count):  # queued first: the copies, issued next, run beside them
         _product(a)
     seconds = []
-    previous = go
-    for stream, copy in copies:
-        stream.wait_event(previous)
+    for stream, copy in copies:  # one after the other: the host waits for each
         begin = module.Event(enable_timing=True)
         end = module.Event(enable_timing=True)
         with module.stream(stream):
@@ -163,6 +160,5 @@ def _beside(
             end.record(stream)
         end.synchronize()
         seconds.append(float(begin.elapsed_time(end)) / 1e3)
-        previous = end
     compute.synchronize()
     return seconds
