@@ -645,6 +645,9 @@ def test_the_link_is_measured_after_the_copies_already_queued(sim: Any, duplex: 
         on_device = torch.empty(8 * nbytes, dtype=torch.uint8, device=sim.device)
         on_device.copy_(batch, non_blocking=True)  # queued on the compute stream
         busy = probe(sim.device, sim.module, streams, nbytes)
+        # and leaves the device idle: the products it ran beside the copies are not timed
+        # with the step that follows
+        assert sim.module.current_stream().query()
         sim.module.synchronize()
     assert busy.duplex == pytest.approx(idle.duplex, rel=0.05), (busy, idle)
     assert busy.to_device == pytest.approx(idle.to_device, rel=0.05), (busy, idle)
