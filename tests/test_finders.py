@@ -825,3 +825,42 @@ def test_reading_a_kept_exceptions_frames_keeps_none_of_their_locals(no_gc: None
         assert [r for r in outputs if r() is not None] == []  # all freed, train() running
 
     train()
+
+
+# --- holders a walk from the roots used not to reach, and every holder of a tensor --------
+#
+# The held-out corpus's shapes (tests/integration/corpus/), reduced to a few lines: a cache
+# inside a C-implemented wrapper on a class, attributes a removed hook set on a module kept
+# in a list, a cycle through a Function's ctx under gc.disable(), a tensor held twice.
+
+
+class Pinned(torch.autograd.Function):
+    """NVIDIA/warp#675 (2025): forward returns what it computed and keeps it on ctx:
+    node -> ctx -> tensor -> grad_fn -> node, a cycle only the collector frees."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        forces = -2 * x
+        ctx.forces = forces
+        return x.square().sum(), forces
+
+    @staticmethod
+    def backward(ctx: Any, grad_e: torch.Tensor, grad_f: torch.Tensor) -> torch.Tensor:
+        return -grad_e * ctx.forces - 2 * grad_f
+
+
+def test_a_cycle_through_a_functions_ctx_is_named_as_its_ctx_attribute(
+    no_auto_gc: None,
+) -> None:
+    model, opt = model_and_opt()
+
+    def step() -> None:
+        energy, forces = Pinned.apply(model(torch.randn(8, 32)))
+        (energy + forces.mean()).backward()
+        opt.step()
+        opt.zero_grad()
+
+    [found] = watch(step, steps=14)
+    assert found.kind == "cycles" and "gc is disabled" in found.message
+    assert "cycle: Pinned.ctx.forces -> Tensor.grad_fn -> Pinned.ctx" in found.message
+    assert "ctx.save_for_backward keeps it without a cycle" in found.message
