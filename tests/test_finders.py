@@ -8,6 +8,7 @@ from :func:`line_of`, so editing this file does not break them.
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import inspect
@@ -832,6 +833,40 @@ def test_reading_a_kept_exceptions_frames_keeps_none_of_their_locals(no_gc: None
 # The held-out corpus's shapes (tests/integration/corpus/), reduced to a few lines: a cache
 # inside a C-implemented wrapper on a class, attributes a removed hook set on a module kept
 # in a list, a cycle through a Function's ctx under gc.disable(), a tensor held twice.
+
+
+def train_step(model: nn.Module, opt: Any) -> None:
+    model(torch.randn(8, 32)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+class Utterance:
+    """sktime/pytorch-forecasting#1905's fix where the instances live for the run:
+    ``cached_property`` keeps each one's features as long as the dataset keeps it."""
+
+    def __init__(self, wave: torch.Tensor) -> None:
+        self.wave = wave
+
+    @functools.cached_property
+    def features(self) -> torch.Tensor:
+        return torch.log1p(self.wave.abs())
+
+
+def test_a_field_of_a_containers_items_is_named_apart_from_their_other_fields() -> None:
+    """The waves a dataset was built with do not grow; the features read since do."""
+    model, opt = model_and_opt()
+    waves = torch.randn(64, 32)
+    utterances = [Utterance(waves[i]) for i in range(64)]
+    reads = itertools.count()
+
+    def step() -> None:
+        train_step(model, opt)
+        utterances[next(reads)].features.sum()
+
+    [found] = watch(step, steps=14, roots={"utterances": utterances})
+    assert "\n  utterances[*].features  " in found.message
+    assert ".wave" not in found.message
 
 
 class Pinned(torch.autograd.Function):

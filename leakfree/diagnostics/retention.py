@@ -165,6 +165,8 @@ class RetentionReport:
 
 
 _INDEX = re.compile(r"\[-?\d+\]")
+#: an attribute or a string key along a path (``.features``, ``['state']``)
+_FIELD = re.compile(r"\.\w|\['")
 
 
 def holder_key(item: Retained) -> tuple[str, str]:
@@ -337,17 +339,16 @@ def _growable(obj: Any) -> bool:
     return False
 
 
-_LIVES_WITH_MODEL = (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)
-
-
 def _holder(located: Located) -> tuple[int, Located, int] | None:
     """The nearest growable container holding a detached tensor, or None when the tensor
-    is model or optimizer state (a module, an optimizer or a tensor comes first)."""
+    is optimizer state, a tensor's (hangs off another tensor) or model state (a module
+    comes first and no growable container holds that module: a module kept in a list,
+    say an explainer's made per step, keeps what was set on it)."""
     holders = located.holders()
     if any(isinstance(obj, torch.optim.Optimizer) for obj, _ in holders):
         return None
     for depth, (obj, _) in enumerate(holders):
-        if isinstance(obj, _LIVES_WITH_MODEL):
+        if isinstance(obj, torch.Tensor):
             return None
         if _growable(obj):
             return id(obj), located, depth
@@ -567,20 +568,34 @@ class _Graphs:
         ]
 
 
-_Holders = dict[int, tuple[str, Located, int, list[torch.Tensor]]]
+_Holders = dict[tuple[int, str], tuple[str, Located, int, dict[int, torch.Tensor]]]
 
 
 def _holders(found: list[_Found]) -> _Holders:
     """Phase 3's input: the growable containers that hold tensors without a graph (not
-    parameters), each with its tensors, keyed by the container."""
+    parameters), each with its tensors, keyed by the container and the way from it to
+    them with indices as ``[*]`` (``utterances[*].features`` apart from
+    ``utterances[*].wave``: what grows apart from what does not)."""
     holders: _Holders = {}
     for name, tensor, located in found:
         if tensor.grad_fn is None and _parameter_of(tensor) is None:
             held = _holder(located)
             if held is not None:
-                entry = holders.setdefault(held[0], (name, held[1], held[2], []))
-                entry[3].append(tensor)
+                below = _below(located, held[2])
+                entry = holders.setdefault((held[0], below), (name, held[1], held[2], {}))
+                entry[3][id(tensor)] = tensor  # once, however many of its items hold it
     return holders
+
+
+def _below(located: Located, up: int) -> str:
+    """The way from the container ``up`` levels above a tensor down to it, indices as
+    ``[*]`` (``[*].features``), where it names a field (an attribute, a key); "" for a
+    tensor the container holds itself or through indices and closures only."""
+    if not up:
+        return ""
+    path, container = located(), located.above(up)()
+    below = path[len(container) :] if path.startswith(container) else path
+    return _INDEX.sub("[*]", below) if _FIELD.search(below) else ""
 
 
 def _ctx_site(node: Any, attr: str, made: Callable[[torch.Tensor], str]) -> str:
@@ -603,14 +618,15 @@ def _detached(
     before = {r.where: r for r in since.all_detached} if since is not None else {}
     out = []
     seen: set[int] = set()
-    for name, located, up, tensors in holders.values():
+    for (_, below), (name, located, up, held) in holders.items():
+        tensors = list(held.values())
         nbytes = 0
         for t in tensors:
             key = _key(t)
             if key is not None and key not in seen:
                 seen.add(key)
                 nbytes += int(t.untyped_storage().nbytes())
-        where = located.above(up).named(name)
+        where = located.above(up).named(name) + below
         detail = f"{len(tensors)} tensor(s) without a graph"
         if since is not None:
             old = before.get(where)
