@@ -395,15 +395,33 @@ def edges_of(obj: Any) -> list[Edge]:
 
 
 def _class_fields(cls: type) -> Iterator[Edge]:
-    """A class's own data attributes: what a ``class C: registry = []`` keeps alive."""
+    """A class's own data attributes: what a ``class C: registry = []`` keeps alive, and the
+    caches of its cached methods (``@lru_cache`` on ``__getitem__`` too, and under a
+    ``property``, a ``staticmethod`` or a ``classmethod``): they live with the class."""
     for name, v in list(vars(cls).items()):
+        cached = _cached(v)
+        if cached is not None:
+            yield f".{name}", cached
+            continue
         if name.startswith("__") and name.endswith("__"):
             continue
-        if isinstance(v, type) or (
-            hasattr(type(v), "__get__") and not (_LRU is not None and isinstance(v, _LRU))
-        ):  # methods, properties... (a cached method's cache lives with the class)
+        if isinstance(v, type) or hasattr(type(v), "__get__"):  # methods, properties...
             continue
         yield f".{name}", v
+
+
+def _cached(v: Any) -> Any:
+    """The ``functools.lru_cache`` wrapper a class attribute is or wraps (a property's
+    getter, setter or deleter; a static or class method's function), or None."""
+    if _LRU is None:
+        return None
+    if isinstance(v, _LRU):
+        return v
+    if isinstance(v, property):
+        return next((f for f in (v.fget, v.fset, v.fdel) if isinstance(f, _LRU)), None)
+    if isinstance(v, (staticmethod, classmethod)) and isinstance(v.__func__, _LRU):
+        return v.__func__
+    return None
 
 
 #: type -> the classes along its MRO whose attributes a ``classes=True`` walk visits.

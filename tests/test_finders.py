@@ -835,10 +835,77 @@ def test_reading_a_kept_exceptions_frames_keeps_none_of_their_locals(no_gc: None
 # in a list, a cycle through a Function's ctx under gc.disable(), a tensor held twice.
 
 
+class SpeechItems:
+    """MoonshotAI/Kimi-Audio#117 (2025): ``lru_cache`` on a dataset's ``__getitem__``."""
+
+    def __init__(self, cached: bool) -> None:
+        self.waves = torch.randn(64, 32)
+        self.cached = cached
+
+    def read(self, i: int) -> dict[str, torch.Tensor]:
+        return self.__getitem__(i) if self.cached else self.plain(i)
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019, UP033 (the report's code)
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.plain(i)
+
+    def plain(self, i: int) -> dict[str, torch.Tensor]:
+        return {"features": torch.log1p(self.waves[i].abs() * 2)}
+
+
+class CachedWindow:
+    """sktime/pytorch-forecasting#1905 (2025): ``@property`` over ``@functools.cache``."""
+
+    def __init__(self, series: torch.Tensor, start: int) -> None:
+        self.series = series
+        self.start = start
+
+    @property
+    @functools.cache  # noqa: B019 (the report's code)
+    def features(self) -> torch.Tensor:
+        x = self.series[self.start : self.start + 8]
+        return x - x.mean(0)
+
+
 def train_step(model: nn.Module, opt: Any) -> None:
     model(torch.randn(8, 32)).square().mean().backward()
     opt.step()
     opt.zero_grad()
+
+
+def test_an_lru_cache_on_getitem_is_named_by_its_class() -> None:
+    """The cache lives in the C wrapper on the class, under a dunder name: reached from
+    the dataset, through its class."""
+    model, opt = model_and_opt()
+    reads = itertools.count()
+
+    def step(data: SpeechItems) -> None:
+        train_step(model, opt)
+        data.read(next(reads))  # a new item every step, as an epoch reads them
+
+    data = SpeechItems(cached=True)
+    [found] = watch(lambda: step(data), steps=14, roots={"data": data})
+    assert "SpeechItems.__getitem__<cache>[<tuple>]['features']  " in found.message
+    assert f"in {HERE}" not in found.message  # the holder is named, not a lone line
+    assert f"{HERE}:{line_of(SpeechItems.plain, 'log1p')} in SpeechItems.plain" in found.message
+    SpeechItems.__getitem__.cache_clear()
+    plain = SpeechItems(cached=False)
+    assert watch(lambda: step(plain), steps=14, roots={"data": plain}) == []
+
+
+def test_a_functools_cache_under_a_property_is_named_by_the_property() -> None:
+    model, opt = model_and_opt()
+    series = torch.randn(256, 4)
+    starts = itertools.count()
+
+    def step() -> None:
+        train_step(model, opt)
+        window = CachedWindow(series, next(starts))
+        window.features.sum()  # a window per step, and the cache keeps each
+
+    [found] = watch(step, steps=14)
+    assert "CachedWindow.features<cache>  " in found.message
+    CachedWindow.features.fget.cache_clear()  # type: ignore[attr-defined]
 
 
 class Utterance:
