@@ -488,6 +488,11 @@ class Located:
             at = self._trail[at][0]
         return Located(self._trail, at)
 
+    def holder(self) -> Any:
+        """The object that holds the tensor directly (None at a root)."""
+        at = self._trail[self._at][0]
+        return self._trail[at][2] if at >= 0 else None
+
     def holders(self) -> list[tuple[Any, str]]:
         """``(object, label)`` from the tensor's direct holder up to the root: the label
         is the edge by which that object reached the next one down (``"[3]"``)."""

@@ -867,6 +867,27 @@ class CachedWindow:
         return x - x.mean(0)
 
 
+class HookedExplainer:
+    """jmschrei/tangermeme#84 (2026): forward hooks set ``module.input`` and are removed;
+    the attributes stay, on a module each explainer makes."""
+
+    def __init__(self, model: nn.Module, clear: bool) -> None:
+        self.model = model
+        self.softmax = nn.Softmax(dim=-1)
+        self.clear = clear
+
+    def _keep_io(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        module.input = inputs[0].clone().detach()
+
+    def attribute(self, x: torch.Tensor) -> torch.Tensor:
+        handle = self.softmax.register_forward_hook(self._keep_io)
+        probs = self.softmax(self.model(x)).detach()
+        handle.remove()
+        if self.clear:
+            del self.softmax.input  # the upstream fix
+        return probs
+
+
 def train_step(model: nn.Module, opt: Any) -> None:
     model(torch.randn(8, 32)).square().mean().backward()
     opt.step()
@@ -906,6 +927,24 @@ def test_a_functools_cache_under_a_property_is_named_by_the_property() -> None:
     [found] = watch(step, steps=14)
     assert "CachedWindow.features<cache>  " in found.message
     CachedWindow.features.fget.cache_clear()  # type: ignore[attr-defined]
+
+
+def test_attributes_a_removed_forward_hook_set_are_named_with_the_hook() -> None:
+    model, opt = model_and_opt()
+    probe = torch.randn(4, 32)
+
+    def step(reports: list[dict[str, Any]], clear: bool) -> None:
+        train_step(model, opt)
+        explainer = HookedExplainer(model, clear)
+        reports.append({"top": explainer.attribute(probe).argmax().item(), "explainer": explainer})
+
+    reports: list[dict[str, Any]] = []
+    [found] = watch(lambda: step(reports, False), steps=14, roots={"reports": reports})
+    line = found.message.splitlines()[-1]
+    assert line.startswith("  reports[*]['explainer'].softmax.input  "), line
+    assert "by the forward hook HookedExplainer._keep_io: removing the hook" in line
+    fixed: list[dict[str, Any]] = []
+    assert watch(lambda: step(fixed, True), steps=14, roots={"reports": fixed}) == []
 
 
 class Utterance:

@@ -208,4 +208,5 @@ def _line(item: Retained) -> str:
     else:
         what = item.kind
     made = f"  created at {item.site}" if item.site else ""
-    return f"{item.where}  {what}, {format_bytes(item.nbytes)}{made}"
+    note = f", {item.note}" if item.note else ""
+    return f"{item.where}  {what}, {format_bytes(item.nbytes)}{note}{made}"

@@ -101,10 +101,14 @@ class Retained:
     nodes: int = 0
     #: listed without ``everything=True``: not what a clean loop holds too
     listed: bool = True
+    #: how the holder came to hold it, where that is known (``set on each Softmax module by
+    #: the forward hook Explainer._keep_io...``)
+    note: str = ""
 
     def __str__(self) -> str:
         made = f"  created at {self.site}" if self.site else ""
-        return f"{self.where}  {self.kind}, {format_bytes(self.nbytes)}{made}"
+        note = f", {self.note}" if self.note else ""
+        return f"{self.where}  {self.kind}, {format_bytes(self.nbytes)}{note}{made}"
 
 
 @dataclass
@@ -197,8 +201,11 @@ def group(items: list[Retained]) -> list[Retained]:
         floating = sum(m.floating for m in members)
         nodes = sum(m.nodes for m in members)
         listed = any(m.listed for m in members)
+        note = next((m.note for m in members if m.note), "")
         out.append(
-            Retained(kind, where, nbytes, detail, count, site, through, floating, nodes, listed)
+            Retained(
+                kind, where, nbytes, detail, count, site, through, floating, nodes, listed, note
+            )
         )
     return sorted(out, key=lambda i: -i.nbytes)
 
@@ -213,7 +220,8 @@ def _table(items: list[Retained]) -> str:
     rows = []
     ordered = group(items)
     for i in ordered[:_ROWS]:
-        rows.append((i.kind, i.where, format_bytes(i.nbytes), i.site or "?", i.detail))
+        detail = f"{i.detail}; {i.note}" if i.note else i.detail
+        rows.append((i.kind, i.where, format_bytes(i.nbytes), i.site or "?", detail))
     if len(ordered) > _ROWS:
         rest = ordered[_ROWS:]
         rows.append(("...", f"{len(rest)} more", format_bytes(sum(i.nbytes for i in rest)), "", ""))
@@ -454,7 +462,7 @@ def find_retained(
     found, anyway = _reach(named, depth)
     graphs = _Graphs(anyway, made)
     kept = [g for g in (graphs.judge(*f, everything) for f in found if f[1].grad_fn) if g]
-    every, shown = _detached(_holders(found), since, made, everything)
+    every, shown = _detached(_holders(found), since, made, everything, site_of)
     report = RetentionReport(graphs.ctx_entries() + kept, [d for d, s in zip(every, shown) if s])
     report.all_detached = every
     return report
@@ -611,6 +619,7 @@ def _detached(
     since: RetentionReport | None,
     made: Callable[[torch.Tensor], str],
     everything: bool,
+    site_of: SiteOf | None,
 ) -> tuple[list[Retained], list[bool]]:
     """Phase 3: every detached holder, and which to show: all with ``everything``, else
     those grown since ``since``."""
@@ -639,11 +648,41 @@ def _detached(
             growing = False
         site = next((m for m in map(made, reversed(tensors)) if m), "")
         floating = sum(1 for t in tensors if _computed(t))
+        known = (site_of(t) for t in reversed(tensors)) if site_of is not None else iter(())
+        note = _set_on_module(located, next((f for f in known if f is not None), None))
         out.append(
-            Retained("detached", where, nbytes, detail, len(tensors), site, floating=floating)
+            Retained(
+                "detached", where, nbytes, detail, len(tensors), site, floating=floating, note=note
+            )
         )
         shown.append(everything or growing)
     return out, shown
+
+
+def _set_on_module(located: Located, found: object) -> str:
+    """What to say of a tensor set as a plain attribute on a module (not a parameter, a
+    buffer or a submodule: those sit in the module's tables), ``found`` where it was made
+    (a :class:`~leakfree.diagnostics.sites.Site`, or None): by which function, and, when
+    its signature is a forward hook's (``module, args, output``), that removing the hook
+    leaves the attribute. "" for a tensor held otherwise."""
+    module = located.holder()
+    if not isinstance(module, torch.nn.Module):
+        return ""
+    kind = type(module).__name__
+    found = getattr(found, "caller", None) or found  # the user's own frame, if any
+    code = getattr(found, "code", None)
+    if code is None:
+        return f"a plain attribute of each {kind} module (not a parameter or buffer)"
+    args = code.co_varnames[: code.co_argcount]
+    if args and args[0] == "self":
+        args = args[1:]
+    function = getattr(found, "function", code.co_name)
+    if len(args) in (3, 4):  # (module, args, output), or (module, args, kwargs, output)
+        return (
+            f"set on each {kind} module by the forward hook {function}: removing the hook "
+            "leaves the attribute, delete it then"
+        )
+    return f"set on each {kind} module by {function} (not a parameter or buffer)"
 
 
 def _computed(tensor: torch.Tensor) -> bool:
