@@ -514,16 +514,20 @@ def walk(
     modules: bool = False,
     visited: set[int] | None = None,
     classes: bool = False,
+    again: bool = False,
 ) -> Iterator[tuple[torch.Tensor, Located]]:
     """Every tensor reachable from ``root``, once each, with a :class:`Located` giving its
     path from ``root`` (built only when called: ``"[0].data"``, ``"['loss']"``...).
+    With ``again=True``, a tensor met again from another holder (an object visited for the
+    first time, or another root) is yielded again with that holder's path, and not walked
+    into twice: every holder of a tensor is named, each object is still visited once.
 
     ``depth`` bounds how many edges deep the walk goes (None: no bound); ``modules=True``
     also walks into ``torch.nn.Module`` instances (their attributes), which the hot path
     skips; ``classes=True`` (diagnostics) also walks the class attributes of walked
     objects' classes, tensors' hooks, exceptions' tracebacks and ``lru_cache`` entries
     (see the module doc); ``visited`` (object ids) is shared between calls to walk several
-    roots once. Stops after ``limit`` visited objects.
+    roots once. Stops after ``limit`` visited objects (tensors met again count too).
     """
     stack: list[tuple[Any, int, str, int]] = [(root, -1, "", 0)]
     trail: list[tuple[int, str, Any]] = []
@@ -533,6 +537,12 @@ def walk(
         obj, parent, label, level = stack.pop()
         key = id(obj)
         if key in seen:
+            if again and isinstance(obj, torch.Tensor):
+                count += 1
+                if count > limit:
+                    return
+                trail.append((parent, label, obj))
+                yield obj, Located(trail, len(trail) - 1)
             continue
         seen.add(key)
         count += 1

@@ -1005,3 +1005,23 @@ def test_a_cycle_through_a_functions_ctx_is_named_as_its_ctx_attribute(
     assert found.kind == "cycles" and "gc is disabled" in found.message
     assert "cycle: Pinned.ctx.forces -> Tensor.grad_fn -> Pinned.ctx" in found.message
     assert "ctx.save_for_backward keeps it without a cycle" in found.message
+
+
+def test_a_tensor_held_from_two_places_names_both_holders() -> None:
+    """A schedule's internal list and the user's both hold each loss (torch's pipelining
+    hands its losses over that way): each holder is named, the graph walked once."""
+    model, opt = model_and_opt()
+    kept: list[torch.Tensor] = []
+    for _ in range(3):
+        loss = model(torch.randn(8, 32)).square().mean()
+        loss.backward()
+        kept.append(loss)
+    mine = list(kept)
+    report = find_retained(kept, mine, names=["kept", "mine"])
+    wheres = sorted(r.where for r in report if r.kind == "graph")
+    assert wheres == [f"{name}[{i}]" for name in ("kept", "mine") for i in range(3)]
+    first = {r.where: r for r in report}
+    assert first["kept[0]"].nbytes == first["mine[0]"].nbytes > 0  # each pins the graph
+    twice = find_retained([kept[0], kept[0]], names=["same"])  # one holder, listed once
+    assert len([r for r in twice if r.kind == "graph"]) == 1
+    opt.zero_grad()

@@ -48,7 +48,7 @@ import collections
 import inspect
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -472,13 +472,28 @@ _Found = tuple[str, torch.Tensor, Located]
 
 
 def _reach(named: list[tuple[str, Any]], depth: int) -> tuple[list[_Found], set[int]]:
-    """Phase 1: every tensor the roots hold, and the storages that live anyway (parameters,
-    and what the roots hold outside a graph): charged to no graph."""
+    """Phase 1: every tensor the roots hold, once per holder (a tensor in two lists is found
+    in both), and the storages that live anyway (parameters, and what the roots hold
+    outside a graph): charged to no graph."""
     visited: set[int] = set()
     anyway: set[int] = set()
     found: list[_Found] = []
+    met: set[int] = set()  # tensors found once
+    holders: set[tuple[int, int]] = set()  # (tensor, its direct holder) found
     for name, root in named:
-        for tensor, located in walk(root, depth=depth, modules=True, visited=visited, classes=True):
+        for tensor, located in walk(
+            root, depth=depth, modules=True, visited=visited, classes=True, again=True
+        ):
+            pair = (id(tensor), id(located.holder()))
+            if id(tensor) in met:
+                # Met again: another holder, named too, unless the same one (``[t, t]``) or
+                # a parameter (it lives anyway, whoever refers to it).
+                if pair not in holders and _parameter_of(tensor) is None:
+                    holders.add(pair)
+                    found.append((name, tensor, located))
+                continue
+            met.add(id(tensor))
+            holders.add(pair)
             found.append((name, tensor, located))
             param = _parameter_of(tensor)
             if param is not None:
@@ -488,6 +503,18 @@ def _reach(named: list[tuple[str, Any]], depth: int) -> tuple[list[_Found], set[
                 if key is not None:
                     anyway.add(key)
     return found, anyway
+
+
+@dataclass
+class _Judged:
+    """One tensor's graph as phase 2 walked it, and its entry once made."""
+
+    graph_bytes: int = 0
+    nodes: int = 0
+    backpropagated: bool = False
+    retained: bool = False
+    leaves: list[Any] = field(default_factory=list)
+    entry: Retained | None = None
 
 
 class _Graphs:
@@ -504,51 +531,66 @@ class _Graphs:
         self.ctx_bytes: dict[str, int] = {}
         self.ctx_nodes: dict[str, int] = {}
         self.ctx_sites: dict[str, str] = {}
+        self.judged: dict[int, _Judged] = {}  # tensor id -> its graph, walked once
 
     def judge(
         self, name: str, tensor: torch.Tensor, located: Located, everything: bool
     ) -> Retained | None:
-        """The ``graph`` entry for ``tensor``, or None where a clean loop holds the same."""
-        graph_bytes = nodes = 0
-        backpropagated = retained = False
-        leaves = []
+        """The ``graph`` entry for ``tensor``, or None where a clean loop holds the same.
+        A tensor found again from another holder gets the same entry under that holder's
+        path (its graph walked and its bytes counted once)."""
+        judged = self.judged.get(id(tensor))
+        if judged is None:
+            judged = self.judged[id(tensor)] = self._walk(tensor)
+        listed = judged.backpropagated and (judged.retained or _in_growable(located))
+        if not everything and not listed:
+            return None
+        if judged.entry is not None:
+            return replace(judged.entry, where=located.named(name), listed=listed)
+        leaf_bytes = sum(_leaf_bytes(node, self.counted, self.anyway) for node in judged.leaves)
+        through = judged.graph_bytes + leaf_bytes
+        pinned = f", {format_bytes(leaf_bytes)} of leaves and their .grad" if leaf_bytes else ""
+        if judged.retained:
+            how = "backpropagated with retain_graph=True, its saved tensors alive"
+        elif judged.backpropagated:
+            how = "already backpropagated"
+        else:
+            how = "never backpropagated, its saved tensors alive"
+        judged.entry = Retained(
+            "graph",
+            located.named(name),
+            through + tensor_bytes(tensor, self.counted, depth=0),
+            f"a tensor whose graph was {how} ({judged.nodes} nodes{pinned}); detach it before "
+            "keeping it",
+            site=self.made(tensor),
+            through_graph=through,
+            floating=int(_computed(tensor)),
+            nodes=judged.nodes,
+            listed=listed,
+        )
+        return judged.entry
+
+    def _walk(self, tensor: torch.Tensor) -> _Judged:
+        """Walk ``tensor``'s graph: whether it was backpropagated (or retained), the bytes
+        its nodes keep, its leaves."""
+        judged = _Judged()
         for node in _graph(tensor.grad_fn, self.budget):
-            nodes += 1
+            judged.nodes += 1
             state = self.states.get(id(node))
             if state is None:
                 state = self.states[id(node)] = (backward_ran(node), _marked(node))
             ran, kept = state
-            backpropagated = backpropagated or ran or kept
-            retained = retained or kept
+            judged.backpropagated = judged.backpropagated or ran or kept
+            judged.retained = judged.retained or kept
             if hasattr(node, "variable"):
-                leaves.append(node)
+                judged.leaves.append(node)
             if not ran:  # what it saved is alive: a retained graph's, or a branch never run
-                graph_bytes += tensor_bytes(_saved(node), self.counted, depth=2, anyway=self.anyway)
+                judged.graph_bytes += tensor_bytes(
+                    _saved(node), self.counted, depth=2, anyway=self.anyway
+                )
             if isinstance(node, BackwardCFunction) and (ran or kept):
-                graph_bytes += self._ctx(node, ran)
-        listed = backpropagated and (retained or _in_growable(located))
-        if not everything and not listed:
-            return None
-        leaf_bytes = sum(_leaf_bytes(node, self.counted, self.anyway) for node in leaves)
-        through = graph_bytes + leaf_bytes
-        pinned = f", {format_bytes(leaf_bytes)} of leaves and their .grad" if leaf_bytes else ""
-        if retained:
-            how = "backpropagated with retain_graph=True, its saved tensors alive"
-        elif backpropagated:
-            how = "already backpropagated"
-        else:
-            how = "never backpropagated, its saved tensors alive"
-        return Retained(
-            "graph",
-            located.named(name),
-            through + tensor_bytes(tensor, self.counted, depth=0),
-            f"a tensor whose graph was {how} ({nodes} nodes{pinned}); detach it before keeping it",
-            site=self.made(tensor),
-            through_graph=through,
-            floating=int(_computed(tensor)),
-            nodes=nodes,
-            listed=listed,
-        )
+                judged.graph_bytes += self._ctx(node, ran)
+        return judged
 
     def _ctx(self, node: Any, ran: bool) -> int:
         """Bytes of ``node``'s ctx state; tallied per attribute once per node that ran."""
