@@ -1025,3 +1025,50 @@ def test_a_tensor_held_from_two_places_names_both_holders() -> None:
     twice = find_retained([kept[0], kept[0]], names=["same"])  # one holder, listed once
     assert len([r for r in twice if r.kind == "graph"]) == 1
     opt.zero_grad()
+
+
+class HandingSchedule:
+    """torch.distributed.pipelining's schedules: each microbatch's loss kept in
+    ``_internal_losses`` until the step ends, then handed to the caller's ``losses``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._internal_losses: list[torch.Tensor] = []
+
+    def fill(self, micro: int) -> None:
+        for _ in range(micro):
+            loss = ContextLoss.apply(self.model(torch.randn(8, 32)))
+            loss.backward()
+            self._internal_losses.append(loss)
+
+    def hand_over(self, losses: list[torch.Tensor]) -> None:
+        losses.clear()
+        losses.extend(self._internal_losses)
+        self._internal_losses.clear()
+
+
+def test_graphs_handed_to_another_holder_name_that_holder_too() -> None:
+    """A finding named the schedule's list, filled within the step; a later search finds
+    the caller's list keeping the same graphs (until the next step's end): named too."""
+    from leakfree.diagnostics.findings import Reporter
+
+    model, opt = model_and_opt()
+    schedule = HandingSchedule(model)
+    losses: list[torch.Tensor] = []
+    roots = {"schedule": schedule, "losses": losses}
+    tracker = MemoryTracker(devices=["cpu"], sample_every=1, warn=False)
+    reporter = Reporter(tracker, owner="watch", roots=roots, on_finding=None)
+    schedule.fill(micro=3)
+    graphs = [i for i in reporter.search(None, everything=True) if i.kind == "graph"]
+    reporter.found("microbatch", graphs, 1.0, "watch: kept per backward pass:", step=1)
+    assert "schedule._internal_losses[*]  3 graphs" in reporter.findings[0].message
+    reporter.search(None, everything=True)
+    assert len(reporter.findings) == 1  # nothing handed over yet
+    schedule.hand_over(losses)
+    reporter.search(None, everything=True)
+    [_, also] = reporter.findings
+    assert also.kind == "microbatch" and "\n  losses[*]  3 graphs" in also.message
+    assert "the graphs schedule._internal_losses[*] held (kept per backward pass" in also.message
+    reporter.search(None, everything=True)
+    assert len(reporter.findings) == 2  # once
+    opt.zero_grad()

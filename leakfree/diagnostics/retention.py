@@ -47,6 +47,7 @@ from __future__ import annotations
 import collections
 import inspect
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -104,6 +105,9 @@ class Retained:
     #: how the holder came to hold it, where that is known (``set on each Softmax module by
     #: the forward hook Explainer._keep_io...``)
     note: str = ""
+    #: for "graph": weak references to the held tensors (keeping nothing alive), so a later
+    #: search can tell the same tensors under another holder
+    held: tuple[weakref.ref[torch.Tensor], ...] = field(default=(), compare=False, repr=False)
 
     def __str__(self) -> str:
         made = f"  created at {self.site}" if self.site else ""
@@ -202,9 +206,21 @@ def group(items: list[Retained]) -> list[Retained]:
         nodes = sum(m.nodes for m in members)
         listed = any(m.listed for m in members)
         note = next((m.note for m in members if m.note), "")
+        held = tuple(ref for m in members for ref in m.held)
         out.append(
             Retained(
-                kind, where, nbytes, detail, count, site, through, floating, nodes, listed, note
+                kind,
+                where,
+                nbytes,
+                detail,
+                count,
+                site,
+                through,
+                floating,
+                nodes,
+                listed,
+                note,
+                held,
             )
         )
     return sorted(out, key=lambda i: -i.nbytes)
@@ -547,6 +563,7 @@ class _Graphs:
             return None
         if judged.entry is not None:
             return replace(judged.entry, where=located.named(name), listed=listed)
+        ref = weakref.ref(tensor)
         leaf_bytes = sum(_leaf_bytes(node, self.counted, self.anyway) for node in judged.leaves)
         through = judged.graph_bytes + leaf_bytes
         pinned = f", {format_bytes(leaf_bytes)} of leaves and their .grad" if leaf_bytes else ""
@@ -567,6 +584,7 @@ class _Graphs:
             floating=int(_computed(tensor)),
             nodes=judged.nodes,
             listed=listed,
+            held=(ref,),
         )
         return judged.entry
 
