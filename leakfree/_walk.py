@@ -30,7 +30,8 @@ From a value, the walk follows strong references a Python program can create:
   from where it was caught to where it was raised: ``errors[3].__traceback__<frame
   inner>.act``), its ``__cause__`` and ``__context__``, and the entries of a
   ``functools.lru_cache`` / ``functools.cache`` (``anchors<cache>[16]``; cached methods
-  too, as class attributes).
+  too, as class attributes, under a dunder name such as ``__getitem__``, a ``property``, a
+  ``staticmethod`` or a ``classmethod``).
 
 What is not searched
 --------------------
@@ -40,7 +41,8 @@ code objects, builtin functions, a function's ``__globals__``,
 ``torch.nn.Module`` instances (model state that lives anyway; walking it would visit
 every parameter on every ``apply``), weak references (they keep nothing alive), and what
 lives only in C++ (an autograd node's saved tensors, a C extension's fields that
-``gc.get_referents`` does not report). Each object is visited once; a walk stops after
+``gc.get_referents`` does not report). Each object is visited once (with ``again=True`` a
+tensor met again from another holder is yielded again, not walked into); a walk stops after
 :data:`MAX_OBJECTS` objects, so a pathological structure cannot stall the caller.
 """
 

@@ -14,8 +14,13 @@ reports:
   such as Transformer Engine's storage objects), except what lives anyway;
 * **detached tensors held in growable containers** (:attr:`RetentionReport.detached`):
   tensors without a graph in a list, deque, set or a dict with non-string keys
-  (``model.history``), per holder, with their count and bytes. No graph is kept there, but
+  (``model.history``), per holder, with their count and bytes; named down to the field of
+  the container's items that holds them (``dataset.utterances[*].features``), and, for an
+  attribute set on a module, by what set it (a forward hook). No graph is kept there, but
   a holder that grows every step is a leak all the same.
+
+Every holder of a tensor is named: a tensor two holders keep is listed under each (a
+graph's bytes counted once, each entry saying what it pins).
 
 Quiet by default: a backpropagated graph is reported when a growable container holds it
 (a list, a deque, a set, a dict keyed by numbers, a tensor's hook table) or, backpropagated
