@@ -529,20 +529,19 @@ def walk(
     skips; ``classes=True`` (diagnostics) also walks the class attributes of walked
     objects' classes, tensors' hooks, exceptions' tracebacks and ``lru_cache`` entries
     (see the module doc); ``visited`` (object ids) is shared between calls to walk several
-    roots once. Stops after ``limit`` visited objects (tensors met again count too).
+    roots once. Stops after ``limit`` visited objects; yields at most ``limit`` tensors met
+    again, apart (they do not shorten the walk).
     """
     stack: list[tuple[Any, int, str, int]] = [(root, -1, "", 0)]
     trail: list[tuple[int, str, Any]] = []
     seen = set() if visited is None else visited
-    count = 0
+    count = repeats = 0
     while stack:
         obj, parent, label, level = stack.pop()
         key = id(obj)
         if key in seen:
-            if again and isinstance(obj, torch.Tensor):
-                count += 1
-                if count > limit:
-                    return
+            if again and repeats < limit and isinstance(obj, torch.Tensor):
+                repeats += 1
                 trail.append((parent, label, obj))
                 yield obj, Located(trail, len(trail) - 1)
             continue
