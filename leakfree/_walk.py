@@ -30,7 +30,8 @@ From a value, the walk follows strong references a Python program can create:
   from where it was caught to where it was raised: ``errors[3].__traceback__<frame
   inner>.act``), its ``__cause__`` and ``__context__``, and the entries of a
   ``functools.lru_cache`` / ``functools.cache`` (``anchors<cache>[16]``; cached methods
-  too, as class attributes).
+  too, as class attributes, under a dunder name such as ``__getitem__``, a ``property``, a
+  ``staticmethod`` or a ``classmethod``).
 
 What is not searched
 --------------------
@@ -40,7 +41,8 @@ code objects, builtin functions, a function's ``__globals__``,
 ``torch.nn.Module`` instances (model state that lives anyway; walking it would visit
 every parameter on every ``apply``), weak references (they keep nothing alive), and what
 lives only in C++ (an autograd node's saved tensors, a C extension's fields that
-``gc.get_referents`` does not report). Each object is visited once; a walk stops after
+``gc.get_referents`` does not report). Each object is visited once (with ``again=True`` a
+tensor met again from another holder is yielded again, not walked into); a walk stops after
 :data:`MAX_OBJECTS` objects, so a pathological structure cannot stall the caller.
 """
 
@@ -395,15 +397,33 @@ def edges_of(obj: Any) -> list[Edge]:
 
 
 def _class_fields(cls: type) -> Iterator[Edge]:
-    """A class's own data attributes: what a ``class C: registry = []`` keeps alive."""
+    """A class's own data attributes: what a ``class C: registry = []`` keeps alive, and the
+    caches of its cached methods (``@lru_cache`` on ``__getitem__`` too, and under a
+    ``property``, a ``staticmethod`` or a ``classmethod``): they live with the class."""
     for name, v in list(vars(cls).items()):
+        cached = _cached(v)
+        if cached is not None:
+            yield f".{name}", cached
+            continue
         if name.startswith("__") and name.endswith("__"):
             continue
-        if isinstance(v, type) or (
-            hasattr(type(v), "__get__") and not (_LRU is not None and isinstance(v, _LRU))
-        ):  # methods, properties... (a cached method's cache lives with the class)
+        if isinstance(v, type) or hasattr(type(v), "__get__"):  # methods, properties...
             continue
         yield f".{name}", v
+
+
+def _cached(v: Any) -> Any:
+    """The ``functools.lru_cache`` wrapper a class attribute is or wraps (a property's
+    getter, setter or deleter; a static or class method's function), or None."""
+    if _LRU is None:
+        return None
+    if isinstance(v, _LRU):
+        return v
+    if isinstance(v, property):
+        return next((f for f in (v.fget, v.fset, v.fdel) if isinstance(f, _LRU)), None)
+    if isinstance(v, (staticmethod, classmethod)) and isinstance(v.__func__, _LRU):
+        return v.__func__
+    return None
 
 
 #: type -> the classes along its MRO whose attributes a ``classes=True`` walk visits.
@@ -470,6 +490,11 @@ class Located:
             at = self._trail[at][0]
         return Located(self._trail, at)
 
+    def holder(self) -> Any:
+        """The object that holds the tensor directly (None at a root)."""
+        at = self._trail[self._at][0]
+        return self._trail[at][2] if at >= 0 else None
+
     def holders(self) -> list[tuple[Any, str]]:
         """``(object, label)`` from the tensor's direct holder up to the root: the label
         is the edge by which that object reached the next one down (``"[3]"``)."""
@@ -491,25 +516,34 @@ def walk(
     modules: bool = False,
     visited: set[int] | None = None,
     classes: bool = False,
+    again: bool = False,
 ) -> Iterator[tuple[torch.Tensor, Located]]:
     """Every tensor reachable from ``root``, once each, with a :class:`Located` giving its
     path from ``root`` (built only when called: ``"[0].data"``, ``"['loss']"``...).
+    With ``again=True``, a tensor met again from another holder (an object visited for the
+    first time, or another root) is yielded again with that holder's path, and not walked
+    into twice: every holder of a tensor is named, each object is still visited once.
 
     ``depth`` bounds how many edges deep the walk goes (None: no bound); ``modules=True``
     also walks into ``torch.nn.Module`` instances (their attributes), which the hot path
     skips; ``classes=True`` (diagnostics) also walks the class attributes of walked
     objects' classes, tensors' hooks, exceptions' tracebacks and ``lru_cache`` entries
     (see the module doc); ``visited`` (object ids) is shared between calls to walk several
-    roots once. Stops after ``limit`` visited objects.
+    roots once. Stops after ``limit`` visited objects; yields at most ``limit`` tensors met
+    again, apart (they do not shorten the walk).
     """
     stack: list[tuple[Any, int, str, int]] = [(root, -1, "", 0)]
     trail: list[tuple[int, str, Any]] = []
     seen = set() if visited is None else visited
-    count = 0
+    count = repeats = 0
     while stack:
         obj, parent, label, level = stack.pop()
         key = id(obj)
         if key in seen:
+            if again and repeats < limit and isinstance(obj, torch.Tensor):
+                repeats += 1
+                trail.append((parent, label, obj))
+                yield obj, Located(trail, len(trail) - 1)
             continue
         seen.add(key)
         count += 1

@@ -8,6 +8,7 @@ from :func:`line_of`, so editing this file does not break them.
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import inspect
@@ -825,3 +826,249 @@ def test_reading_a_kept_exceptions_frames_keeps_none_of_their_locals(no_gc: None
         assert [r for r in outputs if r() is not None] == []  # all freed, train() running
 
     train()
+
+
+# --- holders a walk from the roots used not to reach, and every holder of a tensor --------
+#
+# The held-out corpus's shapes (tests/integration/corpus/), reduced to a few lines: a cache
+# inside a C-implemented wrapper on a class, attributes a removed hook set on a module kept
+# in a list, a cycle through a Function's ctx under gc.disable(), a tensor held twice.
+
+
+class SpeechItems:
+    """MoonshotAI/Kimi-Audio#117 (2025): ``lru_cache`` on a dataset's ``__getitem__``."""
+
+    def __init__(self, cached: bool) -> None:
+        self.waves = torch.randn(64, 32)
+        self.cached = cached
+
+    def read(self, i: int) -> dict[str, torch.Tensor]:
+        return self.__getitem__(i) if self.cached else self.plain(i)
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019, UP033 (the report's code)
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.plain(i)
+
+    def plain(self, i: int) -> dict[str, torch.Tensor]:
+        return {"features": torch.log1p(self.waves[i].abs() * 2)}
+
+
+class CachedWindow:
+    """sktime/pytorch-forecasting#1905 (2025): ``@property`` over ``@functools.cache``."""
+
+    def __init__(self, series: torch.Tensor, start: int) -> None:
+        self.series = series
+        self.start = start
+
+    @property
+    @functools.cache  # noqa: B019 (the report's code)
+    def features(self) -> torch.Tensor:
+        x = self.series[self.start : self.start + 8]
+        return x - x.mean(0)
+
+
+class HookedExplainer:
+    """jmschrei/tangermeme#84 (2026): forward hooks set ``module.input`` and are removed;
+    the attributes stay, on a module each explainer makes."""
+
+    def __init__(self, model: nn.Module, clear: bool) -> None:
+        self.model = model
+        self.softmax = nn.Softmax(dim=-1)
+        self.clear = clear
+
+    def _keep_io(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        module.input = inputs[0].clone().detach()
+
+    def attribute(self, x: torch.Tensor) -> torch.Tensor:
+        handle = self.softmax.register_forward_hook(self._keep_io)
+        probs = self.softmax(self.model(x)).detach()
+        handle.remove()
+        if self.clear:
+            del self.softmax.input  # the upstream fix
+        return probs
+
+
+def train_step(model: nn.Module, opt: Any) -> None:
+    model(torch.randn(8, 32)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_an_lru_cache_on_getitem_is_named_by_its_class() -> None:
+    """The cache lives in the C wrapper on the class, under a dunder name: reached from
+    the dataset, through its class."""
+    model, opt = model_and_opt()
+    reads = itertools.count()
+
+    def step(data: SpeechItems) -> None:
+        train_step(model, opt)
+        data.read(next(reads))  # a new item every step, as an epoch reads them
+
+    data = SpeechItems(cached=True)
+    [found] = watch(lambda: step(data), steps=14, roots={"data": data})
+    assert "SpeechItems.__getitem__<cache>[<tuple>]['features']  " in found.message
+    assert f"in {HERE}" not in found.message  # the holder is named, not a lone line
+    assert f"{HERE}:{line_of(SpeechItems.plain, 'log1p')} in SpeechItems.plain" in found.message
+    SpeechItems.__getitem__.cache_clear()
+    plain = SpeechItems(cached=False)
+    assert watch(lambda: step(plain), steps=14, roots={"data": plain}) == []
+
+
+def test_a_functools_cache_under_a_property_is_named_by_the_property() -> None:
+    model, opt = model_and_opt()
+    series = torch.randn(256, 4)
+    starts = itertools.count()
+
+    def step() -> None:
+        train_step(model, opt)
+        window = CachedWindow(series, next(starts))
+        window.features.sum()  # a window per step, and the cache keeps each
+
+    [found] = watch(step, steps=14)
+    assert "CachedWindow.features<cache>  " in found.message
+    CachedWindow.features.fget.cache_clear()  # type: ignore[attr-defined]
+
+
+def test_attributes_a_removed_forward_hook_set_are_named_with_the_hook() -> None:
+    model, opt = model_and_opt()
+    probe = torch.randn(4, 32)
+
+    def step(reports: list[dict[str, Any]], clear: bool) -> None:
+        train_step(model, opt)
+        explainer = HookedExplainer(model, clear)
+        reports.append({"top": explainer.attribute(probe).argmax().item(), "explainer": explainer})
+
+    reports: list[dict[str, Any]] = []
+    [found] = watch(lambda: step(reports, False), steps=14, roots={"reports": reports})
+    line = found.message.splitlines()[-1]
+    assert line.startswith("  reports[*]['explainer'].softmax.input  "), line
+    assert "by the forward hook HookedExplainer._keep_io: removing the hook" in line
+    fixed: list[dict[str, Any]] = []
+    assert watch(lambda: step(fixed, True), steps=14, roots={"reports": fixed}) == []
+
+
+class Utterance:
+    """sktime/pytorch-forecasting#1905's fix where the instances live for the run:
+    ``cached_property`` keeps each one's features as long as the dataset keeps it."""
+
+    def __init__(self, wave: torch.Tensor) -> None:
+        self.wave = wave
+
+    @functools.cached_property
+    def features(self) -> torch.Tensor:
+        return torch.log1p(self.wave.abs())
+
+
+def test_a_field_of_a_containers_items_is_named_apart_from_their_other_fields() -> None:
+    """The waves a dataset was built with do not grow; the features read since do."""
+    model, opt = model_and_opt()
+    waves = torch.randn(64, 32)
+    utterances = [Utterance(waves[i]) for i in range(64)]
+    reads = itertools.count()
+
+    def step() -> None:
+        train_step(model, opt)
+        utterances[next(reads)].features.sum()
+
+    [found] = watch(step, steps=14, roots={"utterances": utterances})
+    assert "\n  utterances[*].features  " in found.message
+    assert ".wave" not in found.message
+
+
+class Pinned(torch.autograd.Function):
+    """NVIDIA/warp#675 (2025): forward returns what it computed and keeps it on ctx:
+    node -> ctx -> tensor -> grad_fn -> node, a cycle only the collector frees."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        forces = -2 * x
+        ctx.forces = forces
+        return x.square().sum(), forces
+
+    @staticmethod
+    def backward(ctx: Any, grad_e: torch.Tensor, grad_f: torch.Tensor) -> torch.Tensor:
+        return -grad_e * ctx.forces - 2 * grad_f
+
+
+def test_a_cycle_through_a_functions_ctx_is_named_as_its_ctx_attribute(
+    no_auto_gc: None,
+) -> None:
+    model, opt = model_and_opt()
+
+    def step() -> None:
+        energy, forces = Pinned.apply(model(torch.randn(8, 32)))
+        (energy + forces.mean()).backward()
+        opt.step()
+        opt.zero_grad()
+
+    [found] = watch(step, steps=14)
+    assert found.kind == "cycles" and "gc is disabled" in found.message
+    assert "cycle: Pinned.ctx.forces -> Tensor.grad_fn -> Pinned.ctx" in found.message
+    assert "ctx.save_for_backward keeps it without a cycle" in found.message
+
+
+def test_a_tensor_held_from_two_places_names_both_holders() -> None:
+    """A schedule's internal list and the user's both hold each loss (torch's pipelining
+    hands its losses over that way): each holder is named, the graph walked once."""
+    model, opt = model_and_opt()
+    kept: list[torch.Tensor] = []
+    for _ in range(3):
+        loss = model(torch.randn(8, 32)).square().mean()
+        loss.backward()
+        kept.append(loss)
+    mine = list(kept)
+    report = find_retained(kept, mine, names=["kept", "mine"])
+    wheres = sorted(r.where for r in report if r.kind == "graph")
+    assert wheres == [f"{name}[{i}]" for name in ("kept", "mine") for i in range(3)]
+    first = {r.where: r for r in report}
+    assert first["kept[0]"].nbytes == first["mine[0]"].nbytes > 0  # each pins the graph
+    twice = find_retained([kept[0], kept[0]], names=["same"])  # one holder, listed once
+    assert len([r for r in twice if r.kind == "graph"]) == 1
+    opt.zero_grad()
+
+
+class HandingSchedule:
+    """torch.distributed.pipelining's schedules: each microbatch's loss kept in
+    ``_internal_losses`` until the step ends, then handed to the caller's ``losses``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._internal_losses: list[torch.Tensor] = []
+
+    def fill(self, micro: int) -> None:
+        for _ in range(micro):
+            loss = ContextLoss.apply(self.model(torch.randn(8, 32)))
+            loss.backward()
+            self._internal_losses.append(loss)
+
+    def hand_over(self, losses: list[torch.Tensor]) -> None:
+        losses.clear()
+        losses.extend(self._internal_losses)
+        self._internal_losses.clear()
+
+
+def test_graphs_handed_to_another_holder_name_that_holder_too() -> None:
+    """A finding named the schedule's list, filled within the step; a later search finds
+    the caller's list keeping the same graphs (until the next step's end): named too."""
+    from leakfree.diagnostics.findings import Reporter
+
+    model, opt = model_and_opt()
+    schedule = HandingSchedule(model)
+    losses: list[torch.Tensor] = []
+    roots = {"schedule": schedule, "losses": losses}
+    tracker = MemoryTracker(devices=["cpu"], sample_every=1, warn=False)
+    reporter = Reporter(tracker, owner="watch", roots=roots, on_finding=None)
+    schedule.fill(micro=3)
+    graphs = [i for i in reporter.search(None, everything=True) if i.kind == "graph"]
+    reporter.found("microbatch", graphs, 1.0, "watch: kept per backward pass:", step=1)
+    assert "schedule._internal_losses[*]  3 graphs" in reporter.findings[0].message
+    reporter.search(None, everything=True)
+    assert len(reporter.findings) == 1  # nothing handed over yet
+    schedule.hand_over(losses)
+    reporter.search(None, everything=True)
+    [_, also] = reporter.findings
+    assert also.kind == "microbatch" and "\n  losses[*]  3 graphs" in also.message
+    assert "the graphs schedule._internal_losses[*] held (kept per backward pass" in also.message
+    reporter.search(None, everything=True)
+    assert len(reporter.findings) == 2  # once
+    opt.zero_grad()

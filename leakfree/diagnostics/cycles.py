@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
 from leakfree._text import format_bytes
 from leakfree.diagnostics.retention import graph_bytes
@@ -62,7 +63,13 @@ class Cycles:
                 f"sit in reference cycles ({self.objects} objects) that gc.collect() would free"
             )
         made = f"; created at {self.site}" if self.site else ""
-        return f"{head}; cycle: {self.path}{made}"
+        ctx = (
+            " (a tensor kept as an attribute of a custom Function's ctx: "
+            "ctx.save_for_backward keeps it without a cycle)"
+            if ".ctx." in self.path
+            else ""
+        )
+        return f"{head}; cycle: {self.path}{ctx}{made}"
 
 
 def find_cycles(
@@ -138,6 +145,8 @@ def _labelled(obj: Any) -> list[tuple[str, Any]]:
             out = [(f".{k}", v) for k, v in list(fields.items())]
         if isinstance(obj, types.FunctionType):
             names = {id(c): "<closure>" for c in obj.__closure__ or ()}
+        elif isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
+            names = {id(obj.grad_fn): ".grad_fn"}
     for child in gc.get_referents(obj):
         if type(child) in _PROXIES or isinstance(child, type) or child is fields:
             continue
@@ -146,6 +155,12 @@ def _labelled(obj: Any) -> list[tuple[str, Any]]:
 
 
 def _name(obj: Any) -> str:
+    """A type's name; a custom Function's node as the Function's ctx (``Restraint.ctx``):
+    its attributes are what ``forward`` set on ``ctx``."""
+    if isinstance(obj, BackwardCFunction):
+        forward = getattr(obj, "_forward_cls", None)
+        if forward is not None:
+            return f"{forward.__qualname__}.ctx"
     return type(obj).__qualname__
 
 

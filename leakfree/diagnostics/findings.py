@@ -8,6 +8,7 @@ raising into the run.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import FrameType
@@ -80,6 +81,10 @@ class Reporter:
         self._reported: set[tuple[str, str]] = set()
         #: (finding kind, holder kind, creation site) -> the paths reported with it
         self._reported_sites: dict[tuple[str, str, str], list[str]] = {}
+        #: the tensors of the graph holders reported, by id: a weak reference (nothing kept
+        #: alive), and the finding's kind, the holder's path, its step and bytes per; a
+        #: holder a later search finds holding one is named too (:meth:`_handed_over`)
+        self._held: dict[int, tuple[weakref.ref[Any], str, str, int, float]] = {}
         self._broken = False  #: a search failed once (said once)
 
     def found(
@@ -112,6 +117,11 @@ class Reporter:
         if (holders and not fresh) or (not holders and not self.once((kind, ""))):
             return  # reported already: once per run
         self._reported.update((kind, holder_key(h)[1]) for h in fresh)
+        for h in fresh:
+            for ref in h.held[:_MAX_HELD]:
+                t = ref()
+                if t is not None and len(self._held) < _MAX_HELD:
+                    self._held.setdefault(id(t), (ref, kind, holder_key(h)[1], max(step, 1), per))
         for h in fresh:
             if h.site:
                 self._reported_sites.setdefault((kind, h.kind, h.site), []).append(holder_key(h)[1])
@@ -169,10 +179,44 @@ class Reporter:
         """The holders reachable from the roots given, the stack at ``frame`` and the
         user's module globals (an empty report if the walk failed: said once)."""
         try:
-            return self._walk(frame, since, everything)
+            report = self._walk(frame, since, everything)
         except Exception as e:  # never break a training step on a bug of ours
             self.failed(e)
             return RetentionReport()
+        self.guard(self._handed_over, report)
+        return report
+
+    def _handed_over(self, report: RetentionReport) -> None:
+        """Holders in growable containers (a list, a dict by step...) of graphs a finding
+        named under another holder: named too, as holders of the same finding (torch's
+        pipelining schedules keep each microbatch's loss, then hand them to the user's
+        ``losses`` list at the step's end, where they stay until the next step's)."""
+        if not self._held:
+            return
+        self._held = {k: v for k, v in self._held.items() if v[0]() is not None}
+        graphs = [i for i in report.items if i.kind == "graph" and i.listed]
+        matched: dict[str, tuple[str, str, int, float]] = {}  # holder -> what it also holds
+        for item in graphs:
+            for ref in item.held:
+                t = ref()
+                first = self._held.get(id(t)) if t is not None else None
+                if first is not None and first[0]() is t and holder_key(item)[1] != first[2]:
+                    matched.setdefault(holder_key(item)[1], first[1:])
+        also: dict[tuple[str, str, int, float], list[Retained]] = {}
+        for item in graphs:  # all of a holder's graphs, once one is the same
+            same = matched.get(holder_key(item)[1])
+            if same is not None:
+                also.setdefault(same, []).append(item)
+        for (kind, where, step, per), items in also.items():
+            how = "kept per backward pass" if kind == "microbatch" else "kept across steps"
+            self.found(
+                kind,
+                items,
+                per,
+                f"{self.owner}: the graphs {where} held ({how}, found in step {step}) "
+                "are held here too:",
+                step=step,
+            )
 
     def _walk(
         self, frame: FrameType | None, since: RetentionReport | None, everything: bool
@@ -193,6 +237,10 @@ class Reporter:
         )
 
 
+#: tensors of reported holders a reporter remembers (weakly), at most
+_MAX_HELD = 4096
+
+
 def _same_holder(a: str, b: str) -> bool:
     """Two paths to one holder from different roots: equal, or one is the other's tail
     after a dot (``kept[*]``, ``__main__.kept[*]``)."""
@@ -208,4 +256,5 @@ def _line(item: Retained) -> str:
     else:
         what = item.kind
     made = f"  created at {item.site}" if item.site else ""
-    return f"{item.where}  {what}, {format_bytes(item.nbytes)}{made}"
+    note = f", {item.note}" if item.note else ""
+    return f"{item.where}  {what}, {format_bytes(item.nbytes)}{note}{made}"

@@ -14,8 +14,13 @@ reports:
   such as Transformer Engine's storage objects), except what lives anyway;
 * **detached tensors held in growable containers** (:attr:`RetentionReport.detached`):
   tensors without a graph in a list, deque, set or a dict with non-string keys
-  (``model.history``), per holder, with their count and bytes. No graph is kept there, but
+  (``model.history``), per holder, with their count and bytes; named down to the field of
+  the container's items that holds them (``dataset.utterances[*].features``), and, for an
+  attribute set on a module, by what set it (a forward hook). No graph is kept there, but
   a holder that grows every step is a leak all the same.
+
+Every holder of a tensor is named: a tensor two holders keep is listed under each (a
+graph's bytes counted once, each entry saying what it pins).
 
 Quiet by default: a backpropagated graph is reported when a growable container holds it
 (a list, a deque, a set, a dict keyed by numbers, a tensor's hook table) or, backpropagated
@@ -47,8 +52,9 @@ from __future__ import annotations
 import collections
 import inspect
 import re
+import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -101,10 +107,17 @@ class Retained:
     nodes: int = 0
     #: listed without ``everything=True``: not what a clean loop holds too
     listed: bool = True
+    #: how the holder came to hold it, where that is known (``set on each Softmax module by
+    #: the forward hook Explainer._keep_io...``)
+    note: str = ""
+    #: for "graph": weak references to the held tensors (keeping nothing alive), so a later
+    #: search can tell the same tensors under another holder
+    held: tuple[weakref.ref[torch.Tensor], ...] = field(default=(), compare=False, repr=False)
 
     def __str__(self) -> str:
         made = f"  created at {self.site}" if self.site else ""
-        return f"{self.where}  {self.kind}, {format_bytes(self.nbytes)}{made}"
+        note = f", {self.note}" if self.note else ""
+        return f"{self.where}  {self.kind}, {format_bytes(self.nbytes)}{note}{made}"
 
 
 @dataclass
@@ -165,6 +178,8 @@ class RetentionReport:
 
 
 _INDEX = re.compile(r"\[-?\d+\]")
+#: an attribute or a string key along a path (``.features``, ``['state']``)
+_FIELD = re.compile(r"\.\w|\['")
 
 
 def holder_key(item: Retained) -> tuple[str, str]:
@@ -195,8 +210,23 @@ def group(items: list[Retained]) -> list[Retained]:
         floating = sum(m.floating for m in members)
         nodes = sum(m.nodes for m in members)
         listed = any(m.listed for m in members)
+        note = next((m.note for m in members if m.note), "")
+        held = tuple(ref for m in members for ref in m.held)
         out.append(
-            Retained(kind, where, nbytes, detail, count, site, through, floating, nodes, listed)
+            Retained(
+                kind,
+                where,
+                nbytes,
+                detail,
+                count,
+                site,
+                through,
+                floating,
+                nodes,
+                listed,
+                note,
+                held,
+            )
         )
     return sorted(out, key=lambda i: -i.nbytes)
 
@@ -211,7 +241,8 @@ def _table(items: list[Retained]) -> str:
     rows = []
     ordered = group(items)
     for i in ordered[:_ROWS]:
-        rows.append((i.kind, i.where, format_bytes(i.nbytes), i.site or "?", i.detail))
+        detail = f"{i.detail}; {i.note}" if i.note else i.detail
+        rows.append((i.kind, i.where, format_bytes(i.nbytes), i.site or "?", detail))
     if len(ordered) > _ROWS:
         rest = ordered[_ROWS:]
         rows.append(("...", f"{len(rest)} more", format_bytes(sum(i.nbytes for i in rest)), "", ""))
@@ -337,17 +368,16 @@ def _growable(obj: Any) -> bool:
     return False
 
 
-_LIVES_WITH_MODEL = (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)
-
-
 def _holder(located: Located) -> tuple[int, Located, int] | None:
     """The nearest growable container holding a detached tensor, or None when the tensor
-    is model or optimizer state (a module, an optimizer or a tensor comes first)."""
+    is optimizer state, a tensor's (hangs off another tensor) or model state (a module
+    comes first and no growable container holds that module: a module kept in a list,
+    say an explainer's made per step, keeps what was set on it)."""
     holders = located.holders()
     if any(isinstance(obj, torch.optim.Optimizer) for obj, _ in holders):
         return None
     for depth, (obj, _) in enumerate(holders):
-        if isinstance(obj, _LIVES_WITH_MODEL):
+        if isinstance(obj, torch.Tensor):
             return None
         if _growable(obj):
             return id(obj), located, depth
@@ -453,7 +483,7 @@ def find_retained(
     found, anyway = _reach(named, depth)
     graphs = _Graphs(anyway, made)
     kept = [g for g in (graphs.judge(*f, everything) for f in found if f[1].grad_fn) if g]
-    every, shown = _detached(_holders(found), since, made, everything)
+    every, shown = _detached(_holders(found), since, made, everything, site_of)
     report = RetentionReport(graphs.ctx_entries() + kept, [d for d, s in zip(every, shown) if s])
     report.all_detached = every
     return report
@@ -463,13 +493,28 @@ _Found = tuple[str, torch.Tensor, Located]
 
 
 def _reach(named: list[tuple[str, Any]], depth: int) -> tuple[list[_Found], set[int]]:
-    """Phase 1: every tensor the roots hold, and the storages that live anyway (parameters,
-    and what the roots hold outside a graph): charged to no graph."""
+    """Phase 1: every tensor the roots hold, once per holder (a tensor in two lists is found
+    in both), and the storages that live anyway (parameters, and what the roots hold
+    outside a graph): charged to no graph."""
     visited: set[int] = set()
     anyway: set[int] = set()
     found: list[_Found] = []
+    met: set[int] = set()  # tensors found once
+    holders: set[tuple[int, int]] = set()  # (tensor, its direct holder) found
     for name, root in named:
-        for tensor, located in walk(root, depth=depth, modules=True, visited=visited, classes=True):
+        for tensor, located in walk(
+            root, depth=depth, modules=True, visited=visited, classes=True, again=True
+        ):
+            pair = (id(tensor), id(located.holder()))
+            if id(tensor) in met:
+                # Met again: another holder, named too, unless the same one (``[t, t]``) or
+                # a parameter (it lives anyway, whoever refers to it).
+                if pair not in holders and _parameter_of(tensor) is None:
+                    holders.add(pair)
+                    found.append((name, tensor, located))
+                continue
+            met.add(id(tensor))
+            holders.add(pair)
             found.append((name, tensor, located))
             param = _parameter_of(tensor)
             if param is not None:
@@ -479,6 +524,18 @@ def _reach(named: list[tuple[str, Any]], depth: int) -> tuple[list[_Found], set[
                 if key is not None:
                     anyway.add(key)
     return found, anyway
+
+
+@dataclass
+class _Judged:
+    """One tensor's graph as phase 2 walked it, and its entry once made."""
+
+    graph_bytes: int = 0
+    nodes: int = 0
+    backpropagated: bool = False
+    retained: bool = False
+    leaves: list[Any] = field(default_factory=list)
+    entry: Retained | None = None
 
 
 class _Graphs:
@@ -495,51 +552,68 @@ class _Graphs:
         self.ctx_bytes: dict[str, int] = {}
         self.ctx_nodes: dict[str, int] = {}
         self.ctx_sites: dict[str, str] = {}
+        self.judged: dict[int, _Judged] = {}  # tensor id -> its graph, walked once
 
     def judge(
         self, name: str, tensor: torch.Tensor, located: Located, everything: bool
     ) -> Retained | None:
-        """The ``graph`` entry for ``tensor``, or None where a clean loop holds the same."""
-        graph_bytes = nodes = 0
-        backpropagated = retained = False
-        leaves = []
+        """The ``graph`` entry for ``tensor``, or None where a clean loop holds the same.
+        A tensor found again from another holder gets the same entry under that holder's
+        path (its graph walked and its bytes counted once)."""
+        judged = self.judged.get(id(tensor))
+        if judged is None:
+            judged = self.judged[id(tensor)] = self._walk(tensor)
+        listed = judged.backpropagated and (judged.retained or _in_growable(located))
+        if not everything and not listed:
+            return None
+        if judged.entry is not None:
+            return replace(judged.entry, where=located.named(name), listed=listed)
+        ref = weakref.ref(tensor)
+        leaf_bytes = sum(_leaf_bytes(node, self.counted, self.anyway) for node in judged.leaves)
+        through = judged.graph_bytes + leaf_bytes
+        pinned = f", {format_bytes(leaf_bytes)} of leaves and their .grad" if leaf_bytes else ""
+        if judged.retained:
+            how = "backpropagated with retain_graph=True, its saved tensors alive"
+        elif judged.backpropagated:
+            how = "already backpropagated"
+        else:
+            how = "never backpropagated, its saved tensors alive"
+        judged.entry = Retained(
+            "graph",
+            located.named(name),
+            through + tensor_bytes(tensor, self.counted, depth=0),
+            f"a tensor whose graph was {how} ({judged.nodes} nodes{pinned}); detach it before "
+            "keeping it",
+            site=self.made(tensor),
+            through_graph=through,
+            floating=int(_computed(tensor)),
+            nodes=judged.nodes,
+            listed=listed,
+            held=(ref,),
+        )
+        return judged.entry
+
+    def _walk(self, tensor: torch.Tensor) -> _Judged:
+        """Walk ``tensor``'s graph: whether it was backpropagated (or retained), the bytes
+        its nodes keep, its leaves."""
+        judged = _Judged()
         for node in _graph(tensor.grad_fn, self.budget):
-            nodes += 1
+            judged.nodes += 1
             state = self.states.get(id(node))
             if state is None:
                 state = self.states[id(node)] = (backward_ran(node), _marked(node))
             ran, kept = state
-            backpropagated = backpropagated or ran or kept
-            retained = retained or kept
+            judged.backpropagated = judged.backpropagated or ran or kept
+            judged.retained = judged.retained or kept
             if hasattr(node, "variable"):
-                leaves.append(node)
+                judged.leaves.append(node)
             if not ran:  # what it saved is alive: a retained graph's, or a branch never run
-                graph_bytes += tensor_bytes(_saved(node), self.counted, depth=2, anyway=self.anyway)
+                judged.graph_bytes += tensor_bytes(
+                    _saved(node), self.counted, depth=2, anyway=self.anyway
+                )
             if isinstance(node, BackwardCFunction) and (ran or kept):
-                graph_bytes += self._ctx(node, ran)
-        listed = backpropagated and (retained or _in_growable(located))
-        if not everything and not listed:
-            return None
-        leaf_bytes = sum(_leaf_bytes(node, self.counted, self.anyway) for node in leaves)
-        through = graph_bytes + leaf_bytes
-        pinned = f", {format_bytes(leaf_bytes)} of leaves and their .grad" if leaf_bytes else ""
-        if retained:
-            how = "backpropagated with retain_graph=True, its saved tensors alive"
-        elif backpropagated:
-            how = "already backpropagated"
-        else:
-            how = "never backpropagated, its saved tensors alive"
-        return Retained(
-            "graph",
-            located.named(name),
-            through + tensor_bytes(tensor, self.counted, depth=0),
-            f"a tensor whose graph was {how} ({nodes} nodes{pinned}); detach it before keeping it",
-            site=self.made(tensor),
-            through_graph=through,
-            floating=int(_computed(tensor)),
-            nodes=nodes,
-            listed=listed,
-        )
+                judged.graph_bytes += self._ctx(node, ran)
+        return judged
 
     def _ctx(self, node: Any, ran: bool) -> int:
         """Bytes of ``node``'s ctx state; tallied per attribute once per node that ran."""
@@ -567,20 +641,34 @@ class _Graphs:
         ]
 
 
-_Holders = dict[int, tuple[str, Located, int, list[torch.Tensor]]]
+_Holders = dict[tuple[int, str], tuple[str, Located, int, dict[int, torch.Tensor]]]
 
 
 def _holders(found: list[_Found]) -> _Holders:
     """Phase 3's input: the growable containers that hold tensors without a graph (not
-    parameters), each with its tensors, keyed by the container."""
+    parameters), each with its tensors, keyed by the container and the way from it to
+    them with indices as ``[*]`` (``utterances[*].features`` apart from
+    ``utterances[*].wave``: what grows apart from what does not)."""
     holders: _Holders = {}
     for name, tensor, located in found:
         if tensor.grad_fn is None and _parameter_of(tensor) is None:
             held = _holder(located)
             if held is not None:
-                entry = holders.setdefault(held[0], (name, held[1], held[2], []))
-                entry[3].append(tensor)
+                below = _below(located, held[2])
+                entry = holders.setdefault((held[0], below), (name, held[1], held[2], {}))
+                entry[3][id(tensor)] = tensor  # once, however many of its items hold it
     return holders
+
+
+def _below(located: Located, up: int) -> str:
+    """The way from the container ``up`` levels above a tensor down to it, indices as
+    ``[*]`` (``[*].features``), where it names a field (an attribute, a key); "" for a
+    tensor the container holds itself or through indices and closures only."""
+    if not up:
+        return ""
+    path, container = located(), located.above(up)()
+    below = path[len(container) :] if path.startswith(container) else path
+    return _INDEX.sub("[*]", below) if _FIELD.search(below) else ""
 
 
 def _ctx_site(node: Any, attr: str, made: Callable[[torch.Tensor], str]) -> str:
@@ -596,6 +684,7 @@ def _detached(
     since: RetentionReport | None,
     made: Callable[[torch.Tensor], str],
     everything: bool,
+    site_of: SiteOf | None,
 ) -> tuple[list[Retained], list[bool]]:
     """Phase 3: every detached holder, and which to show: all with ``everything``, else
     those grown since ``since``."""
@@ -603,14 +692,15 @@ def _detached(
     before = {r.where: r for r in since.all_detached} if since is not None else {}
     out = []
     seen: set[int] = set()
-    for name, located, up, tensors in holders.values():
+    for (_, below), (name, located, up, held) in holders.items():
+        tensors = list(held.values())
         nbytes = 0
         for t in tensors:
             key = _key(t)
             if key is not None and key not in seen:
                 seen.add(key)
                 nbytes += int(t.untyped_storage().nbytes())
-        where = located.above(up).named(name)
+        where = located.above(up).named(name) + below
         detail = f"{len(tensors)} tensor(s) without a graph"
         if since is not None:
             old = before.get(where)
@@ -623,11 +713,41 @@ def _detached(
             growing = False
         site = next((m for m in map(made, reversed(tensors)) if m), "")
         floating = sum(1 for t in tensors if _computed(t))
+        known = (site_of(t) for t in reversed(tensors)) if site_of is not None else iter(())
+        note = _set_on_module(located, next((f for f in known if f is not None), None))
         out.append(
-            Retained("detached", where, nbytes, detail, len(tensors), site, floating=floating)
+            Retained(
+                "detached", where, nbytes, detail, len(tensors), site, floating=floating, note=note
+            )
         )
         shown.append(everything or growing)
     return out, shown
+
+
+def _set_on_module(located: Located, found: object) -> str:
+    """What to say of a tensor set as a plain attribute on a module (not a parameter, a
+    buffer or a submodule: those sit in the module's tables), ``found`` where it was made
+    (a :class:`~leakfree.diagnostics.sites.Site`, or None): by which function, and, when
+    its signature is a forward hook's (``module, args, output``), that removing the hook
+    leaves the attribute. "" for a tensor held otherwise."""
+    module = located.holder()
+    if not isinstance(module, torch.nn.Module):
+        return ""
+    kind = type(module).__name__
+    found = getattr(found, "caller", None) or found  # the user's own frame, if any
+    code = getattr(found, "code", None)
+    if code is None:
+        return f"a plain attribute of each {kind} module (not a parameter or buffer)"
+    args = code.co_varnames[: code.co_argcount]
+    if args and args[0] == "self":
+        args = args[1:]
+    function = getattr(found, "function", code.co_name)
+    if len(args) in (3, 4):  # (module, args, output), or (module, args, kwargs, output)
+        return (
+            f"set on each {kind} module by the forward hook {function}: removing the hook "
+            "leaves the attribute, delete it then"
+        )
+    return f"set on each {kind} module by {function} (not a parameter or buffer)"
 
 
 def _computed(tensor: torch.Tensor) -> bool:

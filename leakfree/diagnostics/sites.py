@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from typing import Any, cast
 
@@ -110,6 +110,8 @@ class Site:
     function: str
     #: the user's own line below a library's (``from train.py:40 in step``), if any
     caller: Site | None = None
+    #: the code that made it (a code object holds no frame, nothing of a run's values)
+    code: CodeType | None = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         here = f"{_short(self.filename)}:{self.line} in {self.function}"
@@ -122,7 +124,7 @@ def site_of(raw: Raw | None) -> Site | None:
         return None
     code, line, caller = raw
     outer = None if caller is None else Site(caller[0].co_filename, caller[1], _name(caller[0]))
-    return Site(code.co_filename, line, _name(code), outer)
+    return Site(code.co_filename, line, _name(code), outer, code)
 
 
 def _name(code: CodeType) -> str:
