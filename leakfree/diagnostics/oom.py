@@ -176,6 +176,7 @@ def _holders(tracker: MemoryTracker, error: BaseException) -> list[dict[str, Any
             "bytes": r.nbytes,
             "count": r.count,
             "created_at": r.site,
+            "note": r.note,
         }
         for r in items[:TOP]
         if r.nbytes > 0

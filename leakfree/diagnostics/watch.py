@@ -325,6 +325,7 @@ def _finding_dict(finding: Finding) -> dict[str, Any]:
                 "bytes": h.nbytes,
                 "count": h.count,
                 "created_at": h.site,
+                "note": h.note,
             }
             for h in finding.holders
         ],
