@@ -78,6 +78,7 @@ from leakfree.diagnostics.cycles import find_cycles
 from leakfree.diagnostics.findings import Finding, Reporter, Tracked
 from leakfree.diagnostics.growth import Growth, fit_growth
 from leakfree.diagnostics.microbatch import HEAP_SLACK, PerMicrobatch
+from leakfree.diagnostics.plateau import History, Plateau, settled
 from leakfree.diagnostics.retention import (
     Retained,
     RetentionReport,
@@ -92,6 +93,13 @@ __all__ = ["CONTEXTS", "DEFAULT_FLOOR", "Detector", "Finding", "Rule", "whole"]
 
 #: steps of exact (or allocator) values a suspicion is confirmed over
 CONFIRM = 4
+#: what a finding of growth across steps says of itself while the run goes on
+PROVISIONAL = "provisional: judged again over the whole run when it ends"
+#: what growth that stopped is, said at the run's end
+FILLED = (
+    "a store that filled (a bounded buffer or cache, optimizer state made as parameters "
+    "first train), not a leak"
+)
 
 
 class Detector:
@@ -140,6 +148,15 @@ class Detector:
         self._next_search = 0  #: the step from which growth may be suspected again
         self._backoff = 1
         self._probed = False
+        #: the judged series (the heap's count, else the exact or allocator bytes) of the
+        #: whole run, and the exact values apart: the verdict at the end reads them
+        self.history = History()
+        self._exact = History()
+        self._noisy = False  #: the history is the heap's count
+        self.plateau: Plateau | None = None  #: growth that stopped, judged at the end
+        #: what the end of the run said of findings made during it (withdrawn, or why not)
+        self.revisions: list[str] = []
+        self._finished = False
 
     @property
     def owner(self) -> str:
@@ -219,7 +236,10 @@ class Detector:
         primary = signal if signal is not None else live
         if primary is not None:
             self.judged_steps += 1
+            self.history.add(self.steps, primary)
+            self._noisy = signal is not None
         if live is not None:
+            self._exact.add(self.steps, live)
             self._values.append(live)
             self._at.append(self.steps)
             del self._values[: -self.rule.window], self._at[: -self.rule.window]
@@ -321,7 +341,8 @@ class Detector:
             chains,
             heap.bytes_per_step,
             f"{self.owner}: host memory grows by {heap} on the heap over {self.unit} "
-            f"{self._suspected_at - len(self._signal) + 1}-{self.steps}, and no tensor "
+            f"{self._suspected_at - len(self._signal) + 1}-{self.steps} ({PROVISIONAL}), "
+            "and no tensor "
             "storage does: autograd graphs grow step after step, each chained to the last "
             "(a running total of losses with their graphs, ``total += loss``): keep "
             "``loss.detach()`` or ``loss.item()`` instead. Held by:",
@@ -336,12 +357,71 @@ class Detector:
         suspicion, or four in the window), else the verdict rests on the steps judged
         before it."""
         self._micro.finish(frame, self.steps)
-        if self._confirm is None:
-            return
-        if len(self._confirm) >= 2 or len(self._values) >= 4:
+        if self._confirm is not None and (len(self._confirm) >= 2 or len(self._values) >= 4):
             if not self._confirm:  # no step since the suspicion: what grew is unknown
                 self._base = None
             self._conclude(frame)
+        self._revise()
+
+    def _revise(self) -> None:
+        """The run's verdict over all its steps (once): growth found during it that stopped
+        (a store that filled) is withdrawn, with why; growth to the end stands, with why."""
+        if self._finished:
+            return
+        self._finished = True
+        noise = max(self.rule.floor, HEAP_SLACK) if self._noisy else self.rule.floor
+        history = self.history
+        plateau = settled(history.at, history.values, self.rule, noise)
+        if plateau is not None:
+            # The exact values since the fill ended must not grow either: the heap's count
+            # can hide a slow leak of tensors in its noise.
+            exact = self._exact
+            since = [i for i, step in enumerate(exact.at) if step >= plateau.last]
+            at, values = [exact.at[i] for i in since], [exact.values[i] for i in since]
+            limit = max(self.rule.tolerance, self.rule.floor)
+            if len(since) >= 3 and fit_growth(values, at).exceeds(limit):
+                plateau = None
+        grown = [f for f in self.findings if f.kind == "growth"]
+        self.plateau = plateau
+        if plateau is None:
+            for f in grown:
+                self.revisions.append(
+                    f"the growth reported at step {f.step} stands at the run's end: "
+                    f"{self._still(f)}"
+                )
+            return
+        for f in grown:
+            self.findings.remove(f)
+            self.revisions.append(
+                f"revised at the run's end, not a leak: the growth reported at step {f.step} "
+                f"({format_bytes(f.bytes_per)}/step) stopped: {self.series} {plateau}: "
+                f"{FILLED}"
+            )
+
+    @property
+    def series(self) -> str:
+        """What the run's history counts, for a report."""
+        return "the C heap's count" if self._noisy else f"memory on {self.tracker.judged}"
+
+    def _still(self, finding: Finding) -> str:
+        """Why growth that did not stop by the run's end looks like a leak, or a ramp."""
+        at, values = self.history.at, self.history.values
+        after = [i for i, step in enumerate(at) if step >= finding.step - self.rule.window]
+        if len(after) < 4:
+            return "too few steps after it to tell whether it stops"
+        growth = fit_growth([values[i] for i in after], [at[i] for i in after])
+        first, second = growth.halves
+        span = f"{self.unit} {at[after[0]]}-{at[-1]}"
+        if growth.exceeds(self.rule.tolerance) and second >= 0.5 * first:
+            return (
+                f"it grew at a steady {growth} over {span}, to the last step, with no flat "
+                "stretch: a leak (a store that fills stops; this one did not in the run)"
+            )
+        return (
+            f"it slowed over {span} ({format_bytes(first)}/step, then "
+            f"{format_bytes(second)}/step) but was not flat for long enough to be a store "
+            "that filled: a ramp, or a leak; a longer run tells"
+        )
 
     # -- verdicts --------------------------------------------------------------------
 
@@ -379,7 +459,8 @@ class Detector:
         lead = (
             f"{self.owner}: memory grows by {growth} on {self.tracker.judged} over "
             f"{self.unit} {first}-{self.steps} ({span} steps after a {self.rule.warmup}-step "
-            f"warm-up{sampled}; {format_bytes(growth.first)} -> {format_bytes(growth.last)})"
+            f"warm-up{sampled}; {format_bytes(growth.first)} -> {format_bytes(growth.last)}; "
+            f"{PROVISIONAL})"
         )
         per, step = growth.bytes_per_step, self.steps
         if items:

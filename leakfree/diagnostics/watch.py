@@ -34,7 +34,7 @@ import torch
 import leakfree._args as _args
 from leakfree._text import format_bytes
 from leakfree.diagnostics.boundaries import on_backward
-from leakfree.diagnostics.detector import Finding, Rule, whole
+from leakfree.diagnostics.detector import FILLED, Finding, Rule, whole
 from leakfree.diagnostics.memory import MemoryTracker, weak_method
 from leakfree.diagnostics.roots import judged_device, named_roots
 from leakfree.errors import MemoryGrowthWarning
@@ -102,6 +102,9 @@ class Watch:
         self._handles: list[Any] = []
         self._findings: list[Finding] = []
         self._thread = 0
+        #: what the run's end said of growth: withdrawn findings and why, growth that
+        #: stopped (``grew by ... then flat``), growth that stands and why
+        self.revisions: list[str] = []
         #: the verdict when the watch last stopped: (verdict, judged steps, needed, why not)
         self._verdict: tuple[str, int, int, str] = ("not judged", 0, rule.window, "")
 
@@ -146,7 +149,17 @@ class Watch:
                 tracker.detector.finish()  # growth being confirmed: judged on what is in
             finally:
                 self._verdict = _verdict_of(tracker.detector)
+                self._revised(tracker.detector)
                 tracker.__exit__(None, None, None)
+
+    def _revised(self, detector: Any) -> None:
+        """The end's verdict over the whole run: findings it withdrew are dropped, what it
+        said is kept for the report."""
+        kept = detector.findings
+        self._findings = [f for f in self._findings if f.kind != "growth" or f in kept]
+        self.revisions += detector.revisions
+        if detector.plateau is not None and not detector.revisions:
+            self.revisions.append(f"{detector.series} {detector.plateau}: {FILLED}")
 
     def __enter__(self) -> Watch:
         return self.start()
@@ -227,6 +240,7 @@ class Watch:
             f"watched on {self.device}"
         )
         lines = [head, *(f"leakfree: {note}" for note in self.notes)]
+        lines += [f"leakfree: {line}" for line in self.revisions]
         verdict, judged, _, why = self._state()
         if verdict == "not judged":
             lines.append(
@@ -254,6 +268,7 @@ class Watch:
             "optimizer_steps": self.optimizer_steps,
             "per_backward": self.per_backward,
             "notes": list(self.notes),
+            "revisions": list(self.revisions),
             "findings": [_finding_dict(f) for f in self._findings],
         }
 

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from leakfree.diagnostics import Growth, MemoryTracker, RetentionReport, fit_growth
-from leakfree.diagnostics.detector import Finding, Rule, whole
+from leakfree.diagnostics.detector import FILLED, Finding, Rule, whole
 from leakfree.diagnostics.memory import weak_method
 from leakfree.diagnostics.roots import judged_device, named_roots
-from leakfree.errors import LeakError, MemoryGrowthWarning, NotJudgedWarning
+from leakfree.errors import LeakError, LeakfreeWarning, MemoryGrowthWarning, NotJudgedWarning
 
 #: the metric names both callbacks log (bytes; the growth is per optimizer step)
 METRIC_LIVE = "leakfree/live_bytes"
@@ -96,6 +96,8 @@ class GrowthWatch:
         self.judged_steps = 0  #: optimizer steps judged after the warm-up, as of ``stop``
         self.needed_steps = window  #: steps after the warm-up a verdict needs
         self.message: str | None = None  #: the first warning (or error) issued, if any
+        #: what the run's end said of growth found during it (withdrawn or standing, why)
+        self.revisions: list[str] = []
         self._findings: list[Finding] = []
         self._holders: Holders = dict
         self._tracker: MemoryTracker | None = None
@@ -121,6 +123,7 @@ class GrowthWatch:
         self.steps, self.live, self.growth = 0, None, None
         self.verdict, self.judged_steps = "not judged", 0
         self.retained, self.message, self._findings = None, None, []
+        self.revisions = []
         tracker = MemoryTracker(
             devices=[self.device],
             sample_every=self.sample_every,
@@ -150,6 +153,7 @@ class GrowthWatch:
             tracker.__exit__(None, None, None)
         self.verdict = detector.verdict
         self.judged_steps, self.needed_steps = detector.judged_steps, detector.needed_steps
+        self._revised(detector)
         if self.verdict == "not judged" and self.steps and not failed:
             # Said, never raised (fail=True raises on leaks): a short run is not a clean one.
             warnings.warn(
@@ -159,6 +163,21 @@ class GrowthWatch:
                 NotJudgedWarning,
                 stacklevel=3,
             )
+
+    def _revised(self, detector: Any) -> None:
+        """The end's verdict over the whole run: growth warned of during it that stopped
+        is withdrawn, and said so (:class:`~leakfree.LeakfreeWarning`); growth that did not
+        stands, with why (:attr:`revisions`)."""
+        kept = detector.findings
+        withdrawn = [f for f in self._findings if f.kind == "growth" and f not in kept]
+        self._findings = [f for f in self._findings if f not in withdrawn]
+        self.revisions = list(detector.revisions)
+        if detector.plateau is not None and not withdrawn:
+            self.revisions.append(f"{detector.series} {detector.plateau}: {FILLED}")
+        if withdrawn:
+            self.retained = RetentionReport([h for f in self._findings for h in f.holders])
+            for line in self.revisions:
+                warnings.warn(f"{self.owner}: {line}", LeakfreeWarning, stacklevel=4)
 
     def _roots(self) -> dict[str, Any]:
         # Most specific first: a holder is named by the first root that reaches it.
