@@ -100,10 +100,16 @@ def settled(at: Sequence[int], values: Sequence[float], rule: Rule, floor: float
     limit = max(rule.tolerance, floor)
     if not fit_growth(values[: b + 1], at[: b + 1]).exceeds(limit):
         return None
+    pace = (smooth[b] - smooth[0]) / max(at[b] - at[0], 1)
+    # A rise at the growth's pace after b (a staircase's last block) still belongs to it.
+    b = max([b, *_rises(at, smooth, pace, b)])
+    if n - b < 4:
+        return None
     took = at[b] - at[0]
     pace = (smooth[b] - smooth[0]) / max(took, 1)
     flat = at[-1] - at[b]
-    pause = _longest_pause(at[: b + 1], smooth[: b + 1], pace)
+    rises = _rises(at[: b + 1], smooth[: b + 1], pace, 1)
+    pause = max((at[j] - at[i] for i, j in itertools.pairwise(rises)), default=0)
     if flat < max(rule.window, rule.flat_share * (took + 1), rule.flat_pauses * pause):
         return None
     if fit_growth(values[b:], at[b:]).bytes_per_step > rule.flat_pace * pace:
@@ -124,12 +130,11 @@ def _median3(values: Sequence[float]) -> list[float]:
     return out
 
 
-def _longest_pause(at: Sequence[int], values: Sequence[float], pace: float) -> int:
-    """The most steps between two rises (a step that added at least half the growth's
-    pace per step since the one before)."""
-    rises = [
-        at[i]
-        for i in range(1, len(values))
+def _rises(at: Sequence[int], values: Sequence[float], pace: float, start: int) -> list[int]:
+    """The indices from ``start`` on where the series rose by at least half ``pace`` per
+    step since the value before."""
+    return [
+        i
+        for i in range(max(start, 1), len(values))
         if values[i] - values[i - 1] >= 0.5 * pace * (at[i] - at[i - 1])
     ]
-    return max((b - a for a, b in itertools.pairwise(rises)), default=0)

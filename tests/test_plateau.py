@@ -1,0 +1,126 @@
+"""Growth that stops is not a leak: the plateau rule (leakfree/diagnostics/plateau.py, its
+settings in rule.py), and the verdict a watched run gets at its end over all its steps."""
+
+from __future__ import annotations
+
+import collections
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import leakfree
+from leakfree.diagnostics.plateau import MAX_POINTS, History, settled
+from leakfree.diagnostics.rule import Rule
+
+RULE = Rule.of("test", "watching")
+GREW_THEN_FLAT = re.compile(r"grew by (.+?) over steps (\d+)-(\d+), then flat for (\d+) steps")
+
+
+def series(steps: int, grow: object) -> tuple[list[int], list[float]]:
+    """Steps 4..steps (after the watching warm-up) and the bytes ``grow(step)``."""
+    at = list(range(4, steps + 1))
+    return at, [float(grow(s)) for s in at]  # type: ignore[operator]
+
+
+def test_a_store_that_filled_then_stayed_is_a_plateau_with_where_it_stopped() -> None:
+    at, values = series(40, lambda s: 1000 * min(s, 16))
+    plateau = settled(at, values, RULE, 64)
+    assert plateau is not None
+    assert (plateau.first, plateau.last, plateau.flat) == (4, 16, 24)
+    assert GREW_THEN_FLAT.fullmatch(str(plateau)), str(plateau)
+
+
+def test_a_steady_leak_never_is() -> None:
+    at, values = series(160, lambda s: 4096 * s)
+    assert settled(at, values, RULE, 64) is None
+
+
+def test_a_leak_that_grows_every_n_steps_is_not_excused_by_its_pauses() -> None:
+    # a block every 12 steps: 11 flat steps between rises, more than the window of 10
+    at, values = series(160, lambda s: 50_000 * (s // 12))
+    assert settled(at, values, RULE, 64) is None
+    # it stopped at step 96 and was flat for 64 steps since (more than 3 pauses): it filled
+    at, values = series(160, lambda s: 50_000 * (min(s, 96) // 12))
+    plateau = settled(at, values, RULE, 64)
+    assert plateau is not None and plateau.last == 96
+
+
+def test_a_short_flat_stretch_after_a_long_fill_is_not_enough() -> None:
+    # filled for 60 steps, flat for the last 14: under half of the time it grew
+    at, values = series(74, lambda s: 1000 * min(s, 60))
+    assert settled(at, values, RULE, 64) is None
+
+
+def test_a_slow_leak_after_a_large_fill_still_grows() -> None:
+    at, values = series(80, lambda s: 100_000 * min(s, 12) + 512 * s)
+    assert settled(at, values, RULE, 64) is None
+
+
+def test_noise_that_never_grew_says_nothing() -> None:
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.randint(-8000, 8000, (200,), generator=gen).tolist()
+    at, values = series(160, lambda s: 1_000_000 + noise[s])
+    assert settled(at, values, RULE, 256) is None
+
+
+def test_spikes_on_the_plateau_are_noise() -> None:
+    spikes = {30: 9000, 45: -11000, 50: 7000}
+    at, values = series(80, lambda s: 10_000 * min(s, 16) + spikes.get(s, 0) + 37 * (s % 3))
+    plateau = settled(at, values, RULE, 256)
+    assert plateau is not None and abs(plateau.last - 16) <= 1, plateau
+
+
+def test_a_history_keeps_the_whole_run_in_bounded_memory() -> None:
+    history = History()
+    for step in range(1, 5001):
+        history.add(step, step)
+    assert len(history) <= MAX_POINTS + 1
+    assert history.at[0] == 1 and history.at[-1] == 5000
+    assert history.at == sorted(history.at) and history.values == history.at
+
+
+def test_the_plateau_settings_are_checked_as_the_callers_arguments() -> None:
+    with pytest.raises(ValueError, match=r"watch\(flat_pace=2\)"):
+        Rule.of("watch", flat_pace=2)
+    with pytest.raises(TypeError, match=r"watch\(flat_share='x'\)"):
+        Rule.of("watch", flat_share="x")
+
+
+def _watched(steps: int, store: collections.deque[torch.Tensor] | list[torch.Tensor]) -> object:
+    """A small loop under leakfree.watch() that keeps 8 KiB a step in ``store``."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    said: list[str] = []
+    w = leakfree.watch(on_finding=lambda f: said.append(f.message))
+    try:
+        for _ in range(steps):
+            model(torch.randn(4, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            store.append(torch.randn(2048))  # 8 KiB, no graph
+    finally:
+        w.stop()
+    return w, said
+
+
+def test_a_watched_buffer_that_filled_is_clean_at_the_end_and_says_so() -> None:
+    w, said = _watched(48, collections.deque(maxlen=12))
+    assert any("provisional" in m for m in said), said  # warned during the run, as such
+    assert w.verdict == "clean" and w.findings == [], w.report()  # type: ignore[attr-defined]
+    grown = GREW_THEN_FLAT.search(w.report())  # type: ignore[attr-defined]
+    assert grown is not None, w.report()  # type: ignore[attr-defined]
+    assert abs(int(grown[3]) - 12) <= 2 and int(grown[4]) >= 48 - 12 - 2, grown[0]
+    assert "not a leak" in w.as_dict()["revisions"][0]  # type: ignore[attr-defined]
+
+
+def test_a_watched_list_that_grows_to_the_end_is_a_leak_and_says_why() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w, _ = _watched(48, [])
+    assert w.verdict == "leak", w.report()  # type: ignore[attr-defined]
+    [why] = w.revisions  # type: ignore[attr-defined]
+    assert "stands at the run's end" in why and "a leak" in why, why
