@@ -4,6 +4,7 @@ settings in rule.py), and the verdict a watched run gets at its end over all its
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 import re
 import warnings
 
@@ -14,15 +15,16 @@ from torch import nn
 import leakfree
 from leakfree.diagnostics.plateau import MAX_POINTS, History, settled
 from leakfree.diagnostics.rule import Rule
+from leakfree.diagnostics.watch import Watch
 
 RULE = Rule.of("test", "watching")
 GREW_THEN_FLAT = re.compile(r"grew by (.+?) over steps (\d+)-(\d+), then flat for (\d+) steps")
 
 
-def series(steps: int, grow: object) -> tuple[list[int], list[float]]:
+def series(steps: int, grow: Callable[[int], float]) -> tuple[list[int], list[float]]:
     """Steps 4..steps (after the watching warm-up) and the bytes ``grow(step)``."""
     at = list(range(4, steps + 1))
-    return at, [float(grow(s)) for s in at]  # type: ignore[operator]
+    return at, [float(grow(s)) for s in at]
 
 
 def test_a_store_that_filled_then_stayed_is_a_plateau_with_where_it_stopped() -> None:
@@ -89,7 +91,9 @@ def test_the_plateau_settings_are_checked_as_the_callers_arguments() -> None:
         Rule.of("watch", flat_share="x")
 
 
-def _watched(steps: int, store: collections.deque[torch.Tensor] | list[torch.Tensor]) -> object:
+def _watched(
+    steps: int, store: collections.deque[torch.Tensor] | list[torch.Tensor]
+) -> tuple[Watch, list[str]]:
     """A small loop under leakfree.watch() that keeps 8 KiB a step in ``store``."""
     torch.manual_seed(0)
     model = nn.Linear(16, 16)
@@ -110,17 +114,17 @@ def _watched(steps: int, store: collections.deque[torch.Tensor] | list[torch.Ten
 def test_a_watched_buffer_that_filled_is_clean_at_the_end_and_says_so() -> None:
     w, said = _watched(48, collections.deque(maxlen=12))
     assert any("provisional" in m for m in said), said  # warned during the run, as such
-    assert w.verdict == "clean" and w.findings == [], w.report()  # type: ignore[attr-defined]
-    grown = GREW_THEN_FLAT.search(w.report())  # type: ignore[attr-defined]
-    assert grown is not None, w.report()  # type: ignore[attr-defined]
+    assert w.verdict == "clean" and w.findings == [], w.report()
+    grown = GREW_THEN_FLAT.search(w.report())
+    assert grown is not None, w.report()
     assert abs(int(grown[3]) - 12) <= 2 and int(grown[4]) >= 48 - 12 - 2, grown[0]
-    assert "not a leak" in w.as_dict()["revisions"][0]  # type: ignore[attr-defined]
+    assert "not a leak" in w.as_dict()["revisions"][0]
 
 
 def test_a_watched_list_that_grows_to_the_end_is_a_leak_and_says_why() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         w, _ = _watched(48, [])
-    assert w.verdict == "leak", w.report()  # type: ignore[attr-defined]
-    [why] = w.revisions  # type: ignore[attr-defined]
+    assert w.verdict == "leak", w.report()
+    [why] = w.revisions
     assert "stands at the run's end" in why and "a leak" in why, why
