@@ -4,9 +4,9 @@ settings in rule.py), and the verdict a watched run gets at its end over all its
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
 import re
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
