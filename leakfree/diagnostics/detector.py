@@ -86,7 +86,9 @@ from leakfree.diagnostics.retention import (
     group,
     holder_key,
 )
+from leakfree.diagnostics.roots import frame_roots, module_roots
 from leakfree.diagnostics.rule import CONTEXTS, DEFAULT_FLOOR, Rule, whole
+from leakfree.diagnostics.stores import bound_of
 
 __all__ = ["CONTEXTS", "DEFAULT_FLOOR", "Detector", "Finding", "Rule", "whole"]
 
@@ -157,6 +159,12 @@ class Detector:
         #: what the end of the run said of findings made during it (withdrawn, or why not)
         self.revisions: list[str] = []
         self._finished = False
+        #: the bytes of the optimizers' state and their parameters' gradients, if the
+        #: watcher sees the optimizers (:class:`~leakfree.diagnostics.stores.ParameterState`)
+        self.parameter_state: Callable[[], int] | None = None
+        self._state = History()  #: its value at every judged step
+        self._ramp = ""  #: why growth still rising at the end looks like a store filling
+        self._bounds: dict[str, str] = {}  #: the bounds of holders found (paths, text)
 
     @property
     def owner(self) -> str:
@@ -200,6 +208,8 @@ class Detector:
         ``"not judged"`` (the run ended first, or while growth was being confirmed)."""
         if self.findings:
             return "leak"
+        if self._ramp:
+            return "not judged"
         # A suspicion the run ended too soon to confirm leaves the steps judged before it.
         judged = self.judged_steps if self._confirm is None else self._judged_before
         return "clean" if judged >= self.needed_steps else "not judged"
@@ -208,6 +218,8 @@ class Detector:
         """What kept a run from a verdict, for the report (empty once judged)."""
         if self.verdict != "not judged":
             return ""
+        if self._ramp:
+            return self._ramp
         if self._confirm is not None:
             return (
                 f"{self._judged_before} of the {self.needed_steps} {self.unit} a verdict "
@@ -238,6 +250,8 @@ class Detector:
             self.judged_steps += 1
             self.history.add(self.steps, primary)
             self._noisy = signal is not None
+            if self.parameter_state is not None:
+                self._state.add(self.steps, self.parameter_state())
         if live is not None:
             self._exact.add(self.steps, live)
             self._values.append(live)
@@ -385,6 +399,15 @@ class Detector:
         self.plateau = plateau
         if plateau is None:
             for f in grown:
+                ramp = self._bounded(f)
+                if ramp:
+                    self.findings.remove(f)
+                    self._ramp = (
+                        f"the growth reported at step {f.step} was still rising when the run "
+                        f"ended, and {ramp}: a store filling, not a leak so far (a longer run "
+                        "shows it flat)"
+                    )
+                    continue
                 self.revisions.append(
                     f"the growth reported at step {f.step} stands at the run's end: "
                     f"{self._still(f)}"
@@ -402,6 +425,46 @@ class Detector:
     def series(self) -> str:
         """What the run's history counts, for a report."""
         return "the C heap's count" if self._noisy else f"memory on {self.tracker.judged}"
+
+    def _roots(self, frame: FrameType | None) -> dict[str, Any]:
+        extra = self.reporter.roots
+        given = (extra() if callable(extra) else extra) or {}
+        return {**module_roots(), **frame_roots(frame), **given}
+
+    def _note_bounds(self, holders: list[Retained], frame: FrameType | None) -> None:
+        """The bounds of ``holders`` (a deque's maxlen...), read while the frame that may
+        hold them is alive: the run's end judges growth still rising by them."""
+        roots = self._roots(frame)
+        for h in holders:
+            bound = bound_of(h.where, roots)
+            if bound:
+                self._bounds[h.where] = bound
+
+    def _bounded(self, finding: Finding) -> str:
+        """Why ``finding``'s growth, still rising at the run's end, is a store filling to
+        its bound ("" if it is not): each of its holders has a bound (a deque's maxlen, an
+        lru_cache's maxsize), or the optimizers' state for their parameters grew by at least
+        half of what memory did over its steps."""
+        holders = finding.holders
+        if holders:
+            roots = self._roots(None)
+            bounds = [self._bounds.get(h.where) or bound_of(h.where, roots) for h in holders]
+            if all(bounds):
+                return "it is held by bounded stores: " + "; ".join(
+                    f"{h.where} ({b})" for h, b in zip(holders, bounds)
+                )
+        at, state, values = self._state.at, self._state.values, self.history.values
+        if len(at) < 2 or len(at) != len(self.history.at):
+            return ""
+        since = next((i for i, step in enumerate(at) if step >= finding.step - self.rule.window), 0)
+        made, grew = state[-1] - state[since], values[-1] - values[since]
+        if made > 0 and made >= 0.5 * grew:
+            return (
+                f"the optimizers made state for more parameters over {self.unit} "
+                f"{at[since]}-{at[-1]} (+{format_bytes(made)} with their gradients, of "
+                f"{format_bytes(grew)}): bounded by the model's parameters"
+            )
+        return ""
 
     def _still(self, finding: Finding) -> str:
         """Why growth that did not stop by the run's end looks like a leak, or a ramp."""
@@ -464,6 +527,7 @@ class Detector:
         )
         per, step = growth.bytes_per_step, self.steps
         if items:
+            self._note_bounds(items, frame)
             found("growth", items, per, f"{lead}, held by:", step=step, growth=growth)
             return
         under = per <= max(self.rule.floor, self.rule.tolerance)
@@ -479,6 +543,7 @@ class Detector:
             before = (base.items + base.all_detached) if base is not None else None
             seen = _grew(every, before)
         if seen:
+            self._note_bounds(seen, frame)
             found(
                 "growth",
                 seen,

@@ -90,19 +90,20 @@ def settled(at: Sequence[int], values: Sequence[float], rule: Rule, floor: float
     if n < rule.window + 4:
         return None
     smooth = _median3(values)  # a one-step spike neither ends nor starts a stretch
-    level = statistics.median(smooth[-max(3, min(rule.window, n // 4)) :])
-    grown = level - smooth[0]
-    if grown <= 0:
-        return None
-    b = next(i for i, v in enumerate(smooth) if v >= level - rule.flat_pace * grown)
+    b = _knot(at, smooth)  # where the growth's pace changed most: two lines fit best
     if b < 3 or n - b < 4:
         return None
     limit = max(rule.tolerance, floor)
     if not fit_growth(values[: b + 1], at[: b + 1]).exceeds(limit):
         return None
+    # The steps right after it that still rose at the growth's pace belong to it, and so
+    # does a later rise of at least ``flat_pace`` of all the growth (a staircase's last
+    # block); a smaller one is the noise of a flat stretch.
     pace = (smooth[b] - smooth[0]) / max(at[b] - at[0], 1)
-    # A rise at the growth's pace after b (a staircase's last block) still belongs to it.
-    b = max([b, *_rises(at, smooth, pace, b)])
+    while b + 1 < n and smooth[b + 1] - smooth[b] >= 0.5 * pace * (at[b + 1] - at[b]):
+        b += 1
+    step_up = rule.flat_pace * (statistics.median(smooth[-rule.window :]) - smooth[0])
+    b = max([b, *(i for i in range(b + 1, n) if smooth[i] - smooth[i - 1] >= step_up)])
     if n - b < 4:
         return None
     took = at[b] - at[0]
@@ -112,7 +113,7 @@ def settled(at: Sequence[int], values: Sequence[float], rule: Rule, floor: float
     pause = max((at[j] - at[i] for i, j in itertools.pairwise(rises)), default=0)
     if flat < max(rule.window, rule.flat_share * (took + 1), rule.flat_pauses * pause):
         return None
-    if fit_growth(values[b:], at[b:]).bytes_per_step > rule.flat_pace * pace:
+    if fit_growth(values[b:], at[b:]).bytes_per_step > max(rule.flat_pace * pace, limit):
         return None
     last = [i for i, step in enumerate(at) if step > at[-1] - rule.window]
     if len(last) >= 4 and fit_growth([values[i] for i in last], [at[i] for i in last]).exceeds(
@@ -120,6 +121,30 @@ def settled(at: Sequence[int], values: Sequence[float], rule: Rule, floor: float
     ):
         return None
     return Plateau(smooth[b] - smooth[0], at[0], at[b], flat)
+
+
+def _knot(at: Sequence[int], values: Sequence[float]) -> int:
+    """The index that best splits ``values`` into two straight lines (least squares, each
+    line its own): where a fill ends and a flat stretch starts."""
+    n = len(values)
+    xs, ys = [float(a) for a in at], [float(v) for v in values]
+    sums = [[0.0] * (n + 1) for _ in range(5)]  # prefix sums of 1, x, y, xx, xy, yy
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        for k, term in enumerate((x, y, x * x, x * y, y * y)):
+            sums[k][i + 1] = sums[k][i] + term
+
+    def sse(lo: int, hi: int) -> float:  # the residual of one line over [lo, hi)
+        m = hi - lo
+        sx, sy, sxx, sxy, syy = (s[hi] - s[lo] for s in sums)
+        vxx, vxy, vyy = sxx - sx * sx / m, sxy - sx * sy / m, syy - sy * sy / m
+        return vyy - (vxy * vxy / vxx if vxx > 0 else 0.0)
+
+    best, knot = float("inf"), 0
+    for b in range(3, n - 3):
+        error = sse(0, b + 1) + sse(b + 1, n)
+        if error < best:
+            best, knot = error, b
+    return knot
 
 
 def _median3(values: Sequence[float]) -> list[float]:

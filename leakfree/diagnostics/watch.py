@@ -37,6 +37,7 @@ from leakfree.diagnostics.boundaries import on_backward
 from leakfree.diagnostics.detector import FILLED, Finding, Rule, whole
 from leakfree.diagnostics.memory import MemoryTracker, weak_method
 from leakfree.diagnostics.roots import judged_device, named_roots
+from leakfree.diagnostics.stores import ParameterState
 from leakfree.errors import MemoryGrowthWarning
 
 __all__ = ["Watch", "watch"]
@@ -102,6 +103,7 @@ class Watch:
         self._handles: list[Any] = []
         self._findings: list[Finding] = []
         self._thread = 0
+        self._params = ParameterState()  #: the optimizers seen, weakly: their state's bytes
         #: what the run's end said of growth: withdrawn findings and why, growth that
         #: stopped (``grew by ... then flat``), growth that stands and why
         self.revisions: list[str] = []
@@ -129,6 +131,7 @@ class Watch:
         )
         self._thread = threading.get_ident()
         tracker.__enter__()
+        tracker.detector.parameter_state = self._params.bytes
         self._tracker = tracker
         from torch.optim.optimizer import register_optimizer_step_post_hook as hook
 
@@ -173,6 +176,7 @@ class Watch:
         if threading.get_ident() != self._thread:
             return
         self.optimizer_steps += 1
+        self._params.seen(optimizer)
         if self.per_backward or (self._since_step == 0 and self.backwards):
             return  # a second optimizer stepped with no backward between: the same step
         self._step()
