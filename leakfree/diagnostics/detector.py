@@ -49,6 +49,15 @@ stays are no finding.
   a running total chained through its graph (``total += loss``). Heap growth with neither
   is the program's own drift: the heap is suspected again only above twice its rate.
 
+**At the run's end** (:meth:`Detector.finish`) the whole run is judged: the judged series
+of every step (:class:`~leakfree.diagnostics.plateau.History`) by the plateau rule
+(:func:`~leakfree.diagnostics.plateau.settled`, its settings in
+:class:`~leakfree.diagnostics.rule.Rule`). Growth found during the run (each such finding
+says it is provisional) that then stopped is withdrawn, and :attr:`Detector.plateau` says
+``grew by X over steps a-b, then flat for n steps``; growth still rising at the end
+stands, with why (:attr:`Detector.revisions`), unless it is a store filling to its bound
+(:mod:`~leakfree.diagnostics.stores`): then the run is not judged, with that reason.
+
 Once, at the first step after the warm-up, with automatic collection on: tensors made
 during the run (on an allocator-read device: tensors on that device) that sit in
 reference cycles are reported as freed late. That probe is one full collection (0.1-0.2 s
@@ -60,8 +69,10 @@ backs off, found or not, and growth at the pace of a leak already reported start
 search, so a growing leak costs a few searches per run. Each holder is reported once per
 run, by its path or by the line that made what it holds.
 
-Kept, by the detector, for its run: a window of integers per series, the two searches'
-reports of a suspicion in progress (paths and byte counts, no tensors), and the findings.
+Kept, by the detector, for its run: a window of integers per series, the whole run's
+judged series (at most 512 pairs of integers each, for the series, the exact values and
+the optimizers' state), the two searches' reports of a suspicion in progress (paths and
+byte counts, no tensors), the bounds of holders found (text), and the findings.
 """
 
 from __future__ import annotations
