@@ -50,13 +50,11 @@ stays are no finding.
   is the program's own drift: the heap is suspected again only above twice its rate.
 
 **At the run's end** (:meth:`Detector.finish`) the whole run is judged: the judged series
-of every step (:class:`~leakfree.diagnostics.plateau.History`) by the plateau rule
-(:func:`~leakfree.diagnostics.plateau.settled`, its settings in
-:class:`~leakfree.diagnostics.rule.Rule`). Growth found during the run (each such finding
-says it is provisional) that then stopped is withdrawn, and :attr:`Detector.plateau` says
-``grew by X over steps a-b, then flat for n steps``; growth still rising at the end
-stands, with why (:attr:`Detector.revisions`), unless it is a store filling to its bound
-(:mod:`~leakfree.diagnostics.stores`): then the run is not judged, with that reason.
+of every step, by the plateau rule (:mod:`~leakfree.diagnostics.wholerun`, the detector's
+``whole``). Growth found during the run (each such finding says it is provisional) that then stopped
+is withdrawn: ``grew by X over steps a-b, then flat for n steps``; growth still rising at
+the end stands, with why, unless it is a store filling to its bound: then the run is not
+judged, with that reason.
 
 Once, at the first step after the warm-up, with automatic collection on: tensors made
 during the run (on an allocator-read device: tensors on that device) that sit in
@@ -89,7 +87,6 @@ from leakfree.diagnostics.cycles import find_cycles
 from leakfree.diagnostics.findings import Finding, Reporter, Tracked
 from leakfree.diagnostics.growth import Growth, fit_growth
 from leakfree.diagnostics.microbatch import HEAP_SLACK, PerMicrobatch
-from leakfree.diagnostics.plateau import History, Plateau, settled
 from leakfree.diagnostics.retention import (
     Retained,
     RetentionReport,
@@ -97,22 +94,14 @@ from leakfree.diagnostics.retention import (
     group,
     holder_key,
 )
-from leakfree.diagnostics.roots import frame_roots, module_roots
 from leakfree.diagnostics.rule import CONTEXTS, DEFAULT_FLOOR, Rule, whole
-from leakfree.diagnostics.stores import bound_of
+from leakfree.diagnostics.wholerun import PROVISIONAL, WholeRun
 
 __all__ = ["CONTEXTS", "DEFAULT_FLOOR", "Detector", "Finding", "Rule", "whole"]
 
 
 #: steps of exact (or allocator) values a suspicion is confirmed over
 CONFIRM = 4
-#: what a finding of growth across steps says of itself while the run goes on
-PROVISIONAL = "provisional: judged again over the whole run when it ends"
-#: what growth that stopped is, said at the run's end
-FILLED = (
-    "a store that filled (a bounded buffer or cache, optimizer state made as parameters "
-    "first train), not a leak"
-)
 
 
 class Detector:
@@ -161,21 +150,8 @@ class Detector:
         self._next_search = 0  #: the step from which growth may be suspected again
         self._backoff = 1
         self._probed = False
-        #: the judged series (the heap's count, else the exact or allocator bytes) of the
-        #: whole run, and the exact values apart: the verdict at the end reads them
-        self.history = History()
-        self._exact = History()
-        self._noisy = False  #: the history is the heap's count
-        self.plateau: Plateau | None = None  #: growth that stopped, judged at the end
-        #: what the end of the run said of findings made during it (withdrawn, or why not)
-        self.revisions: list[str] = []
-        self._finished = False
-        #: the bytes of the optimizers' state and their parameters' gradients, if the
-        #: watcher sees the optimizers (:class:`~leakfree.diagnostics.stores.ParameterState`)
-        self.parameter_state: Callable[[], int] | None = None
-        self._state = History()  #: its value at every judged step
-        self._ramp = ""  #: why growth still rising at the end looks like a store filling
-        self._bounds: dict[str, str] = {}  #: the bounds of holders found (paths, text)
+        #: the run judged as a whole when it ends (growth that stopped, stores filling)
+        self.whole = WholeRun(self.rule, tracker, roots, unit)
 
     @property
     def owner(self) -> str:
@@ -219,7 +195,7 @@ class Detector:
         ``"not judged"`` (the run ended first, or while growth was being confirmed)."""
         if self.findings:
             return "leak"
-        if self._ramp:
+        if self.whole.ramp:
             return "not judged"
         # A suspicion the run ended too soon to confirm leaves the steps judged before it.
         judged = self.judged_steps if self._confirm is None else self._judged_before
@@ -229,8 +205,8 @@ class Detector:
         """What kept a run from a verdict, for the report (empty once judged)."""
         if self.verdict != "not judged":
             return ""
-        if self._ramp:
-            return self._ramp
+        if self.whole.ramp:
+            return self.whole.ramp
         if self._confirm is not None:
             return (
                 f"{self._judged_before} of the {self.needed_steps} {self.unit} a verdict "
@@ -259,12 +235,9 @@ class Detector:
         primary = signal if signal is not None else live
         if primary is not None:
             self.judged_steps += 1
-            self.history.add(self.steps, primary)
-            self._noisy = signal is not None
-            if self.parameter_state is not None:
-                self._state.add(self.steps, self.parameter_state())
+            self.whole.add(self.steps, primary, noisy=signal is not None)
         if live is not None:
-            self._exact.add(self.steps, live)
+            self.whole.exact.add(self.steps, live)
             self._values.append(live)
             self._at.append(self.steps)
             del self._values[: -self.rule.window], self._at[: -self.rule.window]
@@ -386,116 +359,7 @@ class Detector:
             if not self._confirm:  # no step since the suspicion: what grew is unknown
                 self._base = None
             self._conclude(frame)
-        self._revise()
-
-    def _revise(self) -> None:
-        """The run's verdict over all its steps (once): growth found during it that stopped
-        (a store that filled) is withdrawn, with why; growth to the end stands, with why."""
-        if self._finished:
-            return
-        self._finished = True
-        noise = max(self.rule.floor, HEAP_SLACK) if self._noisy else self.rule.floor
-        history = self.history
-        plateau = settled(history.at, history.values, self.rule, noise)
-        if plateau is not None:
-            # The exact values since the fill ended must not grow either: the heap's count
-            # can hide a slow leak of tensors in its noise.
-            exact = self._exact
-            since = [i for i, step in enumerate(exact.at) if step >= plateau.last]
-            at, values = [exact.at[i] for i in since], [exact.values[i] for i in since]
-            limit = max(self.rule.tolerance, self.rule.floor)
-            if len(since) >= 3 and fit_growth(values, at).exceeds(limit):
-                plateau = None
-        grown = [f for f in self.findings if f.kind == "growth"]
-        self.plateau = plateau
-        if plateau is None:
-            for f in grown:
-                ramp = self._bounded(f)
-                if ramp:
-                    self.findings.remove(f)
-                    self._ramp = (
-                        f"the growth reported at step {f.step} was still rising when the run "
-                        f"ended, and {ramp}: a store filling, not a leak so far (a longer run "
-                        "shows it flat)"
-                    )
-                    continue
-                self.revisions.append(
-                    f"the growth reported at step {f.step} stands at the run's end: "
-                    f"{self._still(f)}"
-                )
-            return
-        for f in grown:
-            self.findings.remove(f)
-            self.revisions.append(
-                f"revised at the run's end, not a leak: the growth reported at step {f.step} "
-                f"({format_bytes(f.bytes_per)}/step) stopped: {self.series} {plateau}: "
-                f"{FILLED}"
-            )
-
-    @property
-    def series(self) -> str:
-        """What the run's history counts, for a report."""
-        return "the C heap's count" if self._noisy else f"memory on {self.tracker.judged}"
-
-    def _roots(self, frame: FrameType | None) -> dict[str, Any]:
-        extra = self.reporter.roots
-        given = (extra() if callable(extra) else extra) or {}
-        return {**module_roots(), **frame_roots(frame), **given}
-
-    def _note_bounds(self, holders: list[Retained], frame: FrameType | None) -> None:
-        """The bounds of ``holders`` (a deque's maxlen...), read while the frame that may
-        hold them is alive: the run's end judges growth still rising by them."""
-        roots = self._roots(frame)
-        for h in holders:
-            bound = bound_of(h.where, roots)
-            if bound:
-                self._bounds[h.where] = bound
-
-    def _bounded(self, finding: Finding) -> str:
-        """Why ``finding``'s growth, still rising at the run's end, is a store filling to
-        its bound ("" if it is not): each of its holders has a bound (a deque's maxlen, an
-        lru_cache's maxsize), or the optimizers' state for their parameters grew by at least
-        half of what memory did over its steps."""
-        holders = finding.holders
-        if holders:
-            roots = self._roots(None)
-            bounds = [self._bounds.get(h.where) or bound_of(h.where, roots) for h in holders]
-            if all(bounds):
-                return "it is held by bounded stores: " + "; ".join(
-                    f"{h.where} ({b})" for h, b in zip(holders, bounds)
-                )
-        at, state, values = self._state.at, self._state.values, self.history.values
-        if len(at) < 2 or len(at) != len(self.history.at):
-            return ""
-        since = next((i for i, step in enumerate(at) if step >= finding.step - self.rule.window), 0)
-        made, grew = state[-1] - state[since], values[-1] - values[since]
-        if made > 0 and made >= 0.5 * grew:
-            return (
-                f"the optimizers made state for more parameters over {self.unit} "
-                f"{at[since]}-{at[-1]} (+{format_bytes(made)} with their gradients, of "
-                f"{format_bytes(grew)}): bounded by the model's parameters"
-            )
-        return ""
-
-    def _still(self, finding: Finding) -> str:
-        """Why growth that did not stop by the run's end looks like a leak, or a ramp."""
-        at, values = self.history.at, self.history.values
-        after = [i for i, step in enumerate(at) if step >= finding.step - self.rule.window]
-        if len(after) < 4:
-            return "too few steps after it to tell whether it stops"
-        growth = fit_growth([values[i] for i in after], [at[i] for i in after])
-        first, second = growth.halves
-        span = f"{self.unit} {at[after[0]]}-{at[-1]}"
-        if growth.exceeds(self.rule.tolerance) and second >= 0.5 * first:
-            return (
-                f"it grew at a steady {growth} over {span}, to the last step, with no flat "
-                "stretch: a leak (a store that fills stops; this one did not in the run)"
-            )
-        return (
-            f"it slowed over {span} ({format_bytes(first)}/step, then "
-            f"{format_bytes(second)}/step) but was not flat for long enough to be a store "
-            "that filled: a ramp, or a leak; a longer run tells"
-        )
+        self.whole.judge(self.findings)
 
     # -- verdicts --------------------------------------------------------------------
 
@@ -538,7 +402,7 @@ class Detector:
         )
         per, step = growth.bytes_per_step, self.steps
         if items:
-            self._note_bounds(items, frame)
+            self.whole.note_bounds(items, frame)
             found("growth", items, per, f"{lead}, held by:", step=step, growth=growth)
             return
         under = per <= max(self.rule.floor, self.rule.tolerance)
@@ -554,7 +418,7 @@ class Detector:
             before = (base.items + base.all_detached) if base is not None else None
             seen = _grew(every, before)
         if seen:
-            self._note_bounds(seen, frame)
+            self.whole.note_bounds(seen, frame)
             found(
                 "growth",
                 seen,

@@ -34,7 +34,7 @@ import torch
 import leakfree._args as _args
 from leakfree._text import format_bytes
 from leakfree.diagnostics.boundaries import on_backward
-from leakfree.diagnostics.detector import FILLED, Finding, Rule, whole
+from leakfree.diagnostics.detector import Finding, Rule, whole
 from leakfree.diagnostics.memory import MemoryTracker, weak_method
 from leakfree.diagnostics.roots import judged_device, named_roots
 from leakfree.diagnostics.stores import ParameterState
@@ -131,7 +131,7 @@ class Watch:
         )
         self._thread = threading.get_ident()
         tracker.__enter__()
-        tracker.detector.parameter_state = self._params.bytes
+        tracker.detector.whole.parameter_state = self._params.bytes
         self._tracker = tracker
         from torch.optim.optimizer import register_optimizer_step_post_hook as hook
 
@@ -160,9 +160,7 @@ class Watch:
         said is kept for the report."""
         kept = detector.findings
         self._findings = [f for f in self._findings if f.kind != "growth" or f in kept]
-        self.revisions += detector.revisions
-        if detector.plateau is not None and not detector.revisions:
-            self.revisions.append(f"{detector.series} {detector.plateau}: {FILLED}")
+        self.revisions += detector.whole.said
 
     def __enter__(self) -> Watch:
         return self.start()

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from leakfree.diagnostics import Growth, MemoryTracker, RetentionReport, fit_growth
-from leakfree.diagnostics.detector import FILLED, Finding, Rule, whole
+from leakfree.diagnostics.detector import Finding, Rule, whole
 from leakfree.diagnostics.memory import weak_method
 from leakfree.diagnostics.roots import judged_device, named_roots
 from leakfree.errors import LeakError, LeakfreeWarning, MemoryGrowthWarning, NotJudgedWarning
@@ -171,9 +171,7 @@ class GrowthWatch:
         kept = detector.findings
         withdrawn = [f for f in self._findings if f.kind == "growth" and f not in kept]
         self._findings = [f for f in self._findings if f not in withdrawn]
-        self.revisions = list(detector.revisions)
-        if detector.plateau is not None and not withdrawn:
-            self.revisions.append(f"{detector.series} {detector.plateau}: {FILLED}")
+        self.revisions = detector.whole.said
         if withdrawn:
             self.retained = RetentionReport([h for f in self._findings for h in f.holders])
             for line in self.revisions:
