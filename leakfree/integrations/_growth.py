@@ -11,8 +11,10 @@ code/line pairs), never the storage; ``torch.autograd.backward`` is wrapped whil
 of steps (at most ``window`` integers each for the heap and the storages), the two
 searches of a suspicion in progress (paths and byte counts), the last
 :class:`~leakfree.diagnostics.Growth`, the findings (names and byte counts, no tensors)
-and the verdict. Of the objects handed to ``step`` as holders only the last callable is
-kept, until ``stop``; they are walked only when something is found.
+and the verdict; the whole run's series (:mod:`~leakfree.diagnostics.wholerun`) and the
+optimizers stepped while it runs, weakly, through torch's optimizer step hook (removed at
+``stop``). Of the objects handed to ``step`` as holders only the last callable is kept,
+until ``stop``; they are walked only when something is found.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from leakfree.diagnostics import Growth, MemoryTracker, RetentionReport, fit_gro
 from leakfree.diagnostics.detector import Finding, Rule, whole
 from leakfree.diagnostics.memory import weak_method
 from leakfree.diagnostics.roots import judged_device, named_roots
+from leakfree.diagnostics.stores import ParameterState
 from leakfree.errors import LeakError, LeakfreeWarning, MemoryGrowthWarning, NotJudgedWarning
 
 #: the metric names both callbacks log (bytes; the growth is per optimizer step)
@@ -101,6 +104,7 @@ class GrowthWatch:
         self._findings: list[Finding] = []
         self._holders: Holders = dict
         self._tracker: MemoryTracker | None = None
+        self._hook: Any = None  #: the optimizer step hook that sees the optimizers
 
     @property
     def active(self) -> bool:
@@ -136,6 +140,13 @@ class GrowthWatch:
         )
         tracker.__enter__()
         self._tracker = tracker
+        # The optimizers' state, made lazily (layers unfrozen one by one), is told apart
+        # from a leak at the run's end: the optimizers are seen at their steps, weakly.
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        params = ParameterState()
+        tracker.detector.whole.parameter_state = params.bytes
+        self._hook = register_optimizer_step_post_hook(lambda opt, *_: params.seen(opt))
 
     def stop(self, *, failed: bool = False) -> None:
         """End the run (idempotent): tracking stops; the numbers stay readable. A run too
@@ -145,6 +156,9 @@ class GrowthWatch:
         if tracker is None:
             self._holders = dict
             return
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
         detector = tracker.detector
         try:
             detector.finish()  # growth being confirmed: judged on what is in
