@@ -194,11 +194,12 @@ class WholeRun:
         span = f"{self.unit} {at[after[0]]}-{at[-1]}"
         if growth.exceeds(self.rule.tolerance) and second >= 0.5 * first:
             return (
-                f"it grew at a steady {growth} over {span}, to the last step, with no flat "
-                "stretch: a leak (a store that fills stops; this one did not in the run)"
+                f"{self.series} grew at a steady {growth} over {span}, to the last step, "
+                "with no flat stretch: a leak (a store that fills stops; this one did not "
+                "in the run)"
             )
         return (
-            f"it slowed over {span} ({format_bytes(first)}/step, then "
+            f"{self.series} slowed over {span} ({format_bytes(first)}/step, then "
             f"{format_bytes(second)}/step) but was not flat for long enough to be a store "
             "that filled: a ramp, or a leak; a longer run tells"
         )
