@@ -16,6 +16,7 @@ import leakfree
 from leakfree.diagnostics.plateau import MAX_POINTS, History, settled
 from leakfree.diagnostics.rule import Rule
 from leakfree.diagnostics.watch import Watch
+from leakfree.testing import LeakError, assert_no_leak
 
 RULE = Rule.of("test", "watching")
 GREW_THEN_FLAT = re.compile(r"grew by (.+?) over steps (\d+)-(\d+), then flat for (\d+) steps")
@@ -176,3 +177,13 @@ def test_a_short_run_whose_optimizer_makes_state_lazily_is_not_judged() -> None:
         w.stop()
     assert w.verdict == "not judged" and w.findings == [], w.report()
     assert "optimizers made state" in w.as_dict()["not_judged_because"], w.report()
+
+
+def test_a_check_that_stops_at_its_first_finding_does_not_call_it_provisional() -> None:
+    """assert_no_leak raises at its first finding: nothing revises it, so it does not say
+    it is provisional (a watch's finding does)."""
+    kept: list[torch.Tensor] = []
+    with pytest.raises(LeakError) as caught:
+        assert_no_leak(lambda: kept.append(torch.randn(64, 64)), steps=8)
+    assert "memory grows by" in str(caught.value)
+    assert "provisional:" not in str(caught.value)

@@ -152,6 +152,9 @@ class Detector:
         self._probed = False
         #: the run judged as a whole when it ends (growth that stopped, stores filling)
         self.whole = WholeRun(self.rule, tracker, roots, unit)
+        #: findings across steps say they are provisional (judged again at the run's end);
+        #: a check that stops at its first finding (``assert_no_leak``) sets it False
+        self.provisional = True
 
     @property
     def owner(self) -> str:
@@ -316,6 +319,11 @@ class Detector:
         self._next_search = self.steps + self._backoff
         self._backoff *= 2
 
+    def _provisional(self, before: str, after: str) -> str:
+        """What a finding across steps says of itself: provisional where the run is judged
+        again as a whole when it ends (not in a check that stops at its first finding)."""
+        return f"{before}{PROVISIONAL}{after}" if self.provisional else ""
+
     def _chained(self, heap: Growth, frame: FrameType | None, base: RetentionReport | None) -> None:
         """The heap grew and no tensor storage did: is it autograd nodes, a graph chained
         to the next step's (``total_loss += loss`` after ``loss.backward()``)? Then its
@@ -339,9 +347,9 @@ class Detector:
             chains,
             heap.bytes_per_step,
             f"{self.owner}: host memory grows by {heap} on the heap over {self.unit} "
-            f"{self._suspected_at - len(self._signal) + 1}-{self.steps} ({PROVISIONAL}), "
-            "and no tensor "
-            "storage does: autograd graphs grow step after step, each chained to the last "
+            f"{self._suspected_at - len(self._signal) + 1}-{self.steps}"
+            f"{self._provisional(' (', ')')}, and no tensor storage does: autograd graphs "
+            "grow step after step, each chained to the last "
             "(a running total of losses with their graphs, ``total += loss``): keep "
             "``loss.detach()`` or ``loss.item()`` instead. Held by:",
             step=self.steps,
@@ -397,8 +405,8 @@ class Detector:
         lead = (
             f"{self.owner}: memory grows by {growth} on {self.tracker.judged} over "
             f"{self.unit} {first}-{self.steps} ({span} steps after a {self.rule.warmup}-step "
-            f"warm-up{sampled}; {format_bytes(growth.first)} -> {format_bytes(growth.last)}; "
-            f"{PROVISIONAL})"
+            f"warm-up{sampled}; {format_bytes(growth.first)} -> {format_bytes(growth.last)}"
+            f"{self._provisional('; ', '')})"
         )
         per, step = growth.bytes_per_step, self.steps
         if items:
