@@ -161,9 +161,10 @@ def test_watch_defaults_are_quiet_on_a_scalar_per_microbatch_or_the_steps_inputs
 def test_a_leak_is_searched_a_few_times_per_run_not_every_step(
     quiet_warnings: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Outputs kept per microbatch and never let go grow across steps: one finding, and
-    the holder searches (each walks every graph kept so far) back off instead of running
-    after every backward of every step; so does the cost."""
+    """Outputs kept per microbatch and never let go grow across steps: one finding (in
+    step 1, what each microbatch keeps), and the holder searches (each walks every graph
+    kept so far) back off instead of running after every backward of every step; so does
+    the cost."""
     from leakfree.diagnostics.findings import Reporter
 
     searches = []
@@ -192,7 +193,10 @@ def test_a_leak_is_searched_a_few_times_per_run_not_every_step(
             opt.zero_grad()
     finally:
         w.stop()
-    assert [f.kind for f in w.findings] == ["growth"], w.report()
+    # Found in step 1, kept per microbatch with its graph past the step's end; not
+    # reported again when it grows across steps.
+    assert [f.kind for f in w.findings] == ["microbatch"], w.report()
+    assert "kept[*]" in w.findings[0].message and w.findings[0].step == 1, w.report()
     # 48 steps x 4 backward passes: 192 boundaries. The searches come in episodes spaced
     # twice as far apart each time: the second half of the run has one.
     later = [s for s in searches if s >= 24]
@@ -384,3 +388,32 @@ def test_a_high_floor_for_detached_growth_does_not_hide_graphs_kept_per_microbat
     quiet = Rule(graph_floor=1 << 30)
     findings = watch(lambda: verl_update(model, opt, micro=4, detach=False), steps=3, rule=quiet)
     assert all(f.kind != "microbatch" for f in findings)
+
+
+def test_outputs_kept_with_their_graph_per_microbatch_are_a_leak_in_a_two_step_run(
+    quiet_warnings: None,
+) -> None:
+    """What each microbatch keeps is judged whether or not it outlives the step: logits
+    kept with their graph from every microbatch, never let go, are a leak after two steps
+    (no across-step verdict could be made in so few)."""
+    torch.manual_seed(0)
+    model = LM()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    epoch_logits: list[torch.Tensor] = []
+    w = leakfree.watch()
+    try:
+        for _ in range(2):
+            for _ in range(MICRO):
+                ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+                logits = model(ids)
+                logits.logsumexp(-1).mean().backward()
+                epoch_logits.append(logits)  # with its graph, read at the epoch's end
+            opt.step()
+            opt.zero_grad()
+    finally:
+        w.stop()
+    assert w.verdict == "leak", w.report()
+    [found] = w.findings
+    assert found.kind == "microbatch" and found.step == 1, w.report()
+    assert [h.where for h in found.holders] == ["epoch_logits[*]"], w.report()
+    assert "still held after the step ended" in found.message

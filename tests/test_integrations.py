@@ -195,3 +195,31 @@ def test_sampled_tracking_finds_the_exact_growth_within_a_few_steps() -> None:
     assert "model.kept[*]" in str(record[0].message)
     with pytest.raises(ValueError, match=r"LeakfreeCallback\(sample_every=0\)"):
         watch(sample_every=0)
+
+
+def test_growth_that_stopped_is_withdrawn_at_train_end_and_said_so() -> None:
+    """A replay buffer of the last 8 tensors fills for 8 steps, then stays: warned of as
+    provisional while it fills, withdrawn when training ends (the verdict is taken over
+    the whole run), with a LeakfreeWarning that says how it grew and stopped."""
+    import collections
+
+    from leakfree.errors import LeakfreeWarning
+
+    w = watch()
+    model = torch.nn.Linear(16, 16)
+    buffer: collections.deque[torch.Tensor] = collections.deque(maxlen=8)
+    w.start()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for _ in range(32):
+                model(torch.randn(4, 16)).sum().backward()
+                buffer.append(torch.randn(256))  # 1 KiB, no graph
+                w.step(lambda: {"model": model, "buffer": buffer})
+        finally:
+            w.stop()
+    growth = [c for c in caught if issubclass(c.category, MemoryGrowthWarning)]
+    assert growth and "provisional" in str(growth[0].message)
+    assert w.verdict == "clean" and w.findings == [], w.revisions
+    revised = [str(c.message) for c in caught if c.category is LeakfreeWarning]
+    assert revised and "then flat for" in revised[0] and "not a leak" in revised[0], revised

@@ -49,6 +49,13 @@ stays are no finding.
   a running total chained through its graph (``total += loss``). Heap growth with neither
   is the program's own drift: the heap is suspected again only above twice its rate.
 
+**At the run's end** (:meth:`Detector.finish`) the whole run is judged: the judged series
+of every step, by the plateau rule (:mod:`~leakfree.diagnostics.wholerun`, the detector's
+``whole``). Growth found during the run (each such finding says it is provisional) that then stopped
+is withdrawn: ``grew by X over steps a-b, then flat for n steps``; growth still rising at
+the end stands, with why, unless it is a store filling to its bound: then the run is not
+judged, with that reason.
+
 Once, at the first step after the warm-up, with automatic collection on: tensors made
 during the run (on an allocator-read device: tensors on that device) that sit in
 reference cycles are reported as freed late. That probe is one full collection (0.1-0.2 s
@@ -60,8 +67,10 @@ backs off, found or not, and growth at the pace of a leak already reported start
 search, so a growing leak costs a few searches per run. Each holder is reported once per
 run, by its path or by the line that made what it holds.
 
-Kept, by the detector, for its run: a window of integers per series, the two searches'
-reports of a suspicion in progress (paths and byte counts, no tensors), and the findings.
+Kept, by the detector, for its run: a window of integers per series, the whole run's
+judged series (at most 512 pairs of integers each, for the series, the exact values and
+the optimizers' state), the two searches' reports of a suspicion in progress (paths and
+byte counts, no tensors), the bounds of holders found (text), and the findings.
 """
 
 from __future__ import annotations
@@ -86,6 +95,7 @@ from leakfree.diagnostics.retention import (
     holder_key,
 )
 from leakfree.diagnostics.rule import CONTEXTS, DEFAULT_FLOOR, Rule, whole
+from leakfree.diagnostics.wholerun import PROVISIONAL, WholeRun
 
 __all__ = ["CONTEXTS", "DEFAULT_FLOOR", "Detector", "Finding", "Rule", "whole"]
 
@@ -140,6 +150,11 @@ class Detector:
         self._next_search = 0  #: the step from which growth may be suspected again
         self._backoff = 1
         self._probed = False
+        #: the run judged as a whole when it ends (growth that stopped, stores filling)
+        self.whole = WholeRun(self.rule, tracker, roots, unit)
+        #: findings across steps say they are provisional (judged again at the run's end);
+        #: a check that stops at its first finding (``assert_no_leak``) sets it False
+        self.provisional = True
 
     @property
     def owner(self) -> str:
@@ -183,6 +198,8 @@ class Detector:
         ``"not judged"`` (the run ended first, or while growth was being confirmed)."""
         if self.findings:
             return "leak"
+        if self.whole.ramp:
+            return "not judged"
         # A suspicion the run ended too soon to confirm leaves the steps judged before it.
         judged = self.judged_steps if self._confirm is None else self._judged_before
         return "clean" if judged >= self.needed_steps else "not judged"
@@ -191,6 +208,8 @@ class Detector:
         """What kept a run from a verdict, for the report (empty once judged)."""
         if self.verdict != "not judged":
             return ""
+        if self.whole.ramp:
+            return self.whole.ramp
         if self._confirm is not None:
             return (
                 f"{self._judged_before} of the {self.needed_steps} {self.unit} a verdict "
@@ -219,7 +238,9 @@ class Detector:
         primary = signal if signal is not None else live
         if primary is not None:
             self.judged_steps += 1
+            self.whole.add(self.steps, primary, noisy=signal is not None)
         if live is not None:
+            self.whole.exact.add(self.steps, live)
             self._values.append(live)
             self._at.append(self.steps)
             del self._values[: -self.rule.window], self._at[: -self.rule.window]
@@ -298,6 +319,11 @@ class Detector:
         self._next_search = self.steps + self._backoff
         self._backoff *= 2
 
+    def _provisional(self, before: str, after: str) -> str:
+        """What a finding across steps says of itself: provisional where the run is judged
+        again as a whole when it ends (not in a check that stops at its first finding)."""
+        return f"{before}{PROVISIONAL}{after}" if self.provisional else ""
+
     def _chained(self, heap: Growth, frame: FrameType | None, base: RetentionReport | None) -> None:
         """The heap grew and no tensor storage did: is it autograd nodes, a graph chained
         to the next step's (``total_loss += loss`` after ``loss.backward()``)? Then its
@@ -321,8 +347,9 @@ class Detector:
             chains,
             heap.bytes_per_step,
             f"{self.owner}: host memory grows by {heap} on the heap over {self.unit} "
-            f"{self._suspected_at - len(self._signal) + 1}-{self.steps}, and no tensor "
-            "storage does: autograd graphs grow step after step, each chained to the last "
+            f"{self._suspected_at - len(self._signal) + 1}-{self.steps}"
+            f"{self._provisional(' (', ')')}, and no tensor storage does: autograd graphs "
+            "grow step after step, each chained to the last "
             "(a running total of losses with their graphs, ``total += loss``): keep "
             "``loss.detach()`` or ``loss.item()`` instead. Held by:",
             step=self.steps,
@@ -336,12 +363,11 @@ class Detector:
         suspicion, or four in the window), else the verdict rests on the steps judged
         before it."""
         self._micro.finish(frame, self.steps)
-        if self._confirm is None:
-            return
-        if len(self._confirm) >= 2 or len(self._values) >= 4:
+        if self._confirm is not None and (len(self._confirm) >= 2 or len(self._values) >= 4):
             if not self._confirm:  # no step since the suspicion: what grew is unknown
                 self._base = None
             self._conclude(frame)
+        self.whole.judge(self.findings)
 
     # -- verdicts --------------------------------------------------------------------
 
@@ -379,10 +405,12 @@ class Detector:
         lead = (
             f"{self.owner}: memory grows by {growth} on {self.tracker.judged} over "
             f"{self.unit} {first}-{self.steps} ({span} steps after a {self.rule.warmup}-step "
-            f"warm-up{sampled}; {format_bytes(growth.first)} -> {format_bytes(growth.last)})"
+            f"warm-up{sampled}; {format_bytes(growth.first)} -> {format_bytes(growth.last)}"
+            f"{self._provisional('; ', '')})"
         )
         per, step = growth.bytes_per_step, self.steps
         if items:
+            self.whole.note_bounds(items, frame)
             found("growth", items, per, f"{lead}, held by:", step=step, growth=growth)
             return
         under = per <= max(self.rule.floor, self.rule.tolerance)
@@ -398,6 +426,7 @@ class Detector:
             before = (base.items + base.all_detached) if base is not None else None
             seen = _grew(every, before)
         if seen:
+            self.whole.note_bounds(seen, frame)
             found(
                 "growth",
                 seen,

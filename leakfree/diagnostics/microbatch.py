@@ -40,6 +40,8 @@ class Reporting(Protocol):
         self, kind: str, holders: list[Retained], per: float, lead: str, *, step: int
     ) -> None: ...
 
+    def once(self, key: tuple[str, str]) -> bool: ...
+
 
 #: bytes per step the C heap may drift in a clean loop (Python objects, caches): a heap
 #: signal below it is not suspected (a leak's tensors and graph nodes are far above it)
@@ -164,17 +166,29 @@ class PerMicrobatch:
         """The run ended: holders pending since the last step are looked at once more."""
         self._fell_back(frame, steps, last=True)
 
-    def _micro_found(self, holders: list[Retained], per: float, passes: int, step: int) -> None:
+    def _micro_found(
+        self, holders: list[Retained], per: float, passes: int, step: int, past: bool = False
+    ) -> None:
         self._reported_per = max(self._reported_per, per)
         hints = [hint for part, hint in _MICRO_HINTS if any(part in h.where for h in holders)]
+        what = (
+            "memory builds up within the step (tensors kept for every microbatch until the "
+            "step ends), so a step with more microbatches runs out of memory although "
+            "nothing grows from step to step. "
+        )
+        if past:
+            what = (
+                "each microbatch's output is kept with its autograd graph, and still held "
+                "after the step ended: memory builds up per microbatch and from step to "
+                "step (keep ``.detach()`` or ``.item()`` of what is read later). "
+            )
         self._reporter.found(
             "microbatch",
             holders,
             per,
             f"{self._reporter.owner}: +{format_bytes(per)} kept per backward pass over the "
-            f"{passes} backward passes of step {step}: memory builds up within the step "
-            "(tensors kept for every microbatch until the step ends), so a step with more "
-            "microbatches runs out of memory although nothing grows from step to step. "
+            f"{passes} backward passes of step {step}: "
+            + what
             + "".join(f"{hint} " for hint in hints)
             + "Held by:",
             step=step,
@@ -202,11 +216,16 @@ class PerMicrobatch:
             else:
                 waiting.append(held)
         self._pending = (waiting, base, per, passes, step) if waiting and not last else None
+        kept = [h for h in waiting if h.kind == "graph"] if last else []
         if waiting and last:  # kept past the step: growth, judged across steps; search less
             self._next = steps + 1 + self._backoff
             self._backoff *= 2
         if fallen:
             self._micro_found(fallen, per, passes, step)
+        if kept:  # a graph per microbatch, still held after the step: a leak at any length
+            self._micro_found(kept, per, passes, step, past=True)
+            for held in kept:  # reported: its growth across steps is not reported again
+                self._reporter.once(("growth", holder_key(held)[1]))
 
     def _per_microbatch(
         self, report: RetentionReport, base: RetentionReport | None, passes: int

@@ -43,6 +43,19 @@ class Rule:
     #: bytes a microbatch's kept graph must hold, per backward, to count (beside a
     #: fraction of what the microbatch allocates, the larger)
     graph_floor: float = DEFAULT_FLOOR
+    # -- growth that stops (judged once, over the whole run, when it ends) -----------------
+    #: growth reported during a run is withdrawn at its end when it stopped: the series
+    #: reached its final level at some step b, and has been flat since for at least
+    #: ``window`` steps, this share of the steps the growth took, and :attr:`flat_pauses`
+    #: times the longest pause between two rises of the growth
+    flat_share: float = 0.5
+    #: a leak that grows every N steps is flat for N - 1 steps between rises: a stretch this
+    #: many times the longest pause seen while it grew is needed (3: a stretch of 3N)
+    flat_pauses: float = 3.0
+    #: "flat" is rising at under this share of the growth's own pace over the stretch (a
+    #: cache's last stragglers), and not at all (beyond noise and ``floor``) over its last
+    #: ``window`` steps; the final level is taken within this share of all the growth
+    flat_pace: float = 0.125
 
     def __post_init__(self) -> None:
         self.check("Rule")
@@ -80,7 +93,10 @@ def _check_fields(owner: str, fields: Mapping[str, Any]) -> None:
     for name, value in fields.items():
         if name in least:
             whole(owner, name, value, least[name])
-        elif name in ("tolerance", "floor", "graph_floor"):
+        elif name in ("tolerance", "floor", "graph_floor", "flat_share", "flat_pauses"):
             _args.number(owner, name, value)
+        elif name == "flat_pace":
+            if _args.number(owner, name, value) > 1:
+                raise _args.refuse(owner, name, value, "a share between 0 and 1")
         else:
             raise _args.refuse(owner, name, value, "a field of Rule (warmup, window, ...)")

@@ -41,6 +41,7 @@ from leakfree.diagnostics.memory import MemoryTracker, weak_method
 from leakfree.diagnostics.oom import OutOfMemoryReport, is_out_of_memory
 from leakfree.diagnostics.oom import report as oom_report
 from leakfree.diagnostics.roots import judged_device, named_roots
+from leakfree.diagnostics.stores import ParameterState
 from leakfree.errors import MemoryGrowthWarning
 
 __all__ = ["Watch", "watch"]
@@ -106,6 +107,10 @@ class Watch:
         self._handles: list[Any] = []
         self._findings: list[Finding] = []
         self._thread = 0
+        self._params = ParameterState()  #: the optimizers seen, weakly: their state's bytes
+        #: what the run's end said of growth: withdrawn findings and why, growth that
+        #: stopped (``grew by ... then flat``), growth that stands and why
+        self.revisions: list[str] = []
         #: the verdict when the watch last stopped: (verdict, judged steps, needed, why not)
         self._verdict: tuple[str, int, int, str] = ("not judged", 0, rule.window, "")
         #: per device, the allocator's verdict when the watch stopped (cache or leak)
@@ -134,6 +139,7 @@ class Watch:
         )
         self._thread = threading.get_ident()
         tracker.__enter__()
+        tracker.detector.whole.parameter_state = self._params.bytes
         self._tracker = tracker
         from torch.optim.optimizer import register_optimizer_step_post_hook as hook
 
@@ -155,7 +161,15 @@ class Watch:
             finally:
                 self._verdict = _verdict_of(tracker.detector)
                 self.allocator = tracker.allocator_verdicts()
+                self._revised(tracker.detector)
                 tracker.__exit__(None, None, None)
+
+    def _revised(self, detector: Any) -> None:
+        """The end's verdict over the whole run: findings it withdrew are dropped, what it
+        said is kept for the report."""
+        kept = detector.findings
+        self._findings = [f for f in self._findings if f.kind != "growth" or f in kept]
+        self.revisions += detector.whole.said
 
     def out_of_memory(self, error: BaseException) -> OutOfMemoryReport | None:
         """The report so far at ``error``, an out-of-memory error raised while watching
@@ -189,6 +203,7 @@ class Watch:
         if threading.get_ident() != self._thread:
             return
         self.optimizer_steps += 1
+        self._params.seen(optimizer)
         if self.per_backward or (self._since_step == 0 and self.backwards):
             return  # a second optimizer stepped with no backward between: the same step
         self._step()
@@ -256,6 +271,7 @@ class Watch:
             f"watched on {self.device}"
         )
         lines = [head, *(f"leakfree: {note}" for note in self.notes)]
+        lines += [f"leakfree: {line}" for line in self.revisions]
         verdict, judged, _, why = self._state()
         if verdict == "not judged":
             lines.append(
@@ -286,6 +302,7 @@ class Watch:
             "optimizer_steps": self.optimizer_steps,
             "per_backward": self.per_backward,
             "notes": list(self.notes),
+            "revisions": list(self.revisions),
             "findings": [_finding_dict(f) for f in self._findings],
             "allocator": {
                 device: {

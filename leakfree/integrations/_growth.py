@@ -11,8 +11,10 @@ code/line pairs), never the storage; ``torch.autograd.backward`` is wrapped whil
 of steps (at most ``window`` integers each for the heap and the storages), the two
 searches of a suspicion in progress (paths and byte counts), the last
 :class:`~leakfree.diagnostics.Growth`, the findings (names and byte counts, no tensors)
-and the verdict. Of the objects handed to ``step`` as holders only the last callable is
-kept, until ``stop``; they are walked only when something is found.
+and the verdict; the whole run's series (:mod:`~leakfree.diagnostics.wholerun`) and the
+optimizers stepped while it runs, weakly, through torch's optimizer step hook (removed at
+``stop``). Of the objects handed to ``step`` as holders only the last callable is kept,
+until ``stop``; they are walked only when something is found.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from leakfree.diagnostics import Growth, MemoryTracker, RetentionReport, fit_gro
 from leakfree.diagnostics.detector import Finding, Rule, whole
 from leakfree.diagnostics.memory import weak_method
 from leakfree.diagnostics.roots import judged_device, named_roots
-from leakfree.errors import LeakError, MemoryGrowthWarning, NotJudgedWarning
+from leakfree.diagnostics.stores import ParameterState
+from leakfree.errors import LeakError, LeakfreeWarning, MemoryGrowthWarning, NotJudgedWarning
 
 #: the metric names both callbacks log (bytes; the growth is per optimizer step)
 METRIC_LIVE = "leakfree/live_bytes"
@@ -96,9 +99,12 @@ class GrowthWatch:
         self.judged_steps = 0  #: optimizer steps judged after the warm-up, as of ``stop``
         self.needed_steps = window  #: steps after the warm-up a verdict needs
         self.message: str | None = None  #: the first warning (or error) issued, if any
+        #: what the run's end said of growth found during it (withdrawn or standing, why)
+        self.revisions: list[str] = []
         self._findings: list[Finding] = []
         self._holders: Holders = dict
         self._tracker: MemoryTracker | None = None
+        self._hook: Any = None  #: the optimizer step hook that sees the optimizers
 
     @property
     def active(self) -> bool:
@@ -121,6 +127,7 @@ class GrowthWatch:
         self.steps, self.live, self.growth = 0, None, None
         self.verdict, self.judged_steps = "not judged", 0
         self.retained, self.message, self._findings = None, None, []
+        self.revisions = []
         tracker = MemoryTracker(
             devices=[self.device],
             sample_every=self.sample_every,
@@ -133,6 +140,13 @@ class GrowthWatch:
         )
         tracker.__enter__()
         self._tracker = tracker
+        # The optimizers' state, made lazily (layers unfrozen one by one), is told apart
+        # from a leak at the run's end: the optimizers are seen at their steps, weakly.
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        params = ParameterState()
+        tracker.detector.whole.parameter_state = params.bytes
+        self._hook = register_optimizer_step_post_hook(lambda opt, *_: params.seen(opt))
 
     def stop(self, *, failed: bool = False) -> None:
         """End the run (idempotent): tracking stops; the numbers stay readable. A run too
@@ -142,6 +156,9 @@ class GrowthWatch:
         if tracker is None:
             self._holders = dict
             return
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
         detector = tracker.detector
         try:
             detector.finish()  # growth being confirmed: judged on what is in
@@ -150,6 +167,7 @@ class GrowthWatch:
             tracker.__exit__(None, None, None)
         self.verdict = detector.verdict
         self.judged_steps, self.needed_steps = detector.judged_steps, detector.needed_steps
+        self._revised(detector)
         if self.verdict == "not judged" and self.steps and not failed:
             # Said, never raised (fail=True raises on leaks): a short run is not a clean one.
             warnings.warn(
@@ -159,6 +177,19 @@ class GrowthWatch:
                 NotJudgedWarning,
                 stacklevel=3,
             )
+
+    def _revised(self, detector: Any) -> None:
+        """The end's verdict over the whole run: growth warned of during it that stopped
+        is withdrawn, and said so (:class:`~leakfree.LeakfreeWarning`); growth that did not
+        stands, with why (:attr:`revisions`)."""
+        kept = detector.findings
+        withdrawn = [f for f in self._findings if f.kind == "growth" and f not in kept]
+        self._findings = [f for f in self._findings if f not in withdrawn]
+        self.revisions = detector.whole.said
+        if withdrawn:
+            self.retained = RetentionReport([h for f in self._findings for h in f.holders])
+            for line in self.revisions:
+                warnings.warn(f"{self.owner}: {line}", LeakfreeWarning, stacklevel=4)
 
     def _roots(self) -> dict[str, Any]:
         # Most specific first: a holder is named by the first root that reaches it.
