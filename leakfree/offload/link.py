@@ -148,10 +148,15 @@ def _beside(
             break
         side *= 2
     count = 1 if one <= 0 else min(256, max(1, math.ceil(_COMPUTE_SPAN * alone / one)))
-    for _ in range(count):  # queued first: the copies, issued next, run beside them
+    go = module.Event()
+    _product(a)
+    go.record(compute)
+    for _ in range(count - 1):
         _product(a)
     seconds = []
-    for stream, copy in copies:  # one after the other: the host waits for each
+    previous = go  # each copy starts once compute runs, and after the copy before it
+    for stream, copy in copies:
+        stream.wait_event(previous)
         begin = module.Event(enable_timing=True)
         end = module.Event(enable_timing=True)
         with module.stream(stream):
@@ -160,5 +165,6 @@ def _beside(
             end.record(stream)
         end.synchronize()
         seconds.append(float(begin.elapsed_time(end)) / 1e3)
+        previous = end
     compute.synchronize()
     return seconds
