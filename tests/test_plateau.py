@@ -98,7 +98,7 @@ def test_a_history_keeps_the_whole_run_in_bounded_memory() -> None:
         history.add(step, step)
     assert len(history) <= MAX_POINTS + 1
     assert history.at[0] == 1 and history.at[-1] == 5000
-    assert history.at == sorted(history.at) and history.values == history.at
+    assert list(history.at) == sorted(history.at) and history.values == history.at
 
 
 def test_the_plateau_settings_are_checked_as_the_callers_arguments() -> None:

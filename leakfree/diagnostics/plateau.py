@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,11 +62,12 @@ class Plateau:
 
 class History:
     """One value per step, for the whole run: every step while short, then one in 2, 4...
-    (the latest always kept)."""
+    (the latest always kept). Kept as machine integers (``array('q')``), not Python ones:
+    a bounded history costs a bounded 8 KiB, not an object per step."""
 
     def __init__(self) -> None:
-        self.at: list[int] = []  #: the step of each value
-        self.values: list[int] = []
+        self.at = array("q")  #: the step of each value
+        self.values = array("q")
         self._stride = 1
 
     def add(self, step: int, value: int) -> None:
