@@ -399,15 +399,7 @@ class Detector:
                 if i.kind == "graph" and i.nodes - _nodes(old.get(holder_key(i))) >= steps
             ]
         items = graphs + pinned + (detached if graphs or pinned else [])
-        first = self._at[-growth.steps] if len(self._at) >= growth.steps else 1
-        span = self.steps - first + 1
-        sampled = f", {growth.steps} of them tracked" if span > growth.steps else ""
-        lead = (
-            f"{self.owner}: memory grows by {growth} on {self.tracker.judged} over "
-            f"{self.unit} {first}-{self.steps} ({span} steps after a {self.rule.warmup}-step "
-            f"warm-up{sampled}; {format_bytes(growth.first)} -> {format_bytes(growth.last)}"
-            f"{self._provisional('; ', '')})"
-        )
+        lead = self._lead(growth)
         per, step = growth.bytes_per_step, self.steps
         if items:
             self.whole.note_bounds(items, frame)
@@ -455,6 +447,18 @@ class Detector:
             f"after the warm-up, by the line that made it:{made or ' unknown'}",
             step=step,
             growth=growth,
+        )
+
+    def _lead(self, growth: Growth) -> str:
+        """A growth finding's first words: how much, where, over which steps."""
+        first = self._at[-growth.steps] if len(self._at) >= growth.steps else 1
+        span = self.steps - first + 1
+        sampled = f", {growth.steps} of them tracked" if span > growth.steps else ""
+        return (
+            f"{self.owner}: memory grows by {growth} on {self.tracker.judged} over "
+            f"{self.unit} {first}-{self.steps} ({span} steps after a {self.rule.warmup}-step "
+            f"warm-up{sampled}; {format_bytes(growth.first)} -> {format_bytes(growth.last)}"
+            f"{self._provisional('; ', '')})"
         )
 
     def _cycles(self, growth: Growth | None = None) -> bool:

@@ -192,9 +192,9 @@ class Watch:
     def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
         # An out-of-memory error leaves the block with the report so far on stderr; it is
         # re-raised unchanged (this returns None).
-        if error is not None and self.out_of_memory(error) is not None:
-            assert self.oom is not None
-            print(self.oom.text, file=sys.stderr, flush=True)
+        oom = self.out_of_memory(error) if error is not None else None
+        if oom is not None:
+            print(oom.text, file=sys.stderr, flush=True)
         self.stop()
 
     # -- boundaries --------------------------------------------------------------------

@@ -126,23 +126,10 @@ class Releases:
         name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
         if name is None:
             return out
-        # which arguments are the ctx, or a ctx attribute?
-        passed: list[tuple[int | str, str | None]] = []
         # ctx.a handed on is followed only into a plain-named helper of this project
         # (``_drop(ctx.buffers)``), not into ``torch.matmul(g, ctx.w)`` or ``x.mul(ctx.s)``
         attrs_too = isinstance(f, ast.Name) and not self.names.get(f.id, "").startswith("torch")
-        for i, arg in enumerate(n.args):
-            if isinstance(arg, ast.Name) and arg.id in ctx:
-                passed.append((i, None))
-            elif attrs_too and (attr := attr_of(arg, ctx)) is not None:
-                passed.append((i, attr))
-        for k in n.keywords:
-            if k.arg is None:
-                continue
-            if isinstance(k.value, ast.Name) and k.value.id in ctx:
-                passed.append((k.arg, None))
-            elif attrs_too and (attr := attr_of(k.value, ctx)) is not None:
-                passed.append((k.arg, attr))
+        passed = _passed(n, ctx, attrs_too)
         if not passed:
             return out
         for _src, helper in self.project.helpers(name):
@@ -283,3 +270,22 @@ def _keyed(key: ast.AST) -> Part:
     if isinstance(key, ast.Constant) and isinstance(key.value, (str, int)):
         return ("key", str(key.value))
     return ("item", None)
+
+
+def _passed(n: ast.Call, ctx: set[str], attrs_too: bool) -> list[tuple[int | str, str | None]]:
+    """Which arguments of ``n`` are the ctx (``(position or keyword, None)``) or, with
+    ``attrs_too``, a ctx attribute (``(position or keyword, attribute)``)."""
+    passed: list[tuple[int | str, str | None]] = []
+    for i, arg in enumerate(n.args):
+        if isinstance(arg, ast.Name) and arg.id in ctx:
+            passed.append((i, None))
+        elif attrs_too and (attr := attr_of(arg, ctx)) is not None:
+            passed.append((i, attr))
+    for k in n.keywords:
+        if k.arg is None:
+            continue
+        if isinstance(k.value, ast.Name) and k.value.id in ctx:
+            passed.append((k.arg, None))
+        elif attrs_too and (attr := attr_of(k.value, ctx)) is not None:
+            passed.append((k.arg, attr))
+    return passed
