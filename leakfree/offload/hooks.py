@@ -18,7 +18,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast, overload
 
 import torch
 from torch import nn
@@ -108,6 +108,38 @@ def _pack_hook(manager_ref: weakref.ref[OffloadActivations]) -> Callable[[torch.
 
 #: ``packed.unpack()``: a C-level call, no Python frame per saved tensor
 _unpack_hook: Callable[[Any], torch.Tensor] = operator.methodcaller("unpack")
+
+
+T = TypeVar("T")
+
+
+class _Setting(Generic[T]):
+    """A setting of :class:`OffloadActivations` that decides what stays on the device: read
+    from its planner's :class:`~leakfree.offload.options.Options`, set through the
+    manager's ``_set`` (checked with the others, refused before anything changes; the
+    next forward then plans, or is measured, again)."""
+
+    def __init__(self, read: Callable[[Options], T], doc: str) -> None:
+        self._read = read
+        self.__doc__ = doc
+        self._name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, manager: None, owner: type) -> _Setting[T]: ...
+
+    @overload
+    def __get__(self, manager: OffloadActivations, owner: type) -> T: ...
+
+    def __get__(self, manager: OffloadActivations | None, owner: type) -> T | _Setting[T]:
+        if manager is None:
+            return self
+        return self._read(manager._planner.options)
+
+    def __set__(self, manager: OffloadActivations, value: object) -> None:
+        manager._set(self._name, value)
 
 
 class OffloadActivations(saved_tensors_hooks):
@@ -294,56 +326,31 @@ class OffloadActivations(saved_tensors_hooks):
         """Copies smaller than this share a host block and a transfer (see the class)."""
         return self._planner.options.batch_bytes
 
-    @property
-    def max_fwd_stash_size(self) -> int:
-        """Copies out in flight that may hold their device tensors (the automatic
-        budget's window; settable, as ``keep_small``)."""
-        return self._planner.options.stash
-
-    @max_fwd_stash_size.setter
-    def max_fwd_stash_size(self, value: int | None) -> None:
-        self._set("max_fwd_stash_size", value)
-
-    @property
-    def device_budget(self) -> int | str:
-        """Bytes of saved activations to keep on the device, or ``"auto"`` (settable: the
-        next forward then plans again, as a first forward does)."""
-        budget = self._planner.options.device_budget
-        return AUTO if budget is None else budget
-
-    @device_budget.setter
-    def device_budget(self, value: int | str | None) -> None:
-        self._set("device_budget", value)
-
-    @property
-    def max_overhead(self) -> float | None:
-        """The step time offloading may add, a fraction of the step's compute (settable:
-        the next step is measured and planned again)."""
-        return self._planner.options.max_overhead
-
-    @max_overhead.setter
-    def max_overhead(self, value: float | None) -> None:
-        self._set("max_overhead", value)
-
-    @property
-    def device_limit(self) -> int | None:
-        """Bytes the step may hold on the device (settable: the next step is measured and
-        planned again)."""
-        return self._planner.options.device_limit
-
-    @device_limit.setter
-    def device_limit(self, value: int | None) -> None:
-        self._set("device_limit", value)
-
-    @property
-    def keep_small(self) -> bool:
-        """Whether the plan keeps the smallest saved storages on the device (settable:
-        the next forward then plans again, as a first forward does)."""
-        return self._planner.options.keeps_small
-
-    @keep_small.setter
-    def keep_small(self, value: bool | None) -> None:
-        self._set("keep_small", value)
+    max_fwd_stash_size: _Setting[int] = _Setting(
+        lambda o: o.stash,
+        "Copies out in flight that may hold their device tensors (the automatic budget's "
+        "window; settable, as ``keep_small``).",
+    )
+    device_budget: _Setting[int | str] = _Setting(
+        lambda o: AUTO if o.device_budget is None else o.device_budget,
+        'Bytes of saved activations to keep on the device, or ``"auto"`` (settable: the '
+        "next forward then plans again, as a first forward does).",
+    )
+    max_overhead: _Setting[float | None] = _Setting(
+        lambda o: o.max_overhead,
+        "The step time offloading may add, a fraction of the step's compute (settable: the "
+        "next step is measured and planned again).",
+    )
+    device_limit: _Setting[int | None] = _Setting(
+        lambda o: o.device_limit,
+        "Bytes the step may hold on the device (settable: the next step is measured and "
+        "planned again).",
+    )
+    keep_small: _Setting[bool] = _Setting(
+        lambda o: o.keeps_small,
+        "Whether the plan keeps the smallest saved storages on the device (settable: the "
+        "next forward then plans again, as a first forward does).",
+    )
 
     def _set(self, option: str, value: object) -> None:
         """Set ``option`` (checked with the others, refused before anything changes); a
