@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import operator
 import threading
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, cast, overload
@@ -27,12 +26,13 @@ from torch.autograd.graph import saved_tensors_hooks
 import leakfree._args as _args
 from leakfree._device import accelerator, device_index, device_module
 from leakfree.offload.backward import Backward, graph_task
+from leakfree.offload.capture import Capture
 from leakfree.offload.handles import _Forward, _HostCopy, _Kept, _Offloaded, _span
 from leakfree.offload.keeping import Keeper
 from leakfree.offload.measurer import Measurer
 from leakfree.offload.options import AUTO, Mode, Options
 from leakfree.offload.plan import OffloadPlan, Planner
-from leakfree.offload.pool import HostBlockPool, HostBudget, OffloadWarning
+from leakfree.offload.pool import HostBlockPool, HostBudget
 from leakfree.offload.stats import OffloadStats
 from leakfree.offload.transfers import Transfers
 
@@ -275,11 +275,7 @@ class OffloadActivations(saved_tensors_hooks):
             self._transfers, self._planner, self._measurer, self._lock, prefetch_bytes
         )
         self._forward = _Forward()  # what this forward saved, for dedup and the plan
-        #: whether the current stream captures a graph (accelerators that can); warned once
-        self._capturing: Callable[[], bool] | None = getattr(
-            self._transfers.module, "is_current_stream_capturing", None
-        )
-        self._warned_capture = False
+        self._capture = Capture(self._transfers.module)  # graph capture, where it can be
         #: the managers of the other devices of this one's type, by index, made as a
         #: tensor is first saved there: each measures, plans and limits its own device
         self._lanes: dict[int, OffloadActivations] = {}
@@ -430,8 +426,9 @@ class OffloadActivations(saved_tensors_hooks):
             return _Kept(t)  # stays where it is, as plain PyTorch would keep it
         if self._index is not None and t.device.index != self._index:
             return self._lane(t.device)._pack(t)  # another device: its own manager's
-        if self._capturing is not None and self._capturing():
-            return self._captured(t)
+        if self._capture.active():
+            self._capture.keeps()
+            return _Kept(t)
         base = t._base  # (isinstance against Parameter runs Python: only for views of
         # something other than a plain tensor, which no Parameter is)
         if base is not None and type(base) is not torch.Tensor and isinstance(base, nn.Parameter):
@@ -486,22 +483,6 @@ class OffloadActivations(saved_tensors_hooks):
                 )
             offset = first - copy.byte_start // elem
             return _Offloaded(self._backward.ref, copy, t, offset, same)
-
-    def _captured(self, t: torch.Tensor) -> _Kept:
-        """A tensor saved while the current stream captures a graph (a capture begun
-        inside the ``with``): it stays on the device, as plain PyTorch keeps it. Copies,
-        their events and pinned host memory cannot be captured, and a captured copy
-        would replay into memory the graph does not own. Warned once per manager."""
-        if not self._warned_capture:
-            self._warned_capture = True
-            warnings.warn(
-                "OffloadActivations: tensors saved while a graph is captured stay on the "
-                "device (copies to the host cannot be captured); enter the context outside "
-                "the captured region to offload around it",
-                OffloadWarning,
-                stacklevel=4,
-            )
-        return _Kept(t)
 
     def _new_copy(
         self,
@@ -578,14 +559,7 @@ class OffloadActivations(saved_tensors_hooks):
             return self._forward
 
     def __enter__(self) -> OffloadActivations:  # type: ignore[override]
-        if self._capturing is not None and self._capturing():
-            raise RuntimeError(
-                "OffloadActivations: entered while the current stream captures a graph "
-                "(torch.cuda.graph, or torch.compile's CUDA graphs); copies to the host, "
-                "their events and pinned memory cannot be captured. Enter it outside the "
-                "captured region, or leave the region's activations on the device "
-                "(leakfree.NoOffload)"
-            )
+        self._capture.refuse_entry()
         with self._lock:
             if self._depth == 0:  # nested entries of the same instance share the forward
                 self._begin_forward()
