@@ -33,7 +33,7 @@ import torch
 
 from leakfree._text import format_bytes
 from leakfree.diagnostics.growth import fit_growth
-from leakfree.diagnostics.retention import group
+from leakfree.diagnostics.retention import Retained, group
 
 if TYPE_CHECKING:
     from leakfree.diagnostics.memory import MemoryTracker
@@ -103,9 +103,7 @@ def report(tracker: MemoryTracker, error: BaseException, *, owner: str) -> OutOf
     text.extend("  found: " + f.replace("\n", "\n  ") for f in findings)
     if holders:
         text.append("  who holds the most now:")
-        for h in holders:
-            made = f"  created at {h['created_at']}" if h["created_at"] else ""
-            text.append(f"    {h['where']}  {h['kind']}, {format_bytes(h['bytes'])}{made}")
+        text.extend(f"    {h}" for h in holders)
     else:
         text.append("  who holds the most now: no holder reachable from the frames or globals")
     if lines:
@@ -115,7 +113,14 @@ def report(tracker: MemoryTracker, error: BaseException, *, owner: str) -> OutOf
             for line in lines
         )
     return OutOfMemoryReport(
-        steps, first_line, device, grew, findings, holders, lines, "\n".join(text)
+        steps,
+        first_line,
+        device,
+        grew,
+        findings,
+        [h.as_dict() for h in holders],
+        lines,
+        "\n".join(text),
     )
 
 
@@ -165,22 +170,11 @@ def _frame(error: BaseException) -> types.FrameType | None:
     return frames[-1]
 
 
-def _holders(tracker: MemoryTracker, error: BaseException) -> list[dict[str, Any]]:
+def _holders(tracker: MemoryTracker, error: BaseException) -> list[Retained]:
     found = tracker.detector.reporter.search(_frame(error), everything=True)
     # one line per holder: a list's graphs as ``losses[*]``, not one line per item
     items = sorted(group([*found.items, *found.detached]), key=lambda r: -r.nbytes)
-    return [
-        {
-            "where": r.where,
-            "kind": r.kind,
-            "bytes": r.nbytes,
-            "count": r.count,
-            "created_at": r.site,
-            "note": r.note,
-        }
-        for r in items[:TOP]
-        if r.nbytes > 0
-    ]
+    return [r for r in items[:TOP] if r.nbytes > 0]
 
 
 def _lines(tracker: MemoryTracker, device: torch.device) -> list[dict[str, Any]]:

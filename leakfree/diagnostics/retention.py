@@ -119,6 +119,17 @@ class Retained:
         note = f", {self.note}" if self.note else ""
         return f"{self.where}  {self.kind}, {format_bytes(self.nbytes)}{note}{made}"
 
+    def as_dict(self) -> dict[str, Any]:
+        """The holder as plain data (a report's ``--json``)."""
+        return {
+            "where": self.where,
+            "kind": self.kind,
+            "bytes": self.nbytes,
+            "count": self.count,
+            "created_at": self.site,
+            "note": self.note,
+        }
+
 
 @dataclass
 class RetentionReport:

@@ -24,6 +24,7 @@ byte counts, no tensors) stay.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import warnings
@@ -304,17 +305,7 @@ class Watch:
             "notes": list(self.notes),
             "revisions": list(self.revisions),
             "findings": [_finding_dict(f) for f in self._findings],
-            "allocator": {
-                device: {
-                    "kind": v.kind,
-                    "steps": v.steps,
-                    "allocated": v.allocated,
-                    "cached": v.cached,
-                    "split": v.split,
-                    "message": v.message,
-                }
-                for device, v in self.allocator.items()
-            },
+            "allocator": {device: dataclasses.asdict(v) for device, v in self.allocator.items()},
             "out_of_memory": self.oom.as_dict() if self.oom is not None else None,
         }
 
@@ -335,17 +326,7 @@ def _finding_dict(finding: Finding) -> dict[str, Any]:
         "bytes_per": finding.bytes_per,
         "bytes_per_text": format_bytes(finding.bytes_per),
         "message": finding.message,
-        "holders": [
-            {
-                "where": h.where,
-                "kind": h.kind,
-                "bytes": h.nbytes,
-                "count": h.count,
-                "created_at": h.site,
-                "note": h.note,
-            }
-            for h in finding.holders
-        ],
+        "holders": [h.as_dict() for h in finding.holders],
         "cycle": finding.cycles.path if finding.cycles is not None else None,
     }
 

@@ -154,17 +154,8 @@ def _beside(
     for _ in range(count - 1):
         _product(a)
     seconds = []
-    previous = go  # each copy starts once compute runs, and after the copy before it
-    for stream, copy in copies:
-        stream.wait_event(previous)
-        begin = module.Event(enable_timing=True)
-        end = module.Event(enable_timing=True)
-        with module.stream(stream):
-            begin.record(stream)
-            copy()
-            end.record(stream)
-        end.synchronize()
-        seconds.append(float(begin.elapsed_time(end)) / 1e3)
-        previous = end
+    for stream, copy in copies:  # each once compute runs; the host waits for each
+        stream.wait_event(go)
+        seconds.append(_timed(module, stream, copy))
     compute.synchronize()
     return seconds
