@@ -46,6 +46,7 @@ from leakfree.scan._tensors import (
     TensorEvidence,
     torch_makes_tensor,
 )
+from leakfree.scan.rules._ctx_stores import helpers
 
 #: methods only a tensor has, beside :data:`TENSOR_USES`: casts of an arithmetic result
 _CASTS = words("long int bool float double half bfloat16 byte short to cuda cpu")
@@ -194,7 +195,7 @@ class BackwardUses:
                 if isinstance(reason, str) and local not in grads:
                     out.setdefault(key, f"backward reads it into {local}: {reason}")
         if depth < _DEPTH:
-            for helper, param in self._helpers(fn, ctx):
+            for helper, param in helpers(fn, ctx, self.project, self.source):
                 for key, why in self.of(helper, param, depth + 1).items():
                     out.setdefault(key, f"{why} (in {helper.name}, which backward hands ctx)")
         return out
@@ -303,21 +304,6 @@ class BackwardUses:
             if not tensor_annotation(p.annotation):
                 return False
         return True
-
-    def _helpers(self, fn: FunctionNode, ctx: set[str]) -> Iterator[tuple[FunctionNode, str]]:
-        """(helper, its parameter) for each call handing ctx to a plain-named function:
-        the one of this file, else every one of that name in the scanned tree."""
-        for n in own_nodes(fn):
-            if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)):
-                continue
-            at = [i for i, a in enumerate(n.args) if isinstance(a, ast.Name) and a.id in ctx]
-            if not at:
-                continue
-            local = self.project.defs(self.source).get(n.func.id, [])
-            for helper in local or [h for _, h in self.project.helpers(n.func.id)]:
-                params = parameters(helper)
-                if at[0] < len(params) and helper is not fn:
-                    yield helper, params[at[0]].arg
 
 
 def _reads(flow: Flow, ctx: set[str]) -> dict[str, tuple[str, int | None]]:
